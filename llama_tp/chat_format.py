@@ -1,0 +1,78 @@
+"""Turning a dialog into the prompt token ids a chat model was trained on."""
+
+from typing import Literal, TypedDict
+
+Role = Literal["system", "user", "assistant"]
+
+
+class Message(TypedDict):
+    role: Role
+    content: str
+
+
+Dialog = list[Message]
+
+B_INST, E_INST = "[INST]", "[/INST]"
+B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
+SPECIAL_TAGS = (B_INST, E_INST, "<<SYS>>", "<</SYS>>")
+UNSAFE_ERROR = "Error: special tags are not allowed as part of the prompt."
+
+
+def check_dialog(dialog: Dialog, roles: tuple[str, ...] = ("system", "user", "assistant")) -> None:
+    """Raise ValueError naming the first message that breaks the dialog's shape."""
+    if not isinstance(dialog, list) or not dialog:
+        raise ValueError(f"a dialog must be a non-empty list of messages, found {dialog!r}")
+    for index, message in enumerate(dialog):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise ValueError(
+                f"message {index} must be {{'role': ..., 'content': ...}}, found {message!r}"
+            )
+        if message["role"] not in roles:
+            raise ValueError(
+                f"message {index} has role {message['role']!r}; roles are {', '.join(roles)}"
+            )
+        if not isinstance(message["content"], str):
+            raise ValueError(f"message {index} content must be a string, found {message['content']!r}")
+
+
+class Llama2ChatFormat:
+    """Meta's Llama 2 chat prompt: [INST] turns, the system prompt folded into the first one."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stop_tokens = tokenizer.stop_tokens
+
+    @staticmethod
+    def is_unsafe(dialog: Dialog) -> bool:
+        """The reference refuses dialogs that smuggle in its control tags."""
+        return any(tag in message["content"] for tag in SPECIAL_TAGS for message in dialog)
+
+    def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
+        check_dialog(dialog)
+        if dialog[0]["role"] == "system":
+            if len(dialog) < 2:
+                raise ValueError("message 0 is a system message with no user message after it")
+            first = {"role": dialog[1]["role"], "content": B_SYS + dialog[0]["content"] + E_SYS + dialog[1]["content"]}
+            turns, offset = [first] + dialog[2:], 1
+        else:
+            turns, offset = list(dialog), 0
+        for index, message in enumerate(turns):
+            expected = "user" if index % 2 == 0 else "assistant"
+            if message["role"] != expected:
+                raise ValueError(
+                    f"message {index + offset} has role {message['role']!r} where {expected!r} was "
+                    "expected: after an optional system message, turns alternate user, assistant, ..."
+                )
+        if turns[-1]["role"] != "user":
+            raise ValueError(f"message {len(dialog) - 1} is from the assistant; a dialog must end with a user message")
+        tokens: list[int] = []
+        for prompt, answer in zip(turns[::2], turns[1::2]):
+            text = f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} "
+            tokens += self.tokenizer.encode(text, bos=True, eos=True)
+        tokens += self.tokenizer.encode(f"{B_INST} {turns[-1]['content'].strip()} {E_INST}", bos=True, eos=False)
+        return tokens
+
+
+def chat_format_for(tokenizer) -> Llama2ChatFormat:
+    """The chat format a tokenizer's models were trained with."""
+    return Llama2ChatFormat(tokenizer)

@@ -1,0 +1,186 @@
+"""The Llama transformer, with each rank holding its slice of every weight matrix.
+
+The math is Meta's reference; parallel layers come from `parallel`, and the model never talks
+to other processes itself.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .parallel import EmbeddingLayout, column_parallel_linear, parallel_embedding, row_parallel_linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # normalise in fp32 whatever the weights' dtype, as the reference does
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_frequencies(args: ModelArgs) -> torch.Tensor:
+    """The rotation speed of each pair of channels in a head, [head_dim // 2], in fp32."""
+    exponents = torch.arange(0, args.head_dim, 2)[: args.head_dim // 2].float() / args.head_dim
+    freqs = 1.0 / (args.rope_theta**exponents)
+    if args.use_scaled_rope:
+        freqs = _llama31_scaled(freqs, args.rope_scaling_factor, args.rope_high_freq_factor)
+    return freqs
+
+
+def _llama31_scaled(freqs: torch.Tensor, factor: float, high_freq_factor: float) -> torch.Tensor:
+    """Llama 3.1's rescaling: slow rotations stretched by factor, fast ones kept, a ramp between."""
+    low_freq_factor, original_context = 1.0, 8192
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    ramp = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > original_context / low_freq_factor, freqs / factor, ramp)
+    return torch.where(wavelen < original_context / high_freq_factor, freqs, scaled)
+
+
+def rotary_table(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
+    """cos and sin of every position's angles: [max_seq_len, head_dim // 2, 2], fp32."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rotary_frequencies(args))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) of x [bsz, seqlen, heads, head_dim] by the table's angles."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # bsz, seqlen, heads, head_dim // 2, 2
+    cos = table[None, :, None, :, 0]  # 1, seqlen, 1, head_dim // 2
+    sin = table[None, :, None, :, 1]
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, imag * cos + real * sin], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of one layer: [max_batch_size, local kv heads, max_seq_len, head_dim]."""
+
+    def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [bsz, heads, seqlen, head_dim] at start_pos; return everything up to their end."""
+        bsz, _, seqlen, _ = k.shape
+        end = start_pos + seqlen
+        self.k[:bsz, :, start_pos:end] = k
+        self.v[:bsz, :, start_pos:end] = v
+        return self.k[:bsz, :, :end], self.v[:bsz, :, :end]
+
+
+def local_kv_heads(args: ModelArgs, model_parallel_size: int) -> int:
+    """KV heads per rank; with more ranks than KV heads each rank keeps a copy of the one it needs."""
+    return max(1, args.kv_heads // model_parallel_size)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, model_parallel_size: int):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_local_heads = args.n_heads // model_parallel_size
+        self.n_local_kv_heads = local_kv_heads(args, model_parallel_size)
+        stored_kv_heads = self.n_local_kv_heads * model_parallel_size
+        self.wq = column_parallel_linear(args.dim, args.n_heads * self.head_dim, gather_output=False)
+        self.wk = column_parallel_linear(args.dim, stored_kv_heads * self.head_dim, gather_output=False)
+        self.wv = column_parallel_linear(args.dim, stored_kv_heads * self.head_dim, gather_output=False)
+        self.wo = row_parallel_linear(args.n_heads * self.head_dim, args.dim)
+        self.cache: Optional[KVCache] = None
+
+    def forward(self, x: torch.Tensor, start_pos: int, rotary: torch.Tensor,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        keys, values = self.cache.update(start_pos, k, v)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.n_local_heads != self.n_local_kv_heads
+        )
+        out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = column_parallel_linear(dim, hidden_dim, gather_output=False)
+        self.w2 = row_parallel_linear(hidden_dim, dim)
+        self.w3 = column_parallel_linear(dim, hidden_dim, gather_output=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, model_parallel_size: int):
+        super().__init__()
+        self.attention = Attention(args, model_parallel_size)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, start_pos: int, rotary: torch.Tensor,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), start_pos, rotary, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, model_parallel_size: int, embedding_layout: EmbeddingLayout):
+        super().__init__()
+        if args.vocab_size < 1:
+            raise ValueError("ModelArgs.vocab_size must be known (fill it from the tokenizer) before building")
+        self.args = args
+        self.tok_embeddings = parallel_embedding(args.vocab_size, args.dim, embedding_layout)
+        self.layers = nn.ModuleList(TransformerBlock(args, model_parallel_size) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=True)
+        self.max_batch_size = 0
+        self.max_seq_len = 0
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the KV caches and the rotary table for these runtime limits."""
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.register_buffer("rotary", rotary_table(self.args, max_seq_len).to(device), persistent=False)
+        for layer in self.layers:
+            attention = layer.attention
+            attention.cache = KVCache(max_batch_size, max_seq_len, attention.n_local_kv_heads,
+                                      attention.head_dim, device, dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen] placed at start_pos."""
+        bsz, seqlen = tokens.shape
+        if bsz > self.max_batch_size or start_pos + seqlen > self.max_seq_len:
+            raise ValueError(
+                f"a batch of {bsz} x {start_pos + seqlen} positions does not fit the caches "
+                f"({self.max_batch_size} x {self.max_seq_len}); raise max_batch_size/max_seq_len"
+            )
+        h = self.tok_embeddings(tokens)
+        rotary = self.rotary[start_pos : start_pos + seqlen]
+        mask = None
+        if seqlen > 1:
+            # Query i (at position start_pos + i) sees every cached position and itself.
+            positions = torch.arange(start_pos + seqlen, device=tokens.device)
+            mask = positions[None, :] <= (positions[start_pos:, None])  # seqlen, start_pos + seqlen
+        for layer in self.layers:
+            h = layer(h, start_pos, rotary, mask)
+        return self.output(self.norm(h)).float()

@@ -1,0 +1,25 @@
+"""Choosing the next token from logits: greedy, temperature and nucleus (top-p) sampling."""
+
+import torch
+
+
+def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Sample from the smallest set of most likely tokens whose probability reaches p.
+
+    probs [bsz, vocab] -> token ids [bsz, 1].
+    """
+    probs_sorted, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
+    # A token stays if the tokens ranked above it have not reached p yet; the first always stays.
+    probs_sorted = probs_sorted.masked_fill(mass_before >= p, 0.0)
+    probs_sorted.div_(probs_sorted.sum(dim=-1, keepdim=True))
+    choice = torch.multinomial(probs_sorted, num_samples=1)
+    return torch.gather(order, -1, choice)
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """logits [bsz, vocab] -> token ids [bsz]; temperature 0 is greedy."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return sample_top_p(probs, top_p).reshape(-1)
