@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from . import parallel
 from .args import ModelArgs
 from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
-from .checkpoint import load_model
+from .checkpoint import load_model, shard_paths
 from .model import Transformer
 from .sampling import next_token
 from .tokenizer import load_tokenizer
@@ -53,6 +53,7 @@ class Llama:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
         ckpt_dir = Path(ckpt_dir)
+        shard_paths(ckpt_dir)  # a missing folder or shard is the first thing to report
         args = ModelArgs.load(ckpt_dir / "params.json")
         tokenizer = load_tokenizer(tokenizer_path)
         args = args.with_vocab_size(tokenizer.n_words)

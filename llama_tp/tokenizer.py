@@ -16,8 +16,13 @@ class Tokenizer:
                 "tokenizer.model that came with the checkpoint"
             )
         self.sp_model = SentencePieceProcessor()
-        if not self.sp_model.Load(str(path)):  # raises on most bad files, returns False on others
-            raise ValueError(f"{path} is not a SentencePiece tokenizer model")
+        try:
+            self.sp_model.Load(str(path))
+        except (RuntimeError, OSError) as error:
+            raise ValueError(
+                f"{path} is not a SentencePiece tokenizer model ({error}); pass the "
+                "tokenizer.model that came with the checkpoint"
+            ) from None
         self.n_words: int = self.sp_model.vocab_size()
         self.bos_id: int = self.sp_model.bos_id()
         self.eos_id: int = self.sp_model.eos_id()

@@ -1,0 +1,31 @@
+import torch
+
+from llama_tp.sampling import next_token, sample_top_p
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(next_token(logits, temperature=0, top_p=0.9), logits.argmax(-1))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.05, 0.5, 0.3, 0.15]])
+    torch.manual_seed(0)
+    draws = {sample_top_p(probs, 0.8).item() for _ in range(300)}
+    assert draws == {1, 2}  # 0.5 + 0.3 reaches 0.8; 0.15 and 0.05 are outside the nucleus
+    draws = {sample_top_p(probs, 0.81).item() for _ in range(300)}
+    assert draws == {1, 2, 3}
+
+
+def test_tiny_top_p_is_greedy_and_full_top_p_reaches_every_token():
+    probs = torch.tensor([[0.2, 0.3, 0.25, 0.25]])
+    torch.manual_seed(0)
+    assert {sample_top_p(probs, 1e-6).item() for _ in range(50)} == {1}
+    assert {sample_top_p(probs, 1.0).item() for _ in range(400)} == {0, 1, 2, 3}
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([[0.6, 0.4]])
+    torch.manual_seed(0)
+    draws = torch.cat([sample_top_p(probs, 1.0) for _ in range(2000)])
+    assert abs(draws.float().mean().item() - 0.4) < 0.04
