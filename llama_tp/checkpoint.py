@@ -1,14 +1,18 @@
-"""Meta's checkpoint layout: which tensor is split along which dimension, and loading one rank's slice.
+"""Reading Meta-layout checkpoints: the shard files, their checks, and loading one rank's slice.
 
 A checkpoint may have any number of shards: each rank assembles its own slice from the shards
 that hold parts of it (merging when there are more shards than ranks, splitting when fewer),
 reading them memory-mapped so that no rank ever holds the whole model.
 """
 
+import ctypes
+import mmap
+import os
 import pickle
+import sys
 import zipfile
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,25 +20,13 @@ from torch import nn
 from .args import ModelArgs
 from .model import Transformer
 from .parallel import EmbeddingLayout, Placement
+from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
 
-# Split along the output dimension (dim 0) by fairscale's ColumnParallelLinear ...
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "output")
-# ... and along the input dimension (dim 1) by RowParallelLinear. Norms are replicated.
-ROW_PARALLEL = ("wo", "w2")
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
 TOLERATED_EXTRA_KEYS = ("rope.freqs",)
-
-
-def split_dim(name: str, layout: EmbeddingLayout) -> Optional[int]:
-    """The dimension along which tensor `name` is split across shards, or None if replicated."""
-    module = name.split(".")[-2]  # layers.0.attention.wq.weight -> wq
-    if module == "tok_embeddings":
-        return 1 if layout == "dim" else 0
-    if module in COLUMN_PARALLEL:
-        return 0
-    if module in ROW_PARALLEL:
-        return 1
-    return None
+# madvise(MADV_DONTNEED) lets a rank give back the pages of a shard it has copied from (Linux).
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+MADV_DONTNEED = 4
 
 
 def shard_paths(ckpt_dir: Path) -> list[Path]:
@@ -116,106 +108,22 @@ def load_into(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.de
     model.load_state_dict(state, strict=True, assign=True)
 
 
-class Piece(NamedTuple):
-    """Part of a rank's slice: `length` entries from `offset` on, along the split dimension of shard `source`."""
+def drop_mapped_pages(tensor: torch.Tensor) -> None:
+    """Take a memory-mapped tensor's pages out of this process's resident memory.
 
-    source: int
-    offset: int
-    length: int
-
-
-def shard_ranges(name: str, full_size: int, args: ModelArgs, n_shards: int) -> list[tuple[int, int]]:
-    """The [start, stop) of the full tensor's split dimension that each of n_shards holds."""
-    if name.split(".")[-2] in ("wk", "wv") and n_shards > args.kv_heads:
-        # More shards than KV heads: shard r keeps a copy of the one head its query heads use.
-        group = n_shards // args.kv_heads
-        return [((r // group) * args.head_dim, (r // group + 1) * args.head_dim) for r in range(n_shards)]
-    assert full_size % n_shards == 0, f"{name}: {full_size} does not split {n_shards} ways"
-    size = full_size // n_shards
-    return [(r * size, (r + 1) * size) for r in range(n_shards)]
-
-
-def pieces_for(want: tuple[int, int], held: list[tuple[int, int]], prefer: int) -> list[Piece]:
-    """The pieces of the shards holding ranges `held` that make up range `want`, in order.
-
-    Where several shards hold the same entries (replicated KV heads), shard `prefer` is read if
-    it is one of them, else the first: a rank then reads its own file when the counts match.
+    Copying a slice along dimension 1 touches nearly every page of the source tensor, and each
+    touched page of a mapping stays resident until the file is unmapped: splitting one big shard
+    would then cost a rank most of the file. The pages are clean (the mapping is private and
+    never written), so the kernel reads them again if they are ever touched. Only for tensors
+    from load_shard: on anonymous memory MADV_DONTNEED would zero the data.
     """
-    pieces = []
-    cursor, stop = want
-    while cursor < stop:
-        holders = [s for s, (start, end) in enumerate(held) if start <= cursor < end]
-        assert holders, f"no shard holds entry {cursor} of {held}"
-        source = prefer if prefer in holders else holders[0]
-        start, end = held[source]
-        length = min(stop, end) - cursor
-        pieces.append(Piece(source, cursor - start, length))
-        cursor += length
-    return pieces
-
-
-def full_size(name: str, shard_size: int, args: ModelArgs, n_shards: int) -> int:
-    """The size of tensor `name`'s split dimension in the whole model, from its size in one shard."""
-    if name.split(".")[-2] in ("wk", "wv"):
-        # Checked against params.json: replicated heads would otherwise go unnoticed.
-        expected = args.kv_heads * args.head_dim
-        if shard_size * min(n_shards, args.kv_heads) != expected:
-            raise ValueError(
-                f"{name} has {shard_size} rows per shard in a {n_shards}-shard checkpoint, which does "
-                f"not make {args.kv_heads} KV heads of size {args.head_dim}; check that params.json "
-                "belongs to these shards"
-            )
-        return expected
-    return shard_size * n_shards
-
-
-def slice_plan(name: str, shard_shape: tuple[int, ...], args: ModelArgs, layout: EmbeddingLayout,
-               n_shards: int, rank: int, world_size: int) -> tuple[Optional[int], list[Piece]]:
-    """How rank `rank` of world_size assembles tensor `name` from n_shards shards of shape shard_shape.
-
-    Returns the split dimension (None: replicated, read whole) and the pieces to concatenate along it.
-    """
-    dim = split_dim(name, layout)
-    prefer = rank if rank < n_shards else 0
-    if dim is None:
-        return None, [Piece(prefer, 0, shard_shape[0] if shard_shape else 1)]
-    size = full_size(name, shard_shape[dim], args, n_shards)
-    want = shard_ranges(name, size, args, world_size)[rank]
-    return dim, pieces_for(want, shard_ranges(name, size, args, n_shards), prefer)
-
-
-def assemble_slice(open_shard: Callable[[int], dict[str, torch.Tensor]], n_shards: int, args: ModelArgs,
-                   layout: EmbeddingLayout, rank: int, world_size: int, device: torch.device,
-                   dtype: Optional[torch.dtype] = None, describe: Callable[[int], str] = str,
-                   ) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s tensors for a world of world_size, from a checkpoint of n_shards shards.
-
-    open_shard(s) returns shard s (memory-mapped when read from disk); each shard is opened once
-    and dropped before the next, so a rank touches only the parts it needs. Tensors keep their
-    dtype unless one is given. Every returned tensor owns its storage: no view into a bigger one.
-    """
-    shard = open_shard(0)
-    shapes = {name: tuple(t.shape) for name, t in shard.items()}
-    plans = {name: slice_plan(name, shape, args, layout, n_shards, rank, world_size)
-             for name, shape in shapes.items()}
-    parts: dict[str, list[Optional[torch.Tensor]]] = {name: [None] * len(p) for name, (_, p) in plans.items()}
-    for source in range(n_shards):
-        wanted = [(name, index, piece) for name, (_, pieces) in plans.items()
-                  for index, piece in enumerate(pieces) if piece.source == source]
-        if wanted and source > 0:
-            shard = open_shard(source)
-        for name, index, piece in wanted:
-            dim = plans[name][0]
-            tensor = _tensor(shard, name, shapes[name], describe(source))
-            if dim is not None:
-                tensor = tensor.narrow(dim, piece.offset, piece.length)
-            part = tensor.to(device=device, dtype=dtype or tensor.dtype)
-            if part.untyped_storage().nbytes() != part.numel() * part.element_size():
-                part = part.clone()  # a slice of a bigger tensor: copy it so the rest is never kept
-            parts[name][index] = part
-        shard = None  # unmaps the file once nothing of it is kept
-    return {name: pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=plans[name][0])
-            for name, pieces in parts.items()}
+    if _LIBC is None or tensor.device.type != "cpu":
+        return
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr() - storage.data_ptr() % mmap.PAGESIZE  # madvise wants whole pages
+    end = storage.data_ptr() + storage.nbytes()
+    if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise failed on a mapped checkpoint tensor: {os.strerror(ctypes.get_errno())}")
 
 
 def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> tuple[list[Path], ModelArgs, EmbeddingLayout]:
@@ -245,25 +153,22 @@ def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> tuple[list[Path], ModelA
     return paths, args, single_shard_layout if len(paths) == 1 else layout
 
 
+def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, device: torch.device,
+               dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], ModelArgs, EmbeddingLayout]:
+    """Rank `rank`'s tensors from the checkpoint in ckpt_dir, whatever its shard count; with the
+    checkpoint's args (vocabulary filled in) and embedding layout."""
+    paths, args, layout = open_checkpoint(ckpt_dir, args)
+    state = assemble_slice(lambda s: load_shard(paths[s]), len(paths), args, layout, rank, world_size, device,
+                           dtype, describe=lambda s: str(paths[s]), release=drop_mapped_pages)
+    return state, args, layout
+
+
 def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype) -> Transformer:
     """Build the model without initialising it and fill it with this rank's slice, whatever the shard count."""
-    paths, args, layout = open_checkpoint(ckpt_dir, args)
-    state = assemble_slice(lambda s: load_shard(paths[s]), len(paths), args, layout, placement.rank,
-                           placement.world_size, placement.device, dtype, describe=lambda s: str(paths[s]))
+    state, args, layout = load_slice(ckpt_dir, args, placement.rank, placement.world_size, placement.device, dtype)
     model = Transformer(args, placement.world_size, layout)
     load_into(model, state, placement.device, dtype, Path(ckpt_dir))
     return model
-
-
-def _tensor(shard: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], source: str) -> torch.Tensor:
-    """shard[name], which must have the shape it has in the first shard (all shards are alike)."""
-    if name not in shard or tuple(shard[name].shape) != shape:
-        found = list(shard[name].shape) if name in shard else "no such tensor"
-        raise ValueError(
-            f"{source}: {name} is {found} where the first shard has {list(shape)}; the shards "
-            "do not belong to one checkpoint"
-        )
-    return shard[name]
 
 
 def _shape(shard: dict[str, torch.Tensor], name: str, dims: int) -> tuple[int, ...]:

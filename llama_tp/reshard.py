@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from .args import ModelArgs
-from .checkpoint import assemble_slice, load_shard, open_checkpoint
+from .checkpoint import load_slice, open_checkpoint
 from .cli import run
 
 # Copied beside the shards: the architecture, and whatever tokenizer came with the checkpoint.
@@ -28,9 +28,10 @@ def reshard(src: Path, dst: Path, mp: int, force: bool = False) -> list[Path]:
     src, dst = Path(src), Path(dst)
     if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
         raise ValueError(f"--mp must be a positive number of shards, found {mp!r}")
-    args = ModelArgs.load(src / "params.json")
-    paths, args, layout = open_checkpoint(src, args)
+    params = ModelArgs.load(src / "params.json")
+    paths, args, _ = open_checkpoint(src, params)
     args.check_model_parallel_size(mp)
+    n_shards = len(paths)
     if dst.resolve() == src.resolve():
         raise ValueError(f"DST_DIR {dst} is SRC_DIR; write the resharded checkpoint to another folder")
     if dst.exists() and any(dst.iterdir()) and not force:
@@ -43,10 +44,8 @@ def reshard(src: Path, dst: Path, mp: int, force: bool = False) -> list[Path]:
             if path.is_file():
                 _replace(dst / path.name, lambda tmp, path=path: shutil.copyfile(path, tmp))
     written = []
-    cpu = torch.device("cpu")
-    for rank in tqdm(range(mp), desc=f"{len(paths)} -> {mp} shards", unit="shard", file=sys.stderr):
-        state = assemble_slice(lambda s: load_shard(paths[s]), len(paths), args, layout, rank, mp, cpu,
-                               describe=lambda s: str(paths[s]))
+    for rank in tqdm(range(mp), desc=f"{n_shards} -> {mp} shards", unit="shard", file=sys.stderr):
+        state, _, _ = load_slice(src, params, rank, mp, torch.device("cpu"))
         target = dst / f"consolidated.{rank:02d}.pth"
         _replace(target, lambda tmp: torch.save(state, tmp))
         written.append(target)

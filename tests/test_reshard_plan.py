@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from llama_tp.args import ModelArgs
-from llama_tp.checkpoint import Piece, assemble_slice, pieces_for, shard_ranges, split_dim
+from llama_tp.sharding import Piece, assemble_slice, pieces_for, shard_ranges
+from meta_shards import meta_shards
 from tiny_checkpoint import TINY_LLAMA2, TINY_LLAMA3, full_weights
 
 CPU = torch.device("cpu")
@@ -15,22 +16,6 @@ CASES = {
     "llama3": (TINY_LLAMA3 | {"vocab_size": VOCAB}, "vocab"),
     "kv2": (TINY_KV2, "vocab"),
 }
-
-
-def meta_shards(weights: dict, args: ModelArgs, layout: str, n: int) -> list[dict]:
-    """Split as Meta does; above the KV head count, each shard keeps the head its queries use."""
-    shards = []
-    for rank in range(n):
-        shard = {}
-        for name, tensor in weights.items():
-            dim = split_dim(name, layout)
-            if name.split(".")[-2] in ("wk", "wv") and n > args.kv_heads:
-                head = rank * args.kv_heads // n
-                shard[name] = tensor[head * args.head_dim : (head + 1) * args.head_dim].clone()
-            else:
-                shard[name] = tensor if dim is None else tensor.chunk(n, dim=dim)[rank].clone()
-        shards.append(shard)
-    return shards
 
 
 def test_ranges_and_pieces():
