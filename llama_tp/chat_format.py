@@ -103,6 +103,7 @@ class Llama3ChatFormat:
         )
 
     def encode_message(self, message: Message) -> list[int]:
+        """The header, the stripped content as plain text, and <|eot_id|>."""
         content = self.tokenizer.encode(message["content"].strip(), bos=False, eos=False)
         return self.encode_header(message["role"]) + content + [self.tokenizer.special_tokens["<|eot_id|>"]]
 

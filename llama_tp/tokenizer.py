@@ -90,6 +90,7 @@ class Llama3Tokenizer:
         return [self.bos_id] * bos + ids + [self.eos_id] * eos
 
     def decode(self, ids: list[int]) -> str:
+        """The text of ids; bytes that do not form whole characters become U+FFFD."""
         return self.model.decode(list(ids))
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from llama_tp import Llama
 from llama_tp.chat_format import Llama2ChatFormat, Llama3ChatFormat, chat_format_for
 from llama_tp.tokenizer import Tokenizer, load_tokenizer
 from tiny_checkpoint import LLAMA2_TOKENIZER, SHARED_DATA
@@ -20,6 +21,7 @@ def chat() -> Llama3ChatFormat:
 def test_format_follows_the_tokenizer(chat):
     assert isinstance(chat, Llama3ChatFormat)
     assert isinstance(chat_format_for(Tokenizer(str(LLAMA2_TOKENIZER))), Llama2ChatFormat)
+    assert isinstance(Llama(model=None, tokenizer=chat.tokenizer).formatter, Llama3ChatFormat)  # what chat_completion uses
     assert chat.stop_tokens == {128001, 128008, 128009}
 
 
