@@ -19,7 +19,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .model import Transformer
-from .parallel import EmbeddingLayout, Placement
+from .parallel import EmbeddingLayout, Placement, print0
 from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
 
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
@@ -165,6 +165,11 @@ def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, devi
 
 def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype) -> Transformer:
     """Build the model without initialising it and fill it with this rank's slice, whatever the shard count."""
+    n_shards = len(shard_paths(ckpt_dir))
+    if n_shards != placement.world_size:
+        processes = f"{placement.world_size} process" + "es" * (placement.world_size > 1)
+        print0(f"resharding {n_shards} shards onto {processes} while loading; `python -m llama_tp.reshard "
+               f"{ckpt_dir} DST_DIR --mp {placement.world_size}` saves this work at every start")
     state, args, layout = load_slice(ckpt_dir, args, placement.rank, placement.world_size, placement.device, dtype)
     model = Transformer(args, placement.world_size, layout)
     load_into(model, state, placement.device, dtype, Path(ckpt_dir))
