@@ -2,7 +2,9 @@
 
 from typing import Literal, TypedDict
 
-Role = Literal["system", "user", "assistant"]
+from .tokenizer import Llama3Tokenizer
+
+Role = Literal["system", "user", "assistant", "ipython", "tool"]  # the last two in Llama 3 only
 
 
 class Message(TypedDict):
@@ -73,6 +75,57 @@ class Llama2ChatFormat:
         return tokens
 
 
-def chat_format_for(tokenizer) -> Llama2ChatFormat:
-    """The chat format a tokenizer's models were trained with."""
+LLAMA3_ROLES = ("system", "user", "assistant", "ipython", "tool")
+
+
+class Llama3ChatFormat:
+    """Meta's Llama 3 chat prompt: each message under a role header, ended by <|eot_id|>."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stop_tokens = tokenizer.stop_tokens
+
+    @staticmethod
+    def is_unsafe(dialog: Dialog) -> bool:
+        """Never: message text is encoded as plain text, so it cannot forge a header or an eot."""
+        return False
+
+    def encode_header(self, role: str) -> list[int]:
+        """<|start_header_id|>{role}<|end_header_id|> and the blank line before the content."""
+        # Tool results are "tool" messages in newer Llama APIs; the model saw them as "ipython".
+        role = "ipython" if role == "tool" else role
+        special = self.tokenizer.special_tokens
+        return (
+            [special["<|start_header_id|>"]]
+            + self.tokenizer.encode(role, bos=False, eos=False)
+            + [special["<|end_header_id|>"]]
+            + self.tokenizer.encode("\n\n", bos=False, eos=False)
+        )
+
+    def encode_message(self, message: Message) -> list[int]:
+        """The header, the stripped content as plain text, and <|eot_id|>."""
+        content = self.tokenizer.encode(message["content"].strip(), bos=False, eos=False)
+        return self.encode_header(message["role"]) + content + [self.tokenizer.special_tokens["<|eot_id|>"]]
+
+    def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
+        """<|begin_of_text|>, every message, then an open assistant header for the model to fill."""
+        check_dialog(dialog, LLAMA3_ROLES)
+        for index, message in enumerate(dialog):
+            if message["role"] == "system" and index > 0:
+                raise ValueError(f"message {index} is a system message; only message 0 may be one")
+        if dialog[-1]["role"] in ("system", "assistant"):
+            raise ValueError(
+                f"message {len(dialog) - 1} is from the {dialog[-1]['role']}; the prompt ends with an "
+                "open assistant header, so the dialog must end with a user, ipython or tool message"
+            )
+        tokens = [self.tokenizer.special_tokens["<|begin_of_text|>"]]
+        for message in dialog:
+            tokens += self.encode_message(message)
+        return tokens + self.encode_header("assistant")
+
+
+def chat_format_for(tokenizer) -> "Llama2ChatFormat | Llama3ChatFormat":
+    """The chat format a tokenizer's models were trained with, told by the tokenizer's class."""
+    if isinstance(tokenizer, Llama3Tokenizer):
+        return Llama3ChatFormat(tokenizer)
     return Llama2ChatFormat(tokenizer)

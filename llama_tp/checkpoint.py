@@ -1,6 +1,15 @@
-"""Meta's checkpoint layout: which tensor is split along which dimension, and loading one rank's shard."""
+"""Reading Meta-layout checkpoints: the shard files, their checks, and loading one rank's slice.
 
+A checkpoint may have any number of shards: each rank assembles its own slice from the shards
+that hold parts of it (merging when there are more shards than ranks, splitting when fewer),
+reading them memory-mapped so that no rank ever holds the whole model.
+"""
+
+import ctypes
+import mmap
+import os
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -10,26 +19,14 @@ from torch import nn
 
 from .args import ModelArgs
 from .model import Transformer
-from .parallel import EmbeddingLayout, Placement
+from .parallel import EmbeddingLayout, Placement, print0
+from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
 
-# Split along the output dimension (dim 0) by fairscale's ColumnParallelLinear ...
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "output")
-# ... and along the input dimension (dim 1) by RowParallelLinear. Norms are replicated.
-ROW_PARALLEL = ("wo", "w2")
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
 TOLERATED_EXTRA_KEYS = ("rope.freqs",)
-
-
-def split_dim(name: str, layout: EmbeddingLayout) -> Optional[int]:
-    """The dimension along which tensor `name` is split across shards, or None if replicated."""
-    module = name.split(".")[-2]  # layers.0.attention.wq.weight -> wq
-    if module == "tok_embeddings":
-        return 1 if layout == "dim" else 0
-    if module in COLUMN_PARALLEL:
-        return 0
-    if module in ROW_PARALLEL:
-        return 1
-    return None
+# madvise(MADV_DONTNEED) lets a rank give back the pages of a shard it has copied from (Linux).
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+MADV_DONTNEED = 4
 
 
 def shard_paths(ckpt_dir: Path) -> list[Path]:
@@ -111,25 +108,71 @@ def load_into(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.de
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype) -> Transformer:
-    """Build the model without initialising it and fill it with this rank's shard."""
+def drop_mapped_pages(tensor: torch.Tensor) -> None:
+    """Take a memory-mapped tensor's pages out of this process's resident memory.
+
+    Copying a slice along dimension 1 touches nearly every page of the source tensor, and each
+    touched page of a mapping stays resident until the file is unmapped: splitting one big shard
+    would then cost a rank most of the file. The pages are clean (the mapping is private and
+    never written), so the kernel reads them again if they are ever touched. Only for tensors
+    from load_shard: on anonymous memory MADV_DONTNEED would zero the data.
+    """
+    if _LIBC is None or tensor.device.type != "cpu":
+        return
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr() - storage.data_ptr() % mmap.PAGESIZE  # madvise wants whole pages
+    end = storage.data_ptr() + storage.nbytes()
+    if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise failed on a mapped checkpoint tensor: {os.strerror(ctypes.get_errno())}")
+
+
+def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> tuple[list[Path], ModelArgs, EmbeddingLayout]:
+    """The shards of ckpt_dir, args with the checkpoint's vocabulary filled in, and its embedding layout.
+
+    A vocab_size already known (from the tokenizer) must agree with the checkpoint's.
+    """
     paths = shard_paths(ckpt_dir)
-    if len(paths) != placement.world_size:
-        raise ValueError(
-            f"found {len(paths)} shards in {ckpt_dir} but the world size is {placement.world_size}; "
-            f"run with --nproc_per_node {len(paths)}"
-        )
-    path = paths[placement.rank]
-    shard = load_shard(path)
+    shard = load_shard(paths[0])
     vocab_size = checkpoint_vocab_size(shard, len(paths))
-    if vocab_size != args.vocab_size:
+    if args.vocab_size not in (-1, vocab_size):
         raise ValueError(
             f"the checkpoint's vocabulary has {vocab_size} tokens but the tokenizer (or "
             f"params.json) has {args.vocab_size}; use the tokenizer that came with this checkpoint"
         )
+    # One shard fits both embedding layouts. Llama 3's params.json names its vocab_size where
+    # Llama 2's says -1: keep the family's layout, so that resharded copies split as Meta's do.
+    single_shard_layout = "dim" if args.vocab_size == -1 else "vocab"
+    args = args.with_vocab_size(vocab_size)
+    if not args.splits_over(len(paths)):
+        raise ValueError(
+            f"{ckpt_dir} has {len(paths)} shards but this model ({args.n_heads} query heads, "
+            f"{args.kv_heads} KV heads) cannot be split that way; check that params.json belongs "
+            "to these shards"
+        )
     layout = detect_embedding_layout(shard, args, len(paths))
+    return paths, args, single_shard_layout if len(paths) == 1 else layout
+
+
+def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, device: torch.device,
+               dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], ModelArgs, EmbeddingLayout]:
+    """Rank `rank`'s tensors from the checkpoint in ckpt_dir, whatever its shard count; with the
+    checkpoint's args (vocabulary filled in) and embedding layout."""
+    paths, args, layout = open_checkpoint(ckpt_dir, args)
+    state = assemble_slice(lambda s: load_shard(paths[s]), len(paths), args, layout, rank, world_size, device,
+                           dtype, describe=lambda s: str(paths[s]), release=drop_mapped_pages)
+    return state, args, layout
+
+
+def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype) -> Transformer:
+    """Build the model without initialising it and fill it with this rank's slice, whatever the shard count."""
+    n_shards = len(shard_paths(ckpt_dir))
+    if n_shards != placement.world_size:
+        processes = f"{placement.world_size} process" + "es" * (placement.world_size > 1)
+        print0(f"resharding {n_shards} shards onto {processes} while loading; `python -m llama_tp.reshard "
+               f"{ckpt_dir} DST_DIR --mp {placement.world_size}` saves this work at every start")
+    state, args, layout = load_slice(ckpt_dir, args, placement.rank, placement.world_size, placement.device, dtype)
     model = Transformer(args, placement.world_size, layout)
-    load_into(model, shard, placement.device, dtype, path)
+    load_into(model, state, placement.device, dtype, Path(ckpt_dir))
     return model
 
 

@@ -1,7 +1,12 @@
-"""Tokenizers: Llama 2's SentencePiece model, behind the interface generation relies on."""
+"""Tokenizers: Llama 2's SentencePiece model and Llama 3's tiktoken BPE, behind the interface generation relies on."""
 
+import base64
+import binascii
+import re
 from pathlib import Path
+from typing import AbstractSet, Iterator, Literal, Union
 
+import tiktoken
 from sentencepiece import SentencePieceProcessor
 
 
@@ -37,6 +42,118 @@ class Tokenizer:
         return self.sp_model.decode(ids)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer for the file at path."""
+class Llama3Tokenizer:
+    """Llama 3's tokenizer: tiktoken byte-pair ranks from the file, then 256 special tokens."""
+
+    # Meta's split pattern (GPT-4's cl100k): contractions, letters, 1-3 digits, punctuation, spaces.
+    pat_str = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    num_special_tokens = 256
+    # The named special tokens in id order from 128000, as in Meta's llama-models (Llama 3.1 and
+    # later; Llama 3.0 called 128004-128005, 128008 and 128010-128011 reserved, with the same ids
+    # for begin/end of text, the header markers and eot).
+    named_special_tokens = (
+        "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+        "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+        "<|image|>",
+    )
+    # tiktoken panics on inputs longer than this ...
+    max_encode_chars = 400_000
+    # ... and is quadratic on long runs of whitespace or of non-whitespace (tiktoken issue 195).
+    max_run_chars = 25_000
+
+    def __init__(self, model_path: str):
+        path = Path(model_path)
+        ranks = read_bpe_ranks(path)
+        reserved = [
+            f"<|reserved_special_token_{2 + i}|>"
+            for i in range(self.num_special_tokens - len(self.named_special_tokens))
+        ]
+        names = list(self.named_special_tokens) + reserved
+        self.special_tokens: dict[str, int] = {name: len(ranks) + i for i, name in enumerate(names)}
+        self.model = tiktoken.Encoding(
+            name=path.name, pat_str=self.pat_str, mergeable_ranks=ranks, special_tokens=self.special_tokens
+        )
+        self.n_words: int = len(ranks) + len(names)
+        self.bos_id: int = self.special_tokens["<|begin_of_text|>"]
+        self.eos_id: int = self.special_tokens["<|end_of_text|>"]
+        self.eot_id: int = self.special_tokens["<|eot_id|>"]  # end of a turn
+        self.eom_id: int = self.special_tokens["<|eom_id|>"]  # end of a message that awaits a tool's answer
+        self.pad_id: int = self.special_tokens["<|finetune_right_pad_id|>"]
+        self.stop_tokens: set[int] = {self.eos_id, self.eot_id, self.eom_id}
+
+    def encode(self, s: str, bos: bool, eos: bool,
+               allowed_special: Union[Literal["all"], AbstractSet[str]] = frozenset()) -> list[int]:
+        """Token ids of s; special-token text in s is plain text unless allowed_special names it."""
+        ids: list[int] = []
+        for start in range(0, len(s), self.max_encode_chars):
+            for part in split_long_runs(s[start : start + self.max_encode_chars], self.max_run_chars):
+                ids += self.model.encode(part, allowed_special=allowed_special, disallowed_special=())
+        return [self.bos_id] * bos + ids + [self.eos_id] * eos
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ids; bytes that do not form whole characters become U+FFFD."""
+        return self.model.decode(list(ids))
+
+
+def split_long_runs(s: str, max_run: int) -> Iterator[str]:
+    """Cut s into consecutive parts none of which holds more than max_run whitespace or non-whitespace
+    characters in a row; cutting inside such a run changes no token boundary that matters."""
+    run, run_is_space, part_start = 0, s[:1].isspace(), 0
+    for i, char in enumerate(s):
+        if char.isspace() != run_is_space:
+            run, run_is_space = 1, not run_is_space
+            continue
+        run += 1
+        if run > max_run:
+            yield s[part_start:i]
+            part_start, run = i, 1
+    yield s[part_start:]
+
+
+# A tiktoken BPE file is text, one "<base64 token> <rank>" per line; SentencePiece's is a protobuf.
+_BPE_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\r?\n")
+
+
+def read_bpe_ranks(path: Path) -> dict[bytes, int]:
+    """The byte-pair ranks of a tiktoken BPE file.
+
+    Read here rather than with tiktoken.load, which keeps a cached copy under /tmp keyed by the
+    path, so an edited file at the same path would be read stale.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"tokenizer file {path} does not exist; pass --tokenizer_path with the "
+            "tokenizer.model that came with the checkpoint"
+        )
+    ranks = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise ValueError(
+                f"{path} line {number} is {line[:60]!r}; a Llama 3 tokenizer.model has one "
+                "'<base64 token> <rank>' per line: the file may be truncated or corrupt"
+            ) from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: the ranks are not 0 to {len(ranks) - 1} each once; the file is corrupt")
+    return ranks
+
+
+def is_tiktoken_bpe(path: Path) -> bool:
+    """Whether the file at path is a tiktoken BPE file (Llama 3) rather than SentencePiece (Llama 2)."""
+    with open(path, "rb") as file:
+        return _BPE_LINE.match(file.readline(1024)) is not None
+
+
+def load_tokenizer(path: str) -> Union[Tokenizer, Llama3Tokenizer]:
+    """The tokenizer for the file at path, told apart by the file's content, never its name."""
+    if Path(path).is_file() and is_tiktoken_bpe(Path(path)):
+        return Llama3Tokenizer(path)
     return Tokenizer(path)

@@ -1,0 +1,35 @@
+"""Meta-layout shards written independently of llama_tp's resharding, for checking it."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from llama_tp.args import ModelArgs
+from llama_tp.sharding import split_dim
+
+
+def meta_shards(weights: dict[str, torch.Tensor], args: ModelArgs, layout: str, n: int) -> list[dict]:
+    """Split whole weights n ways as Meta does; above the KV head count, each shard keeps a copy
+    of the head its query heads use (the layout llama_tp runs with at that world size)."""
+    shards = []
+    for rank in range(n):
+        shard = {}
+        for name, tensor in weights.items():
+            dim = split_dim(name, layout)
+            if name.split(".")[-2] in ("wk", "wv") and n > args.kv_heads:
+                head = rank * args.kv_heads // n
+                shard[name] = tensor[head * args.head_dim : (head + 1) * args.head_dim].clone()
+            else:
+                shard[name] = tensor if dim is None else tensor.chunk(n, dim=dim)[rank].clone()
+        shards.append(shard)
+    return shards
+
+
+def write_shards(directory: Path, params: dict, shards: list[dict]) -> Path:
+    """params.json and consolidated.XX.pth files for these shards."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "params.json").write_text(json.dumps(params))
+    for rank, shard in enumerate(shards):
+        torch.save(shard, directory / f"consolidated.{rank:02d}.pth")
+    return directory
