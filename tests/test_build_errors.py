@@ -37,11 +37,6 @@ def test_no_shards(checkpoint, tokenizer_path):
         build(checkpoint, tokenizer_path)
 
 
-def test_shard_count_differs_from_world_size(checkpoints, tokenizer_path):
-    with pytest.raises(ValueError, match="found 2 shards .* world size is 1; run with --nproc_per_node 2"):
-        build(checkpoints["llama2", 2], tokenizer_path)
-
-
 def test_missing_tokenizer(checkpoint, tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer file .* does not exist"):
         build(checkpoint, tmp_path / "tokenizer.model")
