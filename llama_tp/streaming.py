@@ -57,7 +57,9 @@ class IncrementalDecoder:
         text = self.tokenizer.decode(tokens)
         if text.endswith(INCOMPLETE):
             return ""
-        safe = len(text) - stop_prefix_len(text, self.stop)
+        cut = find_stop(text, self.stop)
+        # Past a whole stop string nothing more is shown; before it, a partial one may complete.
+        safe = cut if cut >= 0 else len(text) - stop_prefix_len(text, self.stop)
         # Decoding more tokens only appends (past the held-back tail), so this is never negative.
         assert text.startswith(self.emitted) and safe >= len(self.emitted), (text, self.emitted)
         piece = text[len(self.emitted) : safe]
