@@ -25,12 +25,14 @@ class CompletionPrediction(TypedDict, total=False):
     tokens: list[str]  # not required
     logprobs: list[float]  # not required
     top: list[list[tuple[str, float]]]  # with show_top: each step's most likely candidates
+    token_ids: list[int]  # with token_ids=True
 
 
 class ChatPrediction(TypedDict, total=False):
     generation: Message
     tokens: list[str]  # not required
     logprobs: list[float]  # not required
+    token_ids: list[int]  # with token_ids=True
 
 
 class Llama:
@@ -173,11 +175,13 @@ class Llama:
         min_gen_len: int = 0,
         seed: Optional[int] = None,
         show_top: int = 0,
+        token_ids: bool = False,
     ) -> list[CompletionPrediction]:
         """Continue each text prompt; max_gen_len defaults to the whole context.
 
         The text ends before the first `stop` string. With show_top N, each result's "top" lists,
-        for every generated token, the N most likely candidates and their probabilities.
+        for every generated token, the N most likely candidates and their probabilities; with
+        token_ids, "token_ids" holds the generated token ids.
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
@@ -194,6 +198,8 @@ class Llama:
             if logprobs:
                 result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
                 result["logprobs"] = generated.logprobs[row]
+            if token_ids:
+                result["token_ids"] = tokens
             if show_top:
                 result["top"] = [
                     [(self.tokenizer.decode([t]), p) for t, p in step] for step in generated.top[row]
@@ -213,8 +219,12 @@ class Llama:
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
+        token_ids: bool = False,
     ) -> list[ChatPrediction]:
-        """The assistant's next message for each dialog, in the chat format the tokenizer implies."""
+        """The assistant's next message for each dialog, in the chat format the tokenizer implies.
+
+        With token_ids, "token_ids" holds the generated token ids (none for a refused dialog).
+        """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
         options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
@@ -230,6 +240,11 @@ class Llama:
         for row, tokens in zip(safe, generated.tokens):
             content = cut_at_stop(self.tokenizer.decode(tokens), stop)
             results[row] = {"generation": {"role": "assistant", "content": content}}
+        if token_ids:
+            for result in results:
+                result["token_ids"] = []
+            for row, tokens in zip(safe, generated.tokens):
+                results[row]["token_ids"] = tokens
         if logprobs:
             for result in results:
                 result["tokens"], result["logprobs"] = [], []

@@ -92,5 +92,6 @@ def test_stream_chat_in_lockstep_with_chat_completion(forced):
     dialog = [{"role": "user", "content": "Grüße, 世界"}]
     stream = llama.stream_chat_completion(dialog, temperature=0, max_gen_len=12)
     text = "".join(stream)
-    assert text == llama.chat_completion([dialog], temperature=0, max_gen_len=12)[0]["generation"]["content"]
-    assert stream.text == text
+    (result,) = llama.chat_completion([dialog], temperature=0, max_gen_len=12, token_ids=True)
+    assert text == result["generation"]["content"] == stream.text
+    assert stream.tokens == result["token_ids"]
