@@ -63,6 +63,10 @@ class Llama:
 
         start = time.perf_counter()
         dtype = parallel.resolve_dtype(dtype, placement.device)
+        # Imported here: `python -m llama_tp.plan` must not find the module already imported by the package.
+        from .plan import plan, report
+
+        parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype)))
         model = load_model(ckpt_dir, args, placement, dtype)
         model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
         parallel.print0(f"Loaded in {time.perf_counter() - start:.2f} seconds")
