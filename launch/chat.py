@@ -6,7 +6,8 @@ Rank 0 reads your lines from stdin (a terminal or a pipe) and hands them to ever
 streams as it is generated. Commands: /system TEXT (set the system prompt; /system alone clears
 it), /reset (forget the conversation), /exit. Ctrl-C stops the current reply; Ctrl-D or the end
 of piped input ends every rank. In a terminal, Ctrl-C is read as a key rather than a signal, so
-torchrun does not take it as a request to stop the job.
+torchrun does not take it as a request to stop the job; with piped input under torchrun, Ctrl-C
+reaches torchrun and ends the job.
 """
 
 import os
@@ -19,12 +20,12 @@ from typing import Iterator, Optional, Union
 
 from llama_tp import Dialog, Llama
 from llama_tp.cli import run
-from llama_tp.parallel import broadcast_object, global_rank, print0
+from llama_tp.parallel import COLLECTIVE_TIMEOUT, broadcast_object, global_rank, print0
 
 CTRL_C = b"\x03"
 # While rank 0 waits for the user, the other ranks wait in a broadcast; rank 0 sends "still
 # waiting" this often so no collective runs into the process group's timeout.
-HEARTBEAT_SECONDS = 10.0
+HEARTBEAT_SECONDS = min(10.0, COLLECTIVE_TIMEOUT.total_seconds() / 3)
 WAITING = False  # broadcast while no line has arrived yet; None means end of input
 
 

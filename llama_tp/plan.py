@@ -86,8 +86,8 @@ def report(memory: MemoryPlan) -> str:
     lines = [
         f"Memory per process ({world_size} process{'es' * (world_size > 1)}, {memory.dtype_bytes}-byte "
         f"weights, batch {memory.max_batch_size} x {memory.max_seq_len} tokens):",
-        f"  weights   {memory.weight_bytes / GIB:9.2f} GiB  ({memory.params_per_rank / 1e9:.2f} of "
-        f"{memory.params_total / 1e9:.2f} billion parameters)",
+        f"  weights   {memory.weight_bytes / GIB:9.2f} GiB  ({_count(memory.params_per_rank)} of "
+        f"{_count(memory.params_total)} parameters)",
         f"  KV cache  {memory.kv_cache_bytes / GIB:9.2f} GiB  ({args.n_layers} layers x "
         f"{memory.kv_heads_per_rank} KV head{'s' * (memory.kv_heads_per_rank > 1)} here)",
         f"  logits    {memory.logits_bytes / GIB:9.2f} GiB  (fp32, for a prompt filling the context)",
@@ -108,6 +108,10 @@ def report(memory: MemoryPlan) -> str:
             f"work: {', '.join(map(str, working))}"
         )
     return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} billion" if n >= 1e8 else f"{n:,}"
 
 
 def main(params: str, world_size: int, max_batch_size: int, max_seq_len: int, dtype: str = "bf16",

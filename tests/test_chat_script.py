@@ -4,8 +4,9 @@ import pytest
 
 from llama_tp import Llama
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
-from torchrun import run_script
+from torchrun import one_thread, run_script  # noqa: F401  (a fixture)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 SESSION = "Hello there\n/system Always answer in French.\nHow are you?\n/reset\nZürich, 日本?\n"
 SYSTEM = {"role": "system", "content": "Always answer in French."}
 MAX_SEQ_LEN, MAX_GEN_LEN = 56, 8

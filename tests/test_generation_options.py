@@ -9,8 +9,10 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from llama_tp import Llama
 from llama_tp.sampling import SamplingOptions, adjust_logits, choose_next
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
+from torchrun import one_thread  # noqa: F401  (a fixture)
 
 PROMPTS = ["The quick brown fox", "Über den Wolken"]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ import pytest
 
 from llama_tp import Llama
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
-from torchrun import run_script
+from torchrun import one_thread, run_script  # noqa: F401  (a fixture)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["Simply put, the theory", "Grüße aus Zürich: 日本"]
 DIALOGS = [
     [{"role": "user", "content": "What is a llama?"}],

@@ -4,10 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from llama_tp import Llama
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA3, full_weights, write_checkpoint
-from torchrun import LAUNCH, ROOT, environment, free_port
+from torchrun import LAUNCH, ROOT, environment, free_port, one_thread  # noqa: F401  (a fixture)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["Two machines, one model:", "naïve café"]
 
 

@@ -67,7 +67,7 @@ def test_planner_command_line(monkeypatch, capsys):
                                       "--max_batch_size", "4", "--max_seq_len", "4096"])
     runpy.run_module("llama_tp.plan", run_name="__main__")
     printed = capsys.readouterr().out
-    assert "weights       16.06 GiB  (8.62 of 68.98 billion parameters)" in printed
+    assert "weights       16.06 GiB  (8.62 billion of 68.98 billion parameters)" in printed
     assert "KV cache       0.62 GiB  (80 layers x 1 KV head here)" in printed
     assert "8 divides the 64 query heads, 8 KV heads" in printed
 

@@ -7,10 +7,12 @@ from hypothesis import strategies as st
 from llama_tp import Llama
 from llama_tp.streaming import IncrementalDecoder, cut_at_stop
 from llama_tp.tokenizer import Tokenizer
+from torchrun import one_thread  # noqa: F401  (a fixture)
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, successor_weights, write_checkpoint
 
 # Byte-fallback tokens (the llama and the rare CJK character have no piece of their own),
 # SentencePiece's leading space, accents.
+pytestmark = pytest.mark.usefixtures("one_thread")
 FORCED_TEXT = "Zürich🦙 naïve 鱻 ok"
 
 

@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 
@@ -37,3 +40,12 @@ def run_script(script: str, nproc: int, *args: str, timeout: float = 120,
                             text=True, timeout=timeout)
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Sampling and tiny models are many small ops: on a small shared machine threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
