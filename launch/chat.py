@@ -126,6 +126,8 @@ def main(
     system: Optional[str] = None,
     top_k: Optional[int] = None,
     repetition_penalty: float = 1.0,
+    stop: Optional[list[str]] = None,
+    min_gen_len: int = 0,
     seed: Optional[int] = None,
 ):
     """Chat in the terminal (or from a pipe) with a chat model.
@@ -141,6 +143,8 @@ def main(
         system: a system prompt to start with (change it with /system TEXT).
         top_k: sample only among the k most likely tokens (default: no limit).
         repetition_penalty: >1 discourages tokens already in the dialog (1: off).
+        stop: strings that end a reply, e.g. '["User:"]'; the reply is cut before them.
+        min_gen_len: the end-of-turn token is impossible before this many tokens.
         seed: seed for sampling (default: the seed Llama.build sets).
     """
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1)
@@ -148,7 +152,7 @@ def main(
     if room >= max_seq_len:
         raise ValueError(f"max_gen_len {max_gen_len} leaves no room for a prompt in max_seq_len {max_seq_len}")
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
-                   repetition_penalty=repetition_penalty, seed=seed)
+                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     keyboard = Keyboard(sys.stdin.fileno()) if global_rank() == 0 else None
     print0("Commands: /system TEXT, /reset, /exit. Ctrl-C stops a reply; Ctrl-D ends the chat.\n")
     with keyboard.session() if keyboard else nullcontext():

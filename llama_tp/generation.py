@@ -107,7 +107,7 @@ class Llama:
 
     def _generate(self, prompt_tokens: list[list[int]], max_gen_len: int, options: SamplingOptions,
                   stop: tuple[str, ...], logprobs: bool = False, echo: bool = False,
-                  show_top: int = 0) -> "Generated":
+                  show_top: int = 0) -> Generated:
         """generate's work, in batches of max_batch_size, optionally keeping each step's top candidates."""
         size = self.model.max_batch_size
         result = Generated([], [], [])
@@ -123,7 +123,7 @@ class Llama:
     @torch.inference_mode()
     def _decode(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions,
                 stop: tuple[str, ...], generator: Optional[torch.Generator], logprobs: bool = False,
-                show_top: int = 0) -> Iterator["Batch"]:
+                show_top: int = 0) -> Iterator[Batch]:
         """Meta's schedule: decode from the shortest prompt; longer prompts feed their own tokens.
 
         Yields the batch before the first step and after every step, for streaming.
@@ -149,7 +149,7 @@ class Llama:
             if batch.all_ended:
                 break
 
-    def _next_tokens(self, batch: "Batch", logits: torch.Tensor, cur_pos: int, options: SamplingOptions,
+    def _next_tokens(self, batch: Batch, logits: torch.Tensor, cur_pos: int, options: SamplingOptions,
                      stop_tokens: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
         """The token at cur_pos of every row, from the last logits [bsz, vocab], with all options applied."""
         history = batch.tokens[:, :cur_pos] if options.repetition_penalty != 1.0 else None
