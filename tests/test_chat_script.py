@@ -1,10 +1,16 @@
 """A scripted launch/chat.py session over two processes, fed through a pipe."""
 
+import os
+import pty
+import select
+import signal
+import time
+
 import pytest
 
 from llama_tp import Llama
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
-from torchrun import one_thread, run_script  # noqa: F401  (a fixture)
+from torchrun import LAUNCH, ROOT, environment, one_thread, run_script, torchrun_command  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SESSION = "Hello there\n/system Always answer in French.\nHow are you?\n/reset\nZürich, 日本?\n"
@@ -48,3 +54,53 @@ def test_piped_session_over_two_processes(checkpoints):
         position = found + len(part)
     assert transcript.count("Assistant: ") == 3
     assert len({first, second, third}) == 3  # so the order above is checked
+
+
+def test_ctrl_c_in_a_terminal_stops_only_the_reply(checkpoints):
+    """In a terminal, torchrun would end the whole job on SIGINT; chat.py reads Ctrl-C as a key instead."""
+    command = torchrun_command(2, str(LAUNCH / "chat.py"), "--ckpt_dir", checkpoints[2], "--tokenizer_path",
+                               str(LLAMA2_TOKENIZER), "--temperature", "0", "--max_seq_len", "1024")
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: torchrun, with the pseudo-terminal as its controlling terminal
+        os.chdir(ROOT)
+        os.execve(command[0], command, environment())
+    screen, status = Screen(terminal), None
+    try:
+        screen.wait_for("You: ")
+        os.write(terminal, b"Hello\n")
+        screen.wait_for("Assistant: ")
+        os.write(terminal, b"\x03")  # Ctrl-C, long before the 768-token reply can end
+        screen.wait_for(" (stopped)\r\nYou: ")
+        os.write(terminal, b"/reset\n")
+        screen.wait_for("(conversation cleared)\r\nYou: ")
+        os.write(terminal, b"\x04")  # Ctrl-D
+        screen.wait_for("(end of input)")
+        _, status = os.waitpid(pid, 0)
+    finally:
+        if status is None:  # a step failed: stop torchrun, which stops its workers
+            os.kill(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)
+        os.close(terminal)
+    assert os.waitstatus_to_exitcode(status) == 0, screen.text
+
+
+class Screen:
+    """What a program writes to a pseudo-terminal, read until an expected text shows up."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.text = ""
+
+    def wait_for(self, expected: str, timeout: float = 60) -> None:
+        start = len(self.text)
+        deadline = time.monotonic() + timeout
+        while expected not in self.text[start:]:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"{expected!r} did not appear within {timeout} s:\n{self.text}"
+            if select.select([self.fd], [], [], remaining)[0]:
+                try:
+                    data = os.read(self.fd, 65536)
+                except OSError:  # Linux reports a pseudo-terminal whose program ended as EIO
+                    data = b""
+                assert data, f"the program ended before {expected!r} appeared:\n{self.text}"
+                self.text += data.decode(errors="replace")
