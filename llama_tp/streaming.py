@@ -14,7 +14,7 @@ def check_stop(stop: Optional[Sequence[str]]) -> tuple[str, ...]:
     """Stop strings as a tuple; a lone string or an empty one is a user mistake."""
     if stop is None:
         return ()
-    if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise ValueError(f"stop must be a list of strings, e.g. ['\\n\\n'], found {stop!r}")
     if any(s == "" for s in stop):
         raise ValueError(f"stop strings must not be empty, found {list(stop)!r}")

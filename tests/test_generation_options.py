@@ -113,7 +113,7 @@ def test_show_top_lists_what_greedy_chose(llama):
 
 
 @pytest.mark.parametrize("option, value", [
-    ("top_k", -1), ("repetition_penalty", 0.0), ("min_gen_len", -2), ("seed", "7"), ("stop", "abc"), ("stop", [""]),
+    ("top_k", -1), ("repetition_penalty", 0.0), ("min_gen_len", -2), ("seed", "7"), ("stop", "abc"), ("stop", 5), ("stop", [""]),
 ])
 def test_bad_options_raise_value_errors_naming_them(llama, option, value):
     with pytest.raises(ValueError, match=option if option != "stop" else "stop"):
