@@ -52,14 +52,6 @@ def test_text_completion_script_matches_api(tmp_path, checkpoints, api):
     assert all(len(r["token_ids"]) == 6 for r in records)
 
 
-def test_text_completion_script_streams_like_the_api_over_two_processes(tmp_path, checkpoints, api):
-    records = run_with_files(tmp_path, checkpoints, "text_completion.py", 2, PROMPTS, "--stream")
-    for record, prompt in zip(records, PROMPTS):
-        stream = api.stream_text_completion(prompt, temperature=0, max_gen_len=6)
-        assert "".join(stream) == record["generation"] == stream.text
-        assert record["token_ids"] == stream.tokens
-
-
 def test_chat_completion_script_matches_api_over_two_processes(tmp_path, checkpoints, api):
     records = run_with_files(tmp_path, checkpoints, "chat_completion.py", 2, DIALOGS)
     expected = api.chat_completion(DIALOGS, temperature=0, max_gen_len=6, token_ids=True)

@@ -1,4 +1,7 @@
-"""Two torchrun agents on 127.0.0.1, as two machines would run them, give one process's greedy tokens."""
+"""Two torchrun agents on 127.0.0.1, as two machines would run them, give one process's greedy tokens.
+
+The job streams (--stream), which also covers the text script's streaming path over two processes.
+"""
 
 import json
 import subprocess
@@ -28,7 +31,7 @@ def test_two_node_job_matches_one_process(tmp_path):
             "--rdzv_conf", f"is_host={int(node_rank == 0)}",
             str(LAUNCH / "text_completion.py"), "--ckpt_dir", str(two), "--tokenizer_path", str(LLAMA2_TOKENIZER),
             "--prompts_file", str(tmp_path / "prompts.json"), "--output_json", str(tmp_path / f"node{node_rank}.json"),
-            "--temperature", "0", "--max_seq_len", "48", "--max_gen_len", "8", "--max_batch_size", "2",
+            "--temperature", "0", "--max_seq_len", "48", "--max_gen_len", "8", "--max_batch_size", "2", "--stream",
         ]
         agents.append(subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True))
@@ -46,6 +49,9 @@ def test_two_node_job_matches_one_process(tmp_path):
     assert len(written) == 1
 
     single = Llama.build(str(one), str(LLAMA2_TOKENIZER), max_seq_len=48, max_batch_size=2)
-    expected = single.text_completion(PROMPTS, temperature=0, max_gen_len=8, token_ids=True)
-    assert [r["token_ids"] for r in written[0]] == [e["token_ids"] for e in expected]
-    assert all(len(r["token_ids"]) == 8 for r in written[0])
+    for record, prompt in zip(written[0], PROMPTS):
+        stream = single.stream_text_completion(prompt, temperature=0, max_gen_len=8)
+        assert "".join(stream) == record["generation"] == stream.text
+        assert record["token_ids"] == stream.tokens and len(stream.tokens) == 8
+    printed = "".join(outputs)
+    assert all(printed.count(record["generation"]) == 1 for record in written[0])  # rank 0 alone printed
