@@ -21,6 +21,8 @@ from typing import Iterator, Optional, Union
 from llama_tp import Dialog, Llama
 from llama_tp.cli import run
 from llama_tp.parallel import COLLECTIVE_TIMEOUT, broadcast_object, global_rank, print0
+from llama_tp.sampling import SamplingOptions
+from llama_tp.streaming import check_stop
 
 CTRL_C = b"\x03"
 # While rank 0 waits for the user, the other ranks wait in a broadcast; rank 0 sends "still
@@ -147,10 +149,16 @@ def main(
         min_gen_len: the end-of-turn token is impossible before this many tokens.
         seed: seed for sampling (default: the seed Llama.build sets).
     """
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1)
     room = max_gen_len or max_seq_len // 4
     if room >= max_seq_len:
-        raise ValueError(f"max_gen_len {max_gen_len} leaves no room for a prompt in max_seq_len {max_seq_len}")
+        raise ValueError(
+            f"max_gen_len {max_gen_len} leaves no room for a prompt in max_seq_len {max_seq_len}; "
+            "lower --max_gen_len or raise --max_seq_len"
+        )
+    # Mistakes in the options surface now rather than at the first reply.
+    SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed).check()
+    check_stop(stop)
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     keyboard = Keyboard(sys.stdin.fileno()) if global_rank() == 0 else None
