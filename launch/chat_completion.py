@@ -1,4 +1,4 @@
-"""Answer a few example dialogs with a Llama chat checkpoint split across the torchrun processes.
+"""Answer dialogs (a few examples, or --prompts_file) with a Llama chat checkpoint split across the torchrun processes.
 
     torchrun --nproc_per_node N launch/chat_completion.py --ckpt_dir DIR --tokenizer_path FILE
 """
@@ -8,6 +8,7 @@ from typing import Optional
 from llama_tp import Dialog, Llama
 from llama_tp.cli import run
 from llama_tp.parallel import print0
+from llama_tp.prompts import load_prompts, prompt_record, write_json
 
 EXAMPLE_DIALOGS: list[Dialog] = [
     [{"role": "user", "content": "what is the recipe of mayonnaise?"}],
@@ -40,8 +41,16 @@ def main(
     max_seq_len: int = 512,
     max_batch_size: int = 4,
     max_gen_len: Optional[int] = None,
+    prompts_file: Optional[str] = None,
+    output_json: Optional[str] = None,
+    top_k: Optional[int] = None,
+    repetition_penalty: float = 1.0,
+    stop: Optional[list[str]] = None,
+    min_gen_len: int = 0,
+    seed: Optional[int] = None,
+    stream: bool = False,
 ):
-    """Print each example dialog and the model's reply.
+    """Print each dialog and the model's reply.
 
     Args:
         ckpt_dir: folder with params.json and consolidated.XX.pth shards.
@@ -51,16 +60,39 @@ def main(
         max_seq_len: longest dialog plus reply, in tokens.
         max_batch_size: dialogs decoded together.
         max_gen_len: most tokens per reply; by default up to the end of the context.
+        prompts_file: a JSON list of dialogs, each a list of {"role", "content"} messages;
+            without it, a few built-in examples.
+        output_json: rank 0 writes a JSON list here, per dialog {prompt, generation, token_ids}.
+        top_k: sample only among the k most likely tokens (default: no limit).
+        repetition_penalty: >1 discourages tokens already in the dialog (1: off).
+        stop: strings that end a reply, e.g. '["User:"]'; the reply is cut before them.
+        min_gen_len: the end-of-turn token is impossible before this many tokens.
+        seed: seed for this run's sampling (default: the seed Llama.build sets).
+        stream: print each reply as it is generated (dialogs then run one at a time).
     """
+    dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size)
-    results = generator.chat_completion(
-        EXAMPLE_DIALOGS, max_gen_len=max_gen_len, temperature=temperature, top_p=top_p
-    )
-    for dialog, result in zip(EXAMPLE_DIALOGS, results):
+    options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
+                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
+    results = [] if stream else generator.chat_completion(dialogs, token_ids=True, **options)
+    records = []
+    for index, dialog in enumerate(dialogs):
         for message in dialog:
             print0(f"{message['role'].capitalize()}: {message['content']}\n")
-        print0(f"> {result['generation']['role'].capitalize()}: {result['generation']['content']}")
+        print0("> Assistant: ", end="")
+        if stream:
+            pieces = generator.stream_chat_completion(dialog, **options)
+            for piece in pieces:
+                print0(piece, end="")
+            print0()
+            text, token_ids = pieces.text, pieces.tokens
+        else:
+            text, token_ids = results[index]["generation"]["content"], results[index]["token_ids"]
+            print0(text)
         print0("\n==================================\n")
+        records.append(prompt_record(dialog, text, token_ids))
+    if output_json:
+        write_json(output_json, records)
 
 
 if __name__ == "__main__":

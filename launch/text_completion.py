@@ -1,11 +1,14 @@
-"""Complete a few text prompts with a Llama checkpoint split across the torchrun processes.
+"""Complete text prompts (a few examples, or --prompts_file) with a Llama checkpoint split across the torchrun processes.
 
     torchrun --nproc_per_node N launch/text_completion.py --ckpt_dir DIR --tokenizer_path FILE
 """
 
+from typing import Optional
+
 from llama_tp import Llama
 from llama_tp.cli import run
 from llama_tp.parallel import print0
+from llama_tp.prompts import load_prompts, prompt_record, write_json
 
 EXAMPLE_PROMPTS = [
     # For these prompts, the expected answer is the natural continuation of the prompt
@@ -34,8 +37,17 @@ def main(
     max_seq_len: int = 128,
     max_gen_len: int = 64,
     max_batch_size: int = 4,
+    prompts_file: Optional[str] = None,
+    output_json: Optional[str] = None,
+    top_k: Optional[int] = None,
+    repetition_penalty: float = 1.0,
+    stop: Optional[list[str]] = None,
+    min_gen_len: int = 0,
+    seed: Optional[int] = None,
+    stream: bool = False,
+    show_top: int = 0,
 ):
-    """Print a completion of each example prompt.
+    """Print a completion of each prompt.
 
     Args:
         ckpt_dir: folder with params.json and consolidated.XX.pth shards.
@@ -45,15 +57,50 @@ def main(
         max_seq_len: longest prompt plus generation, in tokens.
         max_gen_len: most tokens generated per prompt.
         max_batch_size: prompts decoded together.
+        prompts_file: a JSON list of prompt strings; without it, a few built-in examples.
+        output_json: rank 0 writes a JSON list here, per prompt {prompt, generation, token_ids}.
+        top_k: sample only among the k most likely tokens (default: no limit).
+        repetition_penalty: >1 discourages tokens already in the text (1: off).
+        stop: strings that end a completion, e.g. '["\\n\\n"]'; the text is cut before them.
+        min_gen_len: the end-of-text token is impossible before this many tokens.
+        seed: seed for this run's sampling (default: the seed Llama.build sets).
+        stream: print each completion as it is generated (prompts then run one at a time).
+        show_top: for each token of the first completion, print the N most likely candidates.
     """
+    if stream and show_top:
+        raise ValueError("--show_top lists candidates after generation; run it without --stream")
+    prompts = load_prompts(prompts_file, "text") if prompts_file else EXAMPLE_PROMPTS
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size)
-    results = generator.text_completion(
-        EXAMPLE_PROMPTS, max_gen_len=max_gen_len, temperature=temperature, top_p=top_p
-    )
-    for prompt, result in zip(EXAMPLE_PROMPTS, results):
-        print0(prompt)
-        print0(f"> {result['generation']}")
-        print0("\n==================================\n")
+    options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
+                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
+    records = []
+    if stream:
+        for prompt in prompts:
+            print0(prompt)
+            print0("> ", end="")
+            pieces = generator.stream_text_completion(prompt, **options)
+            for piece in pieces:
+                print0(piece, end="")
+            print0("\n\n==================================\n")
+            records.append(prompt_record(prompt, pieces.text, pieces.tokens))
+    else:
+        results = generator.text_completion(prompts, show_top=show_top, token_ids=True, **options)
+        for prompt, result in zip(prompts, results):
+            print0(prompt)
+            print0(f"> {result['generation']}")
+            print0("\n==================================\n")
+            records.append(prompt_record(prompt, result["generation"], result["token_ids"]))
+        if show_top:
+            print_top(results[0]["top"])
+    if output_json:
+        write_json(output_json, records)
+
+
+def print_top(steps: list[list[tuple[str, float]]]) -> None:
+    """One line per generated token of the first prompt: the candidates, most likely first."""
+    print0("Most likely candidates at each step of the first completion:")
+    for index, candidates in enumerate(steps):
+        print0(f"{index:4d}  " + "  ".join(f"{token!r} {prob:.3f}" for token, prob in candidates))
 
 
 if __name__ == "__main__":

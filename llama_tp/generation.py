@@ -5,33 +5,34 @@ Every rank calls the same methods with the same arguments in lockstep and gets t
 
 import time
 from pathlib import Path
-from typing import Optional, TypedDict
+from typing import Iterator, Optional, TypedDict
 
 import torch
 import torch.nn.functional as F
 
 from . import parallel
 from .args import ModelArgs
+from .batch import NO_TOKEN, Batch, Generated
 from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
 from .checkpoint import load_model, shard_paths
 from .model import Transformer
-from .sampling import next_token
+from .sampling import SamplingOptions, choose_next, top_candidates
+from .streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
 from .tokenizer import load_tokenizer
-
-# Fills the not-yet-generated positions; never a real token id, ignored by the logprob loss.
-NO_TOKEN = -1
-
 
 class CompletionPrediction(TypedDict, total=False):
     generation: str
     tokens: list[str]  # not required
     logprobs: list[float]  # not required
+    top: list[list[tuple[str, float]]]  # with show_top: each step's most likely candidates
+    token_ids: list[int]  # with token_ids=True
 
 
 class ChatPrediction(TypedDict, total=False):
     generation: Message
     tokens: list[str]  # not required
     logprobs: list[float]  # not required
+    token_ids: list[int]  # with token_ids=True
 
 
 class Llama:
@@ -63,6 +64,10 @@ class Llama:
 
         start = time.perf_counter()
         dtype = parallel.resolve_dtype(dtype, placement.device)
+        # Imported here: `python -m llama_tp.plan` must not find the module already imported by the package.
+        from .plan import plan, report
+
+        parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype)))
         model = load_model(ckpt_dir, args, placement, dtype)
         model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
         parallel.print0(f"Loaded in {time.perf_counter() - start:.2f} seconds")
@@ -82,69 +87,84 @@ class Llama:
         top_p: float = 0.9,
         logprobs: bool = False,
         echo: bool = False,
+        top_k: Optional[int] = None,
+        repetition_penalty: float = 1.0,
+        stop: Optional[list[str]] = None,
+        min_gen_len: int = 0,
+        seed: Optional[int] = None,
     ) -> tuple[list[list[int]], Optional[list[list[float]]]]:
         """Continue each prompt by up to max_gen_len tokens, stopping at the tokenizer's stop tokens.
 
         More prompts than max_batch_size are run in consecutive batches.
         Returns the generated tokens (prompt included with echo) and, with logprobs, the log
-        probability of each returned token.
+        probability of each returned token. A row that produces one of the `stop` strings ends
+        with the token that completed it (text_completion then cuts the text before the string).
         """
-        self._check_generate_args(prompt_tokens, max_gen_len, temperature, top_p)
-        batch = self.model.max_batch_size
-        all_tokens, all_logprobs = [], []
-        for first in range(0, len(prompt_tokens), batch):
-            tokens, token_logprobs = self._generate_batch(
-                prompt_tokens[first : first + batch], max_gen_len, temperature, top_p, logprobs, echo
-            )
-            all_tokens += tokens
-            all_logprobs += token_logprobs
-        return all_tokens, (all_logprobs if logprobs else None)
+        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        stop = check_stop(stop)
+        self._check_generate_args(prompt_tokens, max_gen_len, options)
+        generated = self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo)
+        return generated.tokens, (generated.logprobs if logprobs else None)
 
-    def _generate_batch(self, prompts: list[list[int]], max_gen_len: int, temperature: float,
-                        top_p: float, logprobs: bool, echo: bool) -> tuple[list[list[int]], list[list[float]]]:
-        """Meta's schedule: decode from the shortest prompt; longer prompts feed their own tokens."""
-        device = self.model.rotary.device
-        bsz = len(prompts)
-        lengths = [len(p) for p in prompts]
-        total_len = min(self.model.max_seq_len, max_gen_len + max(lengths))
-        tokens = torch.full((bsz, total_len), NO_TOKEN, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
-        is_prompt = torch.arange(total_len, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
-        token_logprobs = torch.zeros(bsz, total_len, dtype=torch.float, device=device)
-        stop_tokens = torch.tensor(sorted(self.tokenizer.stop_tokens), device=device)
-        stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
+    def _generate(self, prompt_tokens: list[list[int]], max_gen_len: int, options: SamplingOptions,
+                  stop: tuple[str, ...], logprobs: bool = False, echo: bool = False,
+                  show_top: int = 0) -> Generated:
+        """generate's work, in batches of max_batch_size, optionally keeping each step's top candidates."""
+        size = self.model.max_batch_size
+        result = Generated([], [], [])
+        generator = options.generator(self.model.rotary.device)  # one per call: batches continue it
+        for first in range(0, len(prompt_tokens), size):
+            steps = self._decode(prompt_tokens[first : first + size], max_gen_len, options, stop,
+                                 generator, logprobs, show_top)
+            for batch in steps:
+                pass
+            batch.collect(result, echo)
+        return result
 
+    @torch.inference_mode()
+    def _decode(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions,
+                stop: tuple[str, ...], generator: Optional[torch.Generator], logprobs: bool = False,
+                show_top: int = 0) -> Iterator[Batch]:
+        """Meta's schedule: decode from the shortest prompt; longer prompts feed their own tokens.
+
+        Yields the batch before the first step and after every step, for streaming.
+        """
+        batch = Batch.start(prompts, max_gen_len, self.model.max_seq_len, self.model.rotary.device, show_top)
+        stop_tokens = torch.tensor(sorted(self.tokenizer.stop_tokens), device=batch.tokens.device)
+        yield batch
         prev_pos = 0
-        min_len = min(lengths)
-        if min_len == total_len > 1 and logprobs:  # nothing to generate: score the prompts
-            logits = self.model.forward(tokens[:, :-1], 0)
-            token_logprobs[:, 1:] = _logprobs_of(logits, tokens[:, 1:])
-        for cur_pos in range(min_len, total_len):
-            logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos)
-            sampled = next_token(logits[:, -1], temperature, top_p)
-            sampled = torch.where(is_prompt[:, cur_pos], tokens[:, cur_pos], sampled)
-            tokens[:, cur_pos] = sampled
+        min_len = min(batch.lengths)
+        if min_len == batch.total_len > 1 and logprobs:  # nothing to generate: score the prompts
+            logits = self.model.forward(batch.tokens[:, :-1], 0)
+            batch.token_logprobs[:, 1:] = _logprobs_of(logits, batch.tokens[:, 1:])
+        for cur_pos in range(min_len, batch.total_len):
+            logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos)
+            batch.tokens[:, cur_pos] = self._next_tokens(batch, logits[:, -1], cur_pos, options, stop_tokens, generator)
             if logprobs:
-                token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _logprobs_of(logits, tokens[:, prev_pos + 1 : cur_pos + 1])
-            stopped |= ~is_prompt[:, cur_pos] & torch.isin(sampled, stop_tokens)
+                batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _logprobs_of(
+                    logits, batch.tokens[:, prev_pos + 1 : cur_pos + 1]
+                )
+            batch.end_rows(cur_pos, stop_tokens, stop, self.tokenizer)
             prev_pos = cur_pos
-            if bool(stopped.all()):
+            yield batch
+            if batch.all_ended:
                 break
 
-        out_tokens, out_logprobs = [], []
-        for row, (row_tokens, row_logprobs) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
-            prompt_len = lengths[row]
-            end = prompt_len + max_gen_len
-            # Cut at the first stop token among the generated ones (a chat prompt may hold some).
-            for position in range(prompt_len, min(end, total_len)):
-                if row_tokens[position] in self.tokenizer.stop_tokens:
-                    end = position
-                    break
-            start = 0 if echo else prompt_len
-            out_tokens.append(row_tokens[start:end])
-            out_logprobs.append(row_logprobs[start:end])
-        return out_tokens, out_logprobs
+    def _next_tokens(self, batch: Batch, logits: torch.Tensor, cur_pos: int, options: SamplingOptions,
+                     stop_tokens: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+        """The token at cur_pos of every row, from the last logits [bsz, vocab], with all options applied."""
+        history = batch.tokens[:, :cur_pos] if options.repetition_penalty != 1.0 else None
+        suppress = None
+        if options.min_gen_len:
+            too_early = cur_pos - batch.lengths_tensor < options.min_gen_len  # bsz
+            suppress = torch.zeros_like(logits, dtype=torch.bool)
+            suppress[:, stop_tokens] = too_early[:, None]
+        sampled = choose_next(logits, options, history, suppress, generator)
+        if batch.top_ids is not None:
+            batch.top_ids[:, cur_pos], batch.top_probs[:, cur_pos] = top_candidates(
+                logits, options, batch.top_ids.shape[-1], history, suppress
+            )
+        return torch.where(batch.is_prompt[:, cur_pos], batch.tokens[:, cur_pos], sampled)
 
     def text_completion(
         self,
@@ -154,20 +174,41 @@ class Llama:
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
         echo: bool = False,
+        top_k: Optional[int] = None,
+        repetition_penalty: float = 1.0,
+        stop: Optional[list[str]] = None,
+        min_gen_len: int = 0,
+        seed: Optional[int] = None,
+        show_top: int = 0,
+        token_ids: bool = False,
     ) -> list[CompletionPrediction]:
-        """Continue each text prompt; max_gen_len defaults to the whole context."""
+        """Continue each text prompt; max_gen_len defaults to the whole context.
+
+        The text ends before the first `stop` string. With show_top N, each result's "top" lists,
+        for every generated token, the N most likely candidates and their probabilities; with
+        token_ids, "token_ids" holds the generated token ids.
+        """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
+        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        stop = check_stop(stop)
         prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
-        generation_tokens, generation_logprobs = self.generate(
-            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo
-        )
+        self._check_generate_args(prompt_tokens, max_gen_len, options)
+        generated = self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top)
         results = []
-        for row, tokens in enumerate(generation_tokens):
-            result: CompletionPrediction = {"generation": self.tokenizer.decode(tokens)}
+        for row, tokens in enumerate(generated.tokens):
+            # With echo, a stop string inside the prompt does not count.
+            start = len(self.tokenizer.decode(prompt_tokens[row])) if echo else 0
+            result: CompletionPrediction = {"generation": cut_at_stop(self.tokenizer.decode(tokens), stop, start)}
             if logprobs:
                 result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
-                result["logprobs"] = generation_logprobs[row]
+                result["logprobs"] = generated.logprobs[row]
+            if token_ids:
+                result["token_ids"] = tokens
+            if show_top:
+                result["top"] = [
+                    [(self.tokenizer.decode([t]), p) for t, p in step] for step in generated.top[row]
+                ]
             results.append(result)
         return results
 
@@ -178,36 +219,110 @@ class Llama:
         top_p: float = 0.9,
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
+        top_k: Optional[int] = None,
+        repetition_penalty: float = 1.0,
+        stop: Optional[list[str]] = None,
+        min_gen_len: int = 0,
+        seed: Optional[int] = None,
+        token_ids: bool = False,
     ) -> list[ChatPrediction]:
-        """The assistant's next message for each dialog, in the chat format the tokenizer implies."""
+        """The assistant's next message for each dialog, in the chat format the tokenizer implies.
+
+        With token_ids, "token_ids" holds the generated token ids (none for a refused dialog).
+        """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
+        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        stop = check_stop(stop)
         prompt_tokens = [self.formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
-        generated, generated_logprobs = self.generate(
-            [prompt_tokens[row] for row in safe], max_gen_len, temperature, top_p, logprobs
-        ) if safe else ([], [])
+        safe_tokens = [prompt_tokens[row] for row in safe]
+        self._check_generate_args(safe_tokens, max_gen_len, options)
+        generated = self._generate(safe_tokens, max_gen_len, options, stop, logprobs) if safe else Generated([], [], [])
         results: list[ChatPrediction] = [
             {"generation": {"role": "assistant", "content": UNSAFE_ERROR}} for _ in dialogs
         ]
-        for row, tokens in zip(safe, generated):
-            results[row] = {"generation": {"role": "assistant", "content": self.tokenizer.decode(tokens)}}
+        for row, tokens in zip(safe, generated.tokens):
+            content = cut_at_stop(self.tokenizer.decode(tokens), stop)
+            results[row] = {"generation": {"role": "assistant", "content": content}}
+        if token_ids:
+            for result in results:
+                result["token_ids"] = []
+            for row, tokens in zip(safe, generated.tokens):
+                results[row]["token_ids"] = tokens
         if logprobs:
             for result in results:
                 result["tokens"], result["logprobs"] = [], []
-            for index, (row, tokens) in enumerate(zip(safe, generated)):
+            for index, (row, tokens) in enumerate(zip(safe, generated.tokens)):
                 results[row]["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
-                results[row]["logprobs"] = generated_logprobs[index]
+                results[row]["logprobs"] = generated.logprobs[index]
         return results
 
+    def stream_text_completion(
+        self,
+        prompt: str,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        top_k: Optional[int] = None,
+        repetition_penalty: float = 1.0,
+        stop: Optional[list[str]] = None,
+        min_gen_len: int = 0,
+        seed: Optional[int] = None,
+    ) -> TextStream:
+        """text_completion of one prompt as a stream of text pieces (see TextStream)."""
+        prompt_tokens = self.tokenizer.encode(prompt, bos=True, eos=False)
+        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        return self._stream(prompt_tokens, max_gen_len, options, stop)
+
+    def stream_chat_completion(
+        self,
+        dialog: Dialog,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        top_k: Optional[int] = None,
+        repetition_penalty: float = 1.0,
+        stop: Optional[list[str]] = None,
+        min_gen_len: int = 0,
+        seed: Optional[int] = None,
+    ) -> TextStream:
+        """The assistant's reply to one dialog as a stream of text pieces (see TextStream)."""
+        prompt_tokens = self.formatter.encode_dialog_prompt(dialog)
+        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        if self.formatter.is_unsafe(dialog):
+            options.check()
+            return TextStream(_refusal)
+        return self._stream(prompt_tokens, max_gen_len, options, stop)
+
+    def _stream(self, prompt_tokens: list[int], max_gen_len: Optional[int], options: SamplingOptions,
+                stop: Optional[list[str]]) -> TextStream:
+        """Check the arguments now, then generate lazily, one piece per step that completes text."""
+        if max_gen_len is None:
+            max_gen_len = self.model.max_seq_len - 1
+        stop = check_stop(stop)
+        self._check_generate_args([prompt_tokens], max_gen_len, options)
+
+        def run(stream: TextStream) -> Iterator[str]:
+            decoder = IncrementalDecoder(self.tokenizer, stop)
+            generator = options.generator(self.model.rotary.device)
+            for batch in self._decode([prompt_tokens], max_gen_len, options, stop, generator):
+                piece = decoder.push(batch.generated(0))
+                if piece:
+                    yield piece
+            stream.tokens = batch.generated(0)
+            stream.text = cut_at_stop(self.tokenizer.decode(stream.tokens), stop)
+            piece = decoder.finish(stream.text)
+            if piece:
+                yield piece
+
+        return TextStream(run)
+
     def _check_generate_args(self, prompt_tokens: list[list[int]], max_gen_len: int,
-                             temperature: float, top_p: float) -> None:
+                             options: SamplingOptions) -> None:
         if not isinstance(max_gen_len, int) or max_gen_len < 1:
             raise ValueError(f"max_gen_len must be a positive integer, found {max_gen_len!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be 0 (greedy) or more, found {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], found {top_p}")
+        options.check()
         vocab = self.model.args.vocab_size
         for row, prompt in enumerate(prompt_tokens):
             if len(prompt) == 0:
@@ -219,6 +334,12 @@ class Llama:
                 )
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {row} holds a token id outside [0, {vocab})")
+
+
+def _refusal(stream: TextStream) -> Iterator[str]:
+    """What stream_chat_completion yields for a dialog that smuggles in control tags."""
+    stream.text = UNSAFE_ERROR
+    yield UNSAFE_ERROR
 
 
 def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,49 @@
-"""Choosing the next token from logits: greedy, temperature and nucleus (top-p) sampling."""
+"""Choosing the next token from logits: greedy, temperature, top-k and nucleus (top-p) sampling,
+with Hugging Face's repetition penalty and a minimum length before stop tokens are allowed."""
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 
-def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How the next token is chosen; the defaults are Meta's reference behaviour."""
+
+    temperature: float = 0.6  # 0 is greedy
+    top_p: float = 0.9
+    top_k: Optional[int] = None  # None or 0: no top-k cut
+    repetition_penalty: float = 1.0  # 1: none; >1 discourages tokens already in the row (CTRL's rule)
+    min_gen_len: int = 0  # stop tokens are impossible before this many tokens are generated
+    seed: Optional[int] = None  # None: the global generator seeded by Llama.build
+
+    def check(self) -> None:
+        """Raise ValueError naming the first option out of range."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be 0 (greedy) or more, found {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], found {self.top_p}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be a positive integer (or 0/None for no cut), found {self.top_k!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be positive (1 for none, e.g. 1.2 to discourage "
+                f"repeats), found {self.repetition_penalty}"
+            )
+        if not isinstance(self.min_gen_len, int) or self.min_gen_len < 0:
+            raise ValueError(f"min_gen_len must be a non-negative integer, found {self.min_gen_len!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, found {self.seed!r}")
+
+    def generator(self, device: torch.device) -> Optional[torch.Generator]:
+        """A private random generator for a per-call seed, or None for the global one."""
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+
+def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Sample from the smallest set of most likely tokens whose probability reaches p.
 
     probs [bsz, vocab] -> token ids [bsz, 1].
@@ -13,13 +53,54 @@ def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
     # A token stays if the tokens ranked above it have not reached p yet; the first always stays.
     probs_sorted = probs_sorted.masked_fill(mass_before >= p, 0.0)
     probs_sorted.div_(probs_sorted.sum(dim=-1, keepdim=True))
-    choice = torch.multinomial(probs_sorted, num_samples=1)
+    choice = torch.multinomial(probs_sorted, num_samples=1, generator=generator)
     return torch.gather(order, -1, choice)
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """logits [bsz, vocab] -> token ids [bsz]; temperature 0 is greedy."""
-    if temperature == 0:
+    return choose_next(logits, SamplingOptions(temperature=temperature, top_p=top_p))
+
+
+def adjust_logits(logits: torch.Tensor, options: SamplingOptions, history: Optional[torch.Tensor] = None,
+                  suppress: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Apply the repetition penalty and the stop-token ban to logits [bsz, vocab].
+
+    history [bsz, n]: each row's tokens so far (negative ids are ignored).
+    suppress [bsz, vocab] bool: tokens that must not be chosen (stop tokens before min_gen_len).
+    """
+    if options.repetition_penalty != 1.0 and history is not None and history.numel():
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        valid = history >= 0
+        seen.scatter_(1, history.clamp(min=0), valid)
+        # CTRL (Keskar et al. 2019), as in transformers: shrink positive logits, grow negative ones.
+        penalised = torch.where(logits > 0, logits / options.repetition_penalty, logits * options.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if suppress is not None:
+        logits = logits.masked_fill(suppress, float("-inf"))
+    return logits
+
+
+def choose_next(logits: torch.Tensor, options: SamplingOptions, history: Optional[torch.Tensor] = None,
+                suppress: Optional[torch.Tensor] = None,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The next token of each row: logits [bsz, vocab] -> token ids [bsz], with every option applied."""
+    logits = adjust_logits(logits, options, history, suppress)
+    if options.temperature == 0:
         return torch.argmax(logits, dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return sample_top_p(probs, top_p).reshape(-1)
+    logits = logits / options.temperature
+    if options.top_k:
+        kth_best = torch.topk(logits, min(options.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return sample_top_p(probs, options.top_p, generator).reshape(-1)
+
+
+def top_candidates(logits: torch.Tensor, options: SamplingOptions, n: int, history: Optional[torch.Tensor] = None,
+                   suppress: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n most likely next tokens and their probabilities, [bsz, n] each, as the sampler saw them
+    (after penalties and temperature; at temperature 0, the plain softmax)."""
+    logits = adjust_logits(logits, options, history, suppress)
+    probs = torch.softmax(logits / (options.temperature or 1.0), dim=-1)
+    values, ids = torch.topk(probs, min(n, probs.shape[-1]), dim=-1)
+    return ids, values

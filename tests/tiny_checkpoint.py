@@ -66,3 +66,23 @@ def write_checkpoint(directory: Path, params: dict, weights: dict[str, torch.Ten
         shard["rope.freqs"] = rope_freqs.to(torch.bfloat16)  # as real Llama 2 shards carry it
         torch.save(shard, directory / f"consolidated.{rank:02d}.pth")
     return directory
+
+
+def successor_weights(params: dict, vocab_size: int, successor: dict[int, int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Weights of a model whose greedy choice after token t is successor[t], to force known output.
+
+    Every block's output projections are zero, so each position's state is its own token's
+    embedding; the output row of successor[t] points along t's embedding.
+    """
+    weights = full_weights(params, vocab_size, seed)
+    for name in weights:
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+        elif name.endswith("norm.weight"):
+            weights[name] = torch.ones_like(weights[name])
+    embeddings = weights["tok_embeddings.weight"].float()
+    output = torch.zeros_like(embeddings)
+    for token, following in successor.items():
+        output[following] = 4.0 * embeddings[token] / embeddings[token].norm()
+    weights["output.weight"] = output.to(torch.bfloat16)
+    return weights

@@ -1,0 +1,225 @@
+"""Chat with a Llama chat checkpoint split across the torchrun processes, one turn at a time.
+
+    torchrun --nproc_per_node N launch/chat.py --ckpt_dir DIR --tokenizer_path FILE
+
+Rank 0 reads your lines from stdin (a terminal or a pipe) and hands them to every rank; the reply
+streams as it is generated. Commands: /system TEXT (set the system prompt; /system alone clears
+it), /reset (forget the conversation), /exit. Ctrl-C stops the current reply; Ctrl-D or the end
+of piped input ends every rank. In a terminal, Ctrl-C is read as a key rather than a signal, so
+torchrun does not take it as a request to stop the job; with piped input under torchrun, Ctrl-C
+reaches torchrun and ends the job.
+"""
+
+import os
+import select
+import signal
+import sys
+import termios
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Optional, Union
+
+from llama_tp import Dialog, Llama
+from llama_tp.cli import run
+from llama_tp.parallel import COLLECTIVE_TIMEOUT, broadcast_object, global_rank, print0
+from llama_tp.sampling import SamplingOptions
+from llama_tp.streaming import check_stop
+
+CTRL_C = b"\x03"
+# While rank 0 waits for the user, the other ranks wait in a broadcast; rank 0 sends "still
+# waiting" this often so no collective runs into the process group's timeout.
+HEARTBEAT_SECONDS = min(10.0, COLLECTIVE_TIMEOUT.total_seconds() / 3)
+WAITING = False  # broadcast while no line has arrived yet; None means end of input
+
+
+class Keyboard:
+    """Rank 0's stdin: whole lines (with a time limit, for the heartbeat) and Ctrl-C during replies."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.buffer = b""
+        self.closed = False
+        self.interrupted = False
+        self.tty = os.isatty(fd)
+        self.saved_mode = termios.tcgetattr(fd) if self.tty else None
+        # A signal only reaches us when run without torchrun (e.g. python launch/chat.py < file).
+        signal.signal(signal.SIGINT, self._on_interrupt)
+
+    def _on_interrupt(self, signum, frame) -> None:
+        self.interrupted = True
+
+    def read_line(self, timeout: float) -> Union[str, None, bool]:
+        """The next line, None at end of input, or WAITING if none arrived within timeout."""
+        while b"\n" not in self.buffer and not self.closed:
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                return WAITING
+            data = os.read(self.fd, 65536)
+            self.buffer += data
+            self.closed = not data
+        if not self.buffer:
+            return None
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode("utf-8", errors="replace")
+
+    def ctrl_c_pressed(self) -> bool:
+        """Whether Ctrl-C came since the reply began (keys typed meanwhile are dropped)."""
+        if self.tty and select.select([self.fd], [], [], 0)[0]:
+            self.interrupted |= CTRL_C in os.read(self.fd, 65536)
+        return self.interrupted
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """In a terminal, make Ctrl-C a key (not a signal to torchrun); restore the terminal after."""
+        if self.tty:
+            mode = termios.tcgetattr(self.fd)
+            mode[3] &= ~termios.ISIG
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, mode)
+        try:
+            yield
+        finally:
+            if self.tty:
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved_mode)
+
+    @contextmanager
+    def reply(self) -> Iterator[None]:
+        """While a reply streams, read keys one by one without echo, so Ctrl-C is seen at once."""
+        self.interrupted = False
+        if self.tty:
+            line_mode = termios.tcgetattr(self.fd)
+            key_mode = termios.tcgetattr(self.fd)
+            key_mode[3] &= ~(termios.ICANON | termios.ECHO)
+            key_mode[6][termios.VMIN], key_mode[6][termios.VTIME] = 0, 0
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, key_mode)
+        try:
+            yield
+        finally:
+            if self.tty:
+                termios.tcsetattr(self.fd, termios.TCSAFLUSH, line_mode)
+
+
+def next_line(keyboard: Optional[Keyboard]) -> Optional[str]:
+    """Rank 0's next input line on every rank (None at end of input)."""
+    while True:
+        line = keyboard.read_line(HEARTBEAT_SECONDS) if keyboard else None
+        line = broadcast_object(line)
+        if line is not WAITING:
+            return line
+
+
+def fit(dialog: Dialog, generator: Llama, room: int) -> tuple[Dialog, int]:
+    """Drop the oldest exchanges until the dialog leaves room tokens for the reply; how many went."""
+    system = dialog[:1] if dialog[0]["role"] == "system" else []
+    turns = dialog[len(system):]
+    dropped = 0
+    limit = generator.model.max_seq_len - room
+    while len(turns) > 1 and len(generator.formatter.encode_dialog_prompt(system + turns)) > limit:
+        turns = turns[2:]  # one user message and the assistant's answer
+        dropped += 1
+    return system + turns, dropped
+
+
+def main(
+    ckpt_dir: str,
+    tokenizer_path: str,
+    temperature: float = 0.6,
+    top_p: float = 0.9,
+    max_seq_len: int = 2048,
+    max_gen_len: Optional[int] = None,
+    system: Optional[str] = None,
+    top_k: Optional[int] = None,
+    repetition_penalty: float = 1.0,
+    stop: Optional[list[str]] = None,
+    min_gen_len: int = 0,
+    seed: Optional[int] = None,
+):
+    """Chat in the terminal (or from a pipe) with a chat model.
+
+    Args:
+        ckpt_dir: folder with params.json and consolidated.XX.pth shards of a chat model.
+        tokenizer_path: the tokenizer file that came with the checkpoint.
+        temperature: sampling temperature; 0 is greedy.
+        top_p: nucleus sampling threshold in (0, 1].
+        max_seq_len: the conversation window in tokens; older turns are dropped to stay inside it.
+        max_gen_len: most tokens per reply; by default a quarter of max_seq_len is kept free for
+            the reply, and it may run on to the end of the window.
+        system: a system prompt to start with (change it with /system TEXT).
+        top_k: sample only among the k most likely tokens (default: no limit).
+        repetition_penalty: >1 discourages tokens already in the dialog (1: off).
+        stop: strings that end a reply, e.g. '["User:"]'; the reply is cut before them.
+        min_gen_len: the end-of-turn token is impossible before this many tokens.
+        seed: seed for sampling (default: the seed Llama.build sets).
+    """
+    room = max_gen_len or max_seq_len // 4
+    if room >= max_seq_len:
+        raise ValueError(
+            f"max_gen_len {max_gen_len} leaves no room for a prompt in max_seq_len {max_seq_len}; "
+            "lower --max_gen_len or raise --max_seq_len"
+        )
+    # Mistakes in the options surface now rather than at the first reply.
+    SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed).check()
+    check_stop(stop)
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1)
+    options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
+                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
+    keyboard = Keyboard(sys.stdin.fileno()) if global_rank() == 0 else None
+    print0("Commands: /system TEXT, /reset, /exit. Ctrl-C stops a reply; Ctrl-D ends the chat.\n")
+    with keyboard.session() if keyboard else nullcontext():
+        chat(generator, keyboard, system, room, options)
+
+
+def chat(generator: Llama, keyboard: Optional[Keyboard], system: Optional[str], room: int, options: dict) -> None:
+    """The read-reply loop, run by every rank in lockstep."""
+    turns: Dialog = []
+    echo = keyboard is not None and not keyboard.tty  # show piped lines, so transcripts read well
+    while True:
+        print0("You: ", end="")
+        line = next_line(keyboard)
+        if line is None:
+            print0("\n(end of input)")
+            return
+        if echo:
+            print0(line)
+        line = line.strip()
+        if "\x03" in line:
+            print0("(line cancelled)")
+        elif line == "/exit":
+            return
+        elif line == "/reset":
+            turns = []
+            print0("(conversation cleared)")
+        elif line == "/system" or line.startswith("/system "):
+            system = line[len("/system"):].strip() or None
+            print0("(system prompt set)" if system else "(system prompt cleared)")
+        elif line.startswith("/"):
+            print0("(commands: /system TEXT, /reset, /exit)")
+        elif line:
+            turns = reply(generator, keyboard, system, turns + [{"role": "user", "content": line}], room, options)
+
+
+def reply(generator: Llama, keyboard: Optional[Keyboard], system: Optional[str], turns: Dialog, room: int,
+          options: dict) -> Dialog:
+    """Stream the assistant's answer to turns; return the turns with it (or without the question if it cannot fit)."""
+    prefix: Dialog = [{"role": "system", "content": system}] if system else []
+    dialog, dropped = fit(prefix + turns, generator, room)
+    if dropped:
+        print0(f"(the {dropped} oldest exchange{'s' * (dropped > 1)} no longer fit in max_seq_len and were dropped)")
+    if len(generator.formatter.encode_dialog_prompt(dialog)) >= generator.model.max_seq_len:
+        print0(f"(that message is too long for max_seq_len {generator.model.max_seq_len}; try a shorter one)")
+        return turns[:-1]
+    print0("Assistant: ", end="")
+    text, stopped = "", False
+    with keyboard.reply() if keyboard else nullcontext():
+        stream = generator.stream_chat_completion(dialog, **options)
+        for piece in stream:
+            print0(piece, end="")
+            text += piece
+            stopped = broadcast_object(keyboard.ctrl_c_pressed() if keyboard else None)
+            if stopped:
+                break
+    print0(" (stopped)" if stopped else "")
+    answer = text if stopped else stream.text
+    return dialog[len(prefix):] + [{"role": "assistant", "content": answer}]
+
+
+if __name__ == "__main__":
+    run(main)

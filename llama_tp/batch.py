@@ -1,0 +1,92 @@
+"""The state of a batch being decoded: the token grid, where each row starts and ends, and what is
+kept for the caller (log probabilities, top candidates)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# Fills the not-yet-generated positions; never a real token id, ignored by the logprob loss.
+NO_TOKEN = -1
+
+
+@dataclass
+class Generated:
+    """Per prompt: the returned tokens, their log probabilities and each step's top candidates."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top: list[list[list[tuple[int, float]]]]
+
+
+@dataclass
+class Batch:
+    """The state of one batch under Meta's schedule: row r generates from lengths[r] to ends[r]."""
+
+    tokens: torch.Tensor  # bsz, total_len; NO_TOKEN where nothing is generated yet
+    lengths: list[int]
+    lengths_tensor: torch.Tensor  # bsz
+    is_prompt: torch.Tensor  # bsz, total_len
+    token_logprobs: torch.Tensor  # bsz, total_len
+    # Where each row's output ends (exclusive): the prompt plus max_gen_len, or earlier at a
+    # stop token (excluded) or the token that completed a stop string (included).
+    ends: torch.Tensor  # bsz
+    top_ids: Optional[torch.Tensor]  # bsz, total_len, show_top
+    top_probs: Optional[torch.Tensor]
+    cur_pos: int = -1  # the last position filled
+
+    @staticmethod
+    def start(prompts: list[list[int]], max_gen_len: int, max_seq_len: int, device: torch.device,
+              show_top: int) -> "Batch":
+        bsz = len(prompts)
+        lengths = [len(p) for p in prompts]
+        total_len = min(max_seq_len, max_gen_len + max(lengths))
+        tokens = torch.full((bsz, total_len), NO_TOKEN, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+        lengths_tensor = torch.tensor(lengths, device=device)
+        is_prompt = torch.arange(total_len, device=device)[None, :] < lengths_tensor[:, None]
+        ends = torch.clamp(lengths_tensor + max_gen_len, max=total_len)
+        top_ids = top_probs = None
+        if show_top:
+            top_ids = torch.zeros(bsz, total_len, show_top, dtype=torch.long, device=device)
+            top_probs = torch.zeros(bsz, total_len, show_top, device=device)
+        return Batch(tokens, lengths, lengths_tensor, is_prompt,
+                      torch.zeros(bsz, total_len, device=device), ends, top_ids, top_probs)
+
+    @property
+    def total_len(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def all_ended(self) -> bool:
+        return bool((self.ends <= self.cur_pos + 1).all())
+
+    def end_rows(self, cur_pos: int, stop_tokens: torch.Tensor, stop: tuple[str, ...], tokenizer) -> None:
+        """Note the position cur_pos just filled and end the rows it finished."""
+        self.cur_pos = cur_pos
+        sampled = self.tokens[:, cur_pos]
+        at_stop_token = ~self.is_prompt[:, cur_pos] & torch.isin(sampled, stop_tokens)
+        self.ends = torch.where(at_stop_token, torch.clamp(self.ends, max=cur_pos), self.ends)
+        if stop:
+            for row, end in enumerate(self.ends.tolist()):
+                if self.lengths[row] <= cur_pos < end:
+                    text = tokenizer.decode(self.tokens[row, self.lengths[row] : cur_pos + 1].tolist())
+                    if any(s in text for s in stop):
+                        self.ends[row] = cur_pos + 1
+
+    def generated(self, row: int) -> list[int]:
+        """Row's generated tokens so far, without a stop token or anything after its end."""
+        end = min(int(self.ends[row]), self.cur_pos + 1)
+        return self.tokens[row, self.lengths[row] : max(end, self.lengths[row])].tolist()
+
+    def collect(self, result: Generated, echo: bool) -> None:
+        """Append each row's final tokens, log probabilities and top candidates to result."""
+        rows = zip(self.tokens.tolist(), self.token_logprobs.tolist(), self.lengths, self.ends.tolist())
+        for row, (row_tokens, row_logprobs, length, end) in enumerate(rows):
+            start = 0 if echo else length
+            result.tokens.append(row_tokens[start:end])
+            result.logprobs.append(row_logprobs[start:end])
+            if self.top_ids is not None:
+                ids, probs = self.top_ids[row, length:end].tolist(), self.top_probs[row, length:end].tolist()
+                result.top.append([list(zip(i, p)) for i, p in zip(ids, probs)])

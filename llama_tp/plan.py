@@ -1,0 +1,138 @@
+"""How much memory each process needs, before anything is loaded.
+
+    python -m llama_tp.plan --params params/llama-2-70b.json --world_size 8 --max_batch_size 4 --max_seq_len 4096 [--dtype bf16]
+
+The figures count exactly what llama_tp allocates per process: its slice of every weight matrix,
+the replicated norms, and the KV cache (KV heads are copied when there are more processes than
+KV heads). Activations and the framework's own overhead come on top.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .args import ModelArgs
+from .cli import run
+from .model import local_kv_heads
+
+GIB = 1024**3
+LLAMA2_VOCAB_SIZE = 32000  # what params.json's -1 becomes with Llama 2's tokenizer
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    args: ModelArgs
+    world_size: int
+    max_batch_size: int
+    max_seq_len: int
+    dtype_bytes: int
+    params_total: int
+    params_per_rank: int
+    kv_heads_per_rank: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params_per_rank * self.dtype_bytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Keys and values of every layer, [max_batch_size, local kv heads, max_seq_len, head_dim] each."""
+        per_layer = 2 * self.max_batch_size * self.kv_heads_per_rank * self.max_seq_len * self.args.head_dim
+        return self.args.n_layers * per_layer * self.dtype_bytes
+
+    @property
+    def logits_bytes(self) -> int:
+        """The largest activation: fp32 logits over the whole vocabulary for a full-length prompt."""
+        return self.max_batch_size * self.max_seq_len * self.args.vocab_size * 4
+
+
+def params_per_rank(args: ModelArgs, world_size: int) -> int:
+    """Parameters one of world_size processes holds: its slice of each split matrix plus the norms."""
+    head_dim = args.head_dim
+    attention = (
+        2 * args.dim * args.n_heads * head_dim // world_size  # wq, wo
+        + 2 * args.dim * local_kv_heads(args, world_size) * head_dim  # wk, wv
+    )
+    feed_forward = 3 * args.dim * args.ffn_hidden_dim // world_size  # w1, w2, w3
+    norms = 2 * args.dim
+    embeddings = 2 * args.vocab_size * args.dim // world_size  # tok_embeddings, output
+    return args.n_layers * (attention + feed_forward + norms) + embeddings + args.dim
+
+
+def plan(args: ModelArgs, world_size: int, max_batch_size: int, max_seq_len: int,
+         dtype: "str | torch.dtype") -> MemoryPlan:
+    """The per-process memory of args split over world_size processes with these runtime limits."""
+    if args.vocab_size < 1:
+        raise ValueError("the vocabulary size must be known to plan memory; fill it from the tokenizer")
+    for name, value in (("world_size", world_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, found {value!r}")
+    if isinstance(dtype, torch.dtype):
+        dtype_bytes = dtype.itemsize
+    elif dtype in DTYPE_BYTES:
+        dtype_bytes = DTYPE_BYTES[dtype]
+    else:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return MemoryPlan(args, world_size, max_batch_size, max_seq_len, dtype_bytes,
+                      params_per_rank(args, 1), params_per_rank(args, world_size), local_kv_heads(args, world_size))
+
+
+def report(memory: MemoryPlan) -> str:
+    """The plan as a few lines for people."""
+    args, world_size = memory.args, memory.world_size
+    total = memory.weight_bytes + memory.kv_cache_bytes + memory.logits_bytes
+    lines = [
+        f"Memory per process ({world_size} process{'es' * (world_size > 1)}, {memory.dtype_bytes}-byte "
+        f"weights, batch {memory.max_batch_size} x {memory.max_seq_len} tokens):",
+        f"  weights   {memory.weight_bytes / GIB:9.2f} GiB  ({_count(memory.params_per_rank)} of "
+        f"{_count(memory.params_total)} parameters)",
+        f"  KV cache  {memory.kv_cache_bytes / GIB:9.2f} GiB  ({args.n_layers} layers x "
+        f"{memory.kv_heads_per_rank} KV head{'s' * (memory.kv_heads_per_rank > 1)} here)",
+        f"  logits    {memory.logits_bytes / GIB:9.2f} GiB  (fp32, for a prompt filling the context)",
+        f"  total     {total / GIB:9.2f} GiB  plus activations and framework overhead",
+    ]
+    if args.kv_heads < world_size and world_size % args.kv_heads == 0:
+        lines.append(f"  each of the {args.kv_heads} KV heads is copied on {world_size // args.kv_heads} processes")
+    if args.splits_over(world_size):
+        lines.append(
+            f"  {world_size} divides the {args.n_heads} query heads, {args.kv_heads} KV heads, "
+            f"ffn size {args.ffn_hidden_dim} and vocabulary {args.vocab_size}: OK"
+        )
+    else:
+        working = [n for n in range(1, args.n_heads + 1) if args.splits_over(n)]
+        lines.append(
+            f"  {world_size} processes cannot split this model ({args.n_heads} query heads, {args.kv_heads} "
+            f"KV heads, ffn size {args.ffn_hidden_dim}, vocabulary {args.vocab_size}); world sizes that "
+            f"work: {', '.join(map(str, working))}"
+        )
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} billion" if n >= 1e8 else f"{n:,}"
+
+
+def main(params: str, world_size: int, max_batch_size: int, max_seq_len: int, dtype: str = "bf16",
+         vocab_size: Optional[int] = None) -> None:
+    """Print the memory each process needs for a model's params.json.
+
+    Args:
+        params: a params.json (e.g. params/llama-2-70b.json or a checkpoint's own).
+        world_size: the number of processes the model is split over.
+        max_batch_size: prompts decoded together.
+        max_seq_len: longest prompt plus generation, in tokens.
+        dtype: bf16, fp16 or fp32.
+        vocab_size: the tokenizer's size, for params.json files that say -1 (default: Llama 2's 32000).
+    """
+    args = ModelArgs.load(params)
+    if args.vocab_size == -1:
+        args = args.with_vocab_size(vocab_size or LLAMA2_VOCAB_SIZE)
+    elif vocab_size is not None:
+        args = args.with_vocab_size(vocab_size)  # refuses a disagreement
+    print(report(plan(args, world_size, max_batch_size, max_seq_len, dtype)))
+
+
+if __name__ == "__main__":
+    run(main)

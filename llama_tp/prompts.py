@@ -1,0 +1,55 @@
+"""The launch scripts' files: prompts to read (--prompts_file) and results to write (--output_json)."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from .chat_format import Dialog, check_dialog
+from .parallel import global_rank
+
+
+def load_prompts(path: str, kind: Literal["text", "chat"]) -> list:
+    """A JSON list of strings (text) or of dialogs (chat), checked item by item."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"prompts file {file} does not exist; pass --prompts_file with a JSON file")
+    try:
+        prompts = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not valid UTF-8 JSON ({error}); fix the file") from None
+    example = '["Once upon a time"]' if kind == "text" else '[[{"role": "user", "content": "Hi"}]]'
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError(f"{file} must hold a non-empty JSON list, e.g. {example}")
+    for index, prompt in enumerate(prompts):
+        if kind == "text" and not isinstance(prompt, str):
+            raise ValueError(f"{file}: item {index} must be a string, found {prompt!r}; e.g. {example}")
+        if kind == "chat":
+            try:
+                check_dialog(prompt)
+            except ValueError as error:
+                raise ValueError(f"{file}: dialog {index}: {error}; e.g. {example}") from None
+    return prompts
+
+
+def write_json(path: str, records: list[dict[str, Any]]) -> None:
+    """On rank 0, write records as a JSON list, atomically: a reader never sees half a file."""
+    if global_rank() != 0:
+        return
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {target}: folder {target.parent} does not exist")
+    handle, temporary = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(records, out, ensure_ascii=False, indent=1)
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def prompt_record(prompt: "str | Dialog", text: str, token_ids: list[int]) -> dict[str, Any]:
+    """One --output_json entry."""
+    return {"prompt": prompt, "generation": text, "token_ids": token_ids}

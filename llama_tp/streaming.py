@@ -1,0 +1,90 @@
+"""Turning tokens into text piece by piece, and cutting text at stop strings.
+
+Pieces are only emitted when they are final: never half a multi-byte character (SentencePiece's
+byte-fallback tokens and tiktoken's byte tokens decode an incomplete character to U+FFFD), and
+never the beginning of a stop string that may still complete.
+"""
+
+from typing import Callable, Iterator, Optional, Sequence
+
+INCOMPLETE = "\ufffd"  # what decoders print for bytes that do not form a whole character yet
+
+
+def check_stop(stop: Optional[Sequence[str]]) -> tuple[str, ...]:
+    """Stop strings as a tuple; a lone string or an empty one is a user mistake."""
+    if stop is None:
+        return ()
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a list of strings, e.g. ['\\n\\n'], found {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError(f"stop strings must not be empty, found {list(stop)!r}")
+    return tuple(stop)
+
+
+def find_stop(text: str, stop: Sequence[str], start: int = 0) -> int:
+    """Where the earliest stop string begins in text[start:], as an index into text; -1 if none."""
+    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(found) if found else -1
+
+
+def cut_at_stop(text: str, stop: Sequence[str], start: int = 0) -> str:
+    """text up to (not including) the first stop string found at or after start."""
+    index = find_stop(text, stop, start)
+    return text if index < 0 else text[:index]
+
+
+def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of text that is the beginning of a stop string (it may complete)."""
+    longest = 0
+    for s in stop:
+        for length in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:length]):
+                longest = length
+                break
+    return longest
+
+
+class IncrementalDecoder:
+    """Decode a growing token list, handing out only the text that can no longer change."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.emitted = ""
+
+    def push(self, tokens: list[int]) -> str:
+        """The new final text after tokens (all tokens generated so far, not just the new ones)."""
+        text = self.tokenizer.decode(tokens)
+        if text.endswith(INCOMPLETE):
+            return ""
+        cut = find_stop(text, self.stop)
+        # Past a whole stop string nothing more is shown; before it, a partial one may complete.
+        safe = cut if cut >= 0 else len(text) - stop_prefix_len(text, self.stop)
+        # Decoding more tokens only appends (past the held-back tail), so this is never negative.
+        assert text.startswith(self.emitted) and safe >= len(self.emitted), (text, self.emitted)
+        piece = text[len(self.emitted) : safe]
+        self.emitted += piece
+        return piece
+
+    def finish(self, final_text: str) -> str:
+        """The rest of final_text (the whole generation, cut at any stop string)."""
+        assert final_text.startswith(self.emitted), (final_text, self.emitted)
+        piece = final_text[len(self.emitted) :]
+        self.emitted = final_text
+        return piece
+
+
+class TextStream:
+    """Iterate over text pieces as they are generated; afterwards tokens and text hold the result.
+
+    Every rank must iterate in lockstep (each step runs the model on all ranks); stopping early
+    (break) is fine as long as all ranks stop at the same piece.
+    """
+
+    def __init__(self, run: "Callable[[TextStream], Iterator[str]]"):
+        self.tokens: list[int] = []  # filled in when the generation ends
+        self.text = ""
+        self._pieces = run(self)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces

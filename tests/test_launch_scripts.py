@@ -1,0 +1,59 @@
+"""The launch scripts under torchrun at world sizes 1 and 2 give the Python API's tokens."""
+
+import json
+
+import pytest
+
+from llama_tp import Llama
+from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
+from torchrun import one_thread, run_script  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPTS = ["Simply put, the theory", "Grüße aus Zürich: 日本"]
+DIALOGS = [
+    [{"role": "user", "content": "What is a llama?"}],
+    [{"role": "system", "content": "Réponds en français."}, {"role": "user", "content": "Bonjour"}],
+]
+GREEDY = ["--temperature", "0", "--max_seq_len", "64", "--max_gen_len", "6", "--max_batch_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[int, str]:
+    """The same tiny Llama 2 split for one and for two processes."""
+    weights = full_weights(TINY_LLAMA2, 32000)
+    root = tmp_path_factory.mktemp("launch")
+    return {n: str(write_checkpoint(root / f"tp{n}", TINY_LLAMA2, weights, n, "dim")) for n in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def api(checkpoints) -> Llama:
+    return Llama.build(checkpoints[1], str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=2)
+
+
+def run_with_files(tmp_path, checkpoints, script: str, nproc: int, prompts: list, *flags: str) -> list[dict]:
+    prompts_file, output = tmp_path / "prompts.json", tmp_path / "out.json"
+    prompts_file.write_text(json.dumps(prompts, ensure_ascii=False), encoding="utf-8")
+    result = run_script(script, nproc, "--ckpt_dir", checkpoints[nproc], "--tokenizer_path", str(LLAMA2_TOKENIZER),
+                        "--prompts_file", str(prompts_file), "--output_json", str(output), *GREEDY, *flags)
+    records = json.loads(output.read_text(encoding="utf-8"))
+    assert [r["prompt"] for r in records] == prompts
+    assert not list(tmp_path.glob("*.tmp"))  # the temporary file was renamed into place
+    for record in records:  # rank 0 alone printed each completion
+        assert result.stdout.count(record["generation"]) >= 1
+    assert result.stdout.count("Loaded in") == 1
+    return records
+
+
+def test_text_completion_script_matches_api(tmp_path, checkpoints, api):
+    records = run_with_files(tmp_path, checkpoints, "text_completion.py", 1, PROMPTS, "--show_top", "2")
+    expected = api.text_completion(PROMPTS, temperature=0, max_gen_len=6, token_ids=True)
+    assert [r["token_ids"] for r in records] == [e["token_ids"] for e in expected]
+    assert [r["generation"] for r in records] == [e["generation"] for e in expected]
+    assert all(len(r["token_ids"]) == 6 for r in records)
+
+
+def test_chat_completion_script_matches_api_over_two_processes(tmp_path, checkpoints, api):
+    records = run_with_files(tmp_path, checkpoints, "chat_completion.py", 2, DIALOGS)
+    expected = api.chat_completion(DIALOGS, temperature=0, max_gen_len=6, token_ids=True)
+    assert [r["token_ids"] for r in records] == [e["token_ids"] for e in expected]
+    assert [r["generation"] for r in records] == [e["generation"]["content"] for e in expected]

@@ -1,0 +1,99 @@
+"""Streaming: pieces concatenate to exactly the final text, multi-byte characters and stop strings included."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llama_tp import Llama
+from llama_tp.streaming import IncrementalDecoder, cut_at_stop
+from llama_tp.tokenizer import Tokenizer
+from torchrun import one_thread  # noqa: F401  (a fixture)
+from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, successor_weights, write_checkpoint
+
+# Byte-fallback tokens (the llama and the rare CJK character have no piece of their own),
+# SentencePiece's leading space, accents.
+pytestmark = pytest.mark.usefixtures("one_thread")
+FORCED_TEXT = "Zürich🦙 naïve 鱻 ok"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(str(LLAMA2_TOKENIZER))
+
+
+@pytest.fixture(scope="module")
+def forced(tmp_path_factory, tokenizer):
+    """A tiny model that, after bos and the first token of FORCED_TEXT, greedily writes the rest."""
+    chain = tokenizer.encode(FORCED_TEXT, bos=True, eos=True)
+    assert len(set(chain)) == len(chain), "the forced text must not repeat a token"
+    successor = dict(zip(chain[:-1], chain[1:]))
+    directory = tmp_path_factory.mktemp("forced")
+    write_checkpoint(directory, TINY_LLAMA2, successor_weights(TINY_LLAMA2, tokenizer.n_words, successor), 1, "dim")
+    return Llama.build(str(directory), str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=2), chain
+
+
+def test_forced_text_has_split_characters(tokenizer):
+    pieces = [tokenizer.sp_model.id_to_piece(t) for t in tokenizer.encode(FORCED_TEXT, bos=False, eos=False)]
+    assert sum(piece.startswith("<0x") for piece in pieces) >= 4, pieces
+
+
+def test_incremental_decoder_holds_back_incomplete_characters(tokenizer):
+    tokens = tokenizer.encode(FORCED_TEXT, bos=False, eos=False)
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = [decoder.push(tokens[:n]) for n in range(1, len(tokens) + 1)]
+    pieces.append(decoder.finish(tokenizer.decode(tokens)))
+    assert "".join(pieces) == FORCED_TEXT
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert pieces.count("") >= 3  # the steps inside the llama's four bytes emitted nothing
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="aé🦙鱻 \n.xy", min_size=1, max_size=25), data=st.data())
+def test_pieces_concatenate_to_the_cut_text(tokenizer, text, data):
+    tokens = tokenizer.encode(text, bos=False, eos=False)
+    start = data.draw(st.integers(0, len(text) - 1))
+    stop = [text[start : start + data.draw(st.integers(1, 3))], "🦙."]
+    final = cut_at_stop(tokenizer.decode(tokens), stop)
+    decoder = IncrementalDecoder(tokenizer, stop)
+    emitted = ""
+    for n in range(1, len(tokens) + 1):
+        emitted += decoder.push(tokens[:n])
+        # Nothing past the eventual cut is ever shown.
+        assert final.startswith(emitted)
+        if cut_at_stop(tokenizer.decode(tokens[:n]), stop) != tokenizer.decode(tokens[:n]):
+            break
+    assert emitted + decoder.finish(final) == final
+
+
+def test_stream_matches_completion_on_forced_non_ascii(forced, tokenizer):
+    llama, chain = forced
+    prompt = tokenizer.decode(chain[1:2])
+    stream = llama.stream_text_completion(prompt, temperature=0, max_gen_len=40)
+    pieces = list(stream)
+    expected = llama.text_completion([prompt], temperature=0, max_gen_len=40)[0]["generation"]
+    assert prompt + "".join(pieces) == FORCED_TEXT
+    assert "".join(pieces) == expected == stream.text
+    assert stream.tokens == chain[2:-1]  # the eos ends the stream and is not part of it
+    assert len(pieces) < len(chain) - 2  # byte tokens were merged into whole characters
+
+
+def test_stream_cuts_at_stop_string(forced, tokenizer):
+    llama, chain = forced
+    prompt = tokenizer.decode(chain[1:2])
+    stop = ["ïve"]
+    stream = llama.stream_text_completion(prompt, temperature=0, max_gen_len=40, stop=stop)
+    text = "".join(stream)
+    assert prompt + text == "Zürich🦙 na"
+    assert text == llama.text_completion([prompt], temperature=0, max_gen_len=40, stop=stop)[0]["generation"]
+    # The tokens end with the one that completed the stop string.
+    assert "ïve" in tokenizer.decode(stream.tokens) and "ïve" not in tokenizer.decode(stream.tokens[:-1])
+
+
+def test_stream_chat_in_lockstep_with_chat_completion(forced):
+    llama, _ = forced
+    dialog = [{"role": "user", "content": "Grüße, 世界"}]
+    stream = llama.stream_chat_completion(dialog, temperature=0, max_gen_len=12)
+    text = "".join(stream)
+    (result,) = llama.chat_completion([dialog], temperature=0, max_gen_len=12, token_ids=True)
+    assert text == result["generation"]["content"] == stream.text
+    assert stream.tokens == result["token_ids"]
