@@ -4,6 +4,8 @@ from pathlib import Path
 
 from sentencepiece import SentencePieceProcessor
 
+from .hf_tokenizer import HFTokenizer, is_hf_tokenizer_file
+
 
 class Tokenizer:
     """Llama 2's SentencePiece tokenizer."""
@@ -32,6 +34,8 @@ class Tokenizer:
         return self.sp_model.decode(ids)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer(path: str):
     """The tokenizer for the file at path."""
+    if is_hf_tokenizer_file(path):  # a Hugging Face tokenizer.json, e.g. from llama_tp.convert
+        return HFTokenizer(path)
     return Tokenizer(path)
