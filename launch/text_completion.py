@@ -1,9 +1,12 @@
 """Complete a few text prompts with a Llama checkpoint split across the torchrun processes.
 
     torchrun --nproc_per_node N launch/text_completion.py --ckpt_dir DIR --tokenizer_path FILE
+    torchrun --nproc_per_node 1 launch/text_completion.py   # the built-in demo model (1 or 3 processes)
 """
 
-from llama_tp import Llama
+from typing import Optional
+
+from llama_tp import Llama, demo
 from llama_tp.cli import run
 from llama_tp.parallel import print0
 
@@ -27,8 +30,8 @@ EXAMPLE_PROMPTS = [
 
 
 def main(
-    ckpt_dir: str,
-    tokenizer_path: str,
+    ckpt_dir: Optional[str] = None,
+    tokenizer_path: Optional[str] = None,
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_seq_len: int = 128,
@@ -38,7 +41,8 @@ def main(
     """Print a completion of each example prompt.
 
     Args:
-        ckpt_dir: folder with params.json and consolidated.XX.pth shards.
+        ckpt_dir: folder with params.json and consolidated.XX.pth shards; leave out both paths
+            to run the built-in demo model (SmolLM2-135M-Instruct, fetched and converted once).
         tokenizer_path: the tokenizer file that came with the checkpoint.
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus sampling threshold in (0, 1].
@@ -46,6 +50,7 @@ def main(
         max_gen_len: most tokens generated per prompt.
         max_batch_size: prompts decoded together.
     """
+    ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size)
     results = generator.text_completion(
         EXAMPLE_PROMPTS, max_gen_len=max_gen_len, temperature=temperature, top_p=top_p

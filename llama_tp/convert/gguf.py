@@ -5,7 +5,6 @@ Face's permutation), so tensors are only renamed; tests/test_convert_gguf*.py ch
 transformers' own GGUF loading, which re-permutes them for its rotate-half rotary.
 """
 
-import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,7 +16,7 @@ from ..chat_format import ChatRecord
 from ..model import rotary_frequencies
 from . import gguf_vocab, require
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
-from .writer import TensorLoader, ffn_params, progress, resolve_dtype, write_checkpoint
+from .writer import TensorLoader, ffn_params, meta_name, progress, resolve_dtype, write_checkpoint
 
 # Per layer, llama.cpp's tensor names to Meta's.
 LAYER_NAMES = {
@@ -116,23 +115,13 @@ def llama31_rope(args: ModelArgs, divisors: torch.Tensor, path: Path) -> dict:
     return settings
 
 
-def meta_name(name: str) -> Optional[str]:
-    """Meta's name for a GGUF tensor name, or None if it has none."""
-    if name in TOP_NAMES:
-        return TOP_NAMES[name]
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-    if match and match.group(2) in LAYER_NAMES:
-        return f"layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.weight"
-    return None
-
-
 def meta_tensors(by_name: dict, path: Path) -> dict[str, TensorLoader]:
     """A loader per Meta tensor name; tied embeddings become an explicit output.weight."""
     loaders = {}
     for name, tensor in by_name.items():
         if name == ROPE_FREQS:
             continue  # folded into params.json
-        target = meta_name(name)
+        target = meta_name(name, TOP_NAMES, r"blk\.(\d+)\.(\w+)\.weight", LAYER_NAMES)
         if target is None:
             raise ValueError(f"{path} holds tensor {name!r}, which has no place in a Llama model")
         loaders[target] = lambda tensor=tensor: dequantized(tensor)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -43,6 +44,17 @@ def expected_names(args: ModelArgs) -> list[str]:
     return names + ["norm.weight", "output.weight"]
 
 
+def meta_name(name: str, top_names: dict[str, str], layer_pattern: str,
+              layer_names: dict[str, str]) -> Optional[str]:
+    """Meta's name for a source tensor, given the source's names (layer_pattern captures layer, module)."""
+    if name in top_names:
+        return top_names[name]
+    match = re.fullmatch(layer_pattern, name)
+    if match and match.group(2) in layer_names:
+        return f"layers.{match.group(1)}.{layer_names[match.group(2)]}.weight"
+    return None
+
+
 def shard_of(name: str, tensor: torch.Tensor, rank: int, n_shards: int, args: ModelArgs) -> torch.Tensor:
     """Rank's slice of a full tensor, split as llama_tp loads it (the embedding along dim)."""
     is_kv = name.endswith(("attention.wk.weight", "attention.wv.weight"))
@@ -76,7 +88,12 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
     args.check_model_parallel_size(n_shards)
     names = expected_names(args)
     missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
-    assert not missing and not unexpected, f"converter bug: missing {missing}, unexpected {unexpected}"
+    if missing:
+        raise ValueError(f"the source has no weights for {', '.join(missing[:5])}"
+                         f"{' and more' if len(missing) > 5 else ''}; is the download complete?")
+    if unexpected:
+        raise ValueError(f"the source has weights {', '.join(unexpected[:5])} beyond the {args.n_layers} "
+                         "layers its configuration describes; check that configuration and weights match")
 
     partial = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
