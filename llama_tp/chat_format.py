@@ -140,8 +140,6 @@ class ChatMLFormat:
 
     def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
         check_dialog(dialog)
-        if dialog[0]["role"] != "system" and self.default_system_prompt is not None:
-            dialog = [{"role": "system", "content": self.default_system_prompt}] + dialog
         offset = 1 if dialog[0]["role"] == "system" else 0
         for index, message in enumerate(dialog[offset:]):
             expected = "user" if index % 2 == 0 else "assistant"
@@ -152,6 +150,8 @@ class ChatMLFormat:
                 )
         if dialog[-1]["role"] != "user":
             raise ValueError("the dialog must end with a user message")
+        if offset == 0 and self.default_system_prompt is not None:
+            dialog = [{"role": "system", "content": self.default_system_prompt}] + dialog
         newline = self.tokenizer.encode("\n", bos=False, eos=False)
         tokens: list[int] = []
         for message in dialog:
