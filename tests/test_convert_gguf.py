@@ -1,6 +1,7 @@
 """GGUF pieces without the network: dequantisation per type, rope and ffn settings, KV sharding."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from transformers.integrations.gguf.dequant import dequantize as transformers_de
 from llama_tp.args import ModelArgs
 from llama_tp.convert.gguf import dequantized, llama31_rope
 from llama_tp.convert.writer import ffn_params, shard_of
+from llama_tp.tokenizer import load_tokenizer
 
 ROWS, COLS = 4, 512  # two 256-value super-blocks per row for the K types
 # Largest error of one quantised value for N(0, 1) data: about half a quantisation step.
@@ -104,3 +106,10 @@ def test_convert_replicates_kv_heads_when_ranks_outnumber_them():
     for rank, shard in enumerate(shards):
         assert torch.equal(shard, wk[8 * (rank // 2) : 8 * (rank // 2 + 1)])
     assert torch.equal(shard_of("layers.0.attention.wq.weight", wk.repeat(2, 1), 3, 4, args), wk[8:])
+
+
+def test_convert_missing_extra_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if the package were not installed
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModuleNotFoundError, match=r"needs the 'tokenizers' package.*pip install \"llama-tp\[convert\]\""):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))

@@ -1,6 +1,7 @@
 """`convert hf`: tiny random Hugging Face Llama folders, written by transformers, give its logits."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,11 @@ def test_convert_hf_refuses_what_it_cannot_run(converted, tmp_path):
     with pytest.raises(ValueError, match="unknown source kind 'safetensors'"):
         convert("safetensors", str(root / "hf"), str(tmp_path / "x"))
     config = json.loads((root / "hf" / "config.json").read_text())
+    shutil.copytree(root / "hf", tmp_path / "wrong")
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+    with pytest.raises(ValueError, match=r"wk.weight has shape \[32, 64\] in the source but .* implies \[64, 64\]"):
+        convert("hf", str(tmp_path / "wrong"), str(tmp_path / "z"))
+    assert not (tmp_path / "z").exists() and not list(tmp_path.glob(".z.partial*"))
     (tmp_path / "mistral").mkdir()
     (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     with pytest.raises(ValueError, match="model_type 'mistral' is not 'llama'"):

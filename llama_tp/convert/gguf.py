@@ -1,10 +1,11 @@
 """GGUF (llama.cpp) Llama files to Meta's layout: metadata to params.json, tensors dequantised.
 
 llama.cpp's converter already stores q/k in Meta's interleaved rotary layout (it undoes Hugging
-Face's permutation), so tensors are only renamed; tests/test_convert_gguf*.py checks this against
+Face's permutation), so tensors are only renamed; tests/test_demo_network.py checks this against
 transformers' own GGUF loading, which re-permutes them for its rotate-half rotary.
 """
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -76,7 +77,7 @@ class Metadata:
 
 
 def model_params(metadata: Metadata, tensors: dict) -> dict:
-    """params.json for the GGUF, checked against the shapes of its tensors."""
+    """params.json from the GGUF's metadata (the vocabulary size from its embedding)."""
     dim = metadata.get("{arch}.embedding_length")
     n_heads = metadata.get("{arch}.attention.head_count")
     n_kv_heads = metadata.get("{arch}.attention.head_count_kv", n_heads)
@@ -108,7 +109,7 @@ def model_params(metadata: Metadata, tensors: dict) -> dict:
 def llama31_rope(args: ModelArgs, divisors: torch.Tensor, path: Path) -> dict:
     """ModelArgs' Llama 3.1 rope settings that reproduce the file's frequency divisors, or ValueError."""
     settings = {"use_scaled_rope": True, "rope_scaling_factor": float(divisors.max()), "rope_high_freq_factor": 4.0}
-    scaled = ModelArgs(**{**args.__dict__, **settings})
+    scaled = dataclasses.replace(args, **settings)
     if not torch.allclose(rotary_frequencies(args) / rotary_frequencies(scaled), divisors, rtol=1e-4):
         raise ValueError(f"{path}: its {ROPE_FREQS} is not Llama 3.1's rope scaling with factor "
                          f"{settings['rope_scaling_factor']}; this rope scaling is not supported")

@@ -34,14 +34,23 @@ def ffn_params(dim: int, hidden_dim: int) -> dict:
     raise ValueError(f"no multiple_of/ffn_dim_multiplier reproduces feed-forward size {hidden_dim} for dim {dim}")
 
 
-def expected_names(args: ModelArgs) -> list[str]:
-    """Every tensor name of a Meta checkpoint for args, in the order they are written."""
-    names = ["tok_embeddings.weight"]
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Meta checkpoint for args with its unsplit shape, in the order they are written."""
+    q, kv, ffn = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
-        names += [f"layers.{i}.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")]
-        names += [f"layers.{i}.feed_forward.{w}.weight" for w in ("w1", "w2", "w3")]
-        names += [f"layers.{i}.attention_norm.weight", f"layers.{i}.ffn_norm.weight"]
-    return names + ["norm.weight", "output.weight"]
+        shapes |= {
+            f"layers.{i}.attention.wq.weight": (q, args.dim),
+            f"layers.{i}.attention.wk.weight": (kv, args.dim),
+            f"layers.{i}.attention.wv.weight": (kv, args.dim),
+            f"layers.{i}.attention.wo.weight": (args.dim, q),
+            f"layers.{i}.feed_forward.w1.weight": (ffn, args.dim),
+            f"layers.{i}.feed_forward.w2.weight": (args.dim, ffn),
+            f"layers.{i}.feed_forward.w3.weight": (ffn, args.dim),
+            f"layers.{i}.attention_norm.weight": (args.dim,),
+            f"layers.{i}.ffn_norm.weight": (args.dim,),
+        }
+    return shapes | {"norm.weight": (args.dim,), "output.weight": (args.vocab_size, args.dim)}
 
 
 def meta_name(name: str, top_names: dict[str, str], layer_pattern: str,
@@ -78,7 +87,8 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
     """Write params.json, n_shards consolidated.XX.pth, the tokenizer files and the chat record to dst.
 
     Everything goes to a temporary folder beside dst that is renamed into place at the end, so
-    dst either holds a complete checkpoint or does not exist.
+    dst either holds a complete checkpoint or does not exist. Each shard is built by loading every
+    tensor again and keeping this rank's slice: memory holds one shard and one whole tensor.
     """
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
@@ -86,7 +96,8 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
                          "choose a new folder or remove it")
     args = ModelArgs.from_dict(params, source="the converted params.json")
     args.check_model_parallel_size(n_shards)
-    names = expected_names(args)
+    shapes = expected_shapes(args)
+    names = list(shapes)
     missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
     if missing:
         raise ValueError(f"the source has no weights for {', '.join(missing[:5])}"
@@ -104,6 +115,9 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
             shard = {}
             for name in names:
                 full = tensors[name]()
+                if tuple(full.shape) != shapes[name]:
+                    raise ValueError(f"{name} has shape {list(full.shape)} in the source but its configuration "
+                                     f"implies {list(shapes[name])}; check that configuration and weights match")
                 shard[name] = shard_of(name, full, rank, n_shards, args).to(dtype).contiguous().clone()
             torch.save(shard, partial / f"consolidated.{rank:02d}.pth")
             del shard
