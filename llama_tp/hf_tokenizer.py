@@ -33,7 +33,7 @@ class HFTokenizer:
             raise ValueError(f"{path} is not a Hugging Face tokenizer.json ({error})") from None
         # Text is text: "<|im_end|>" typed by a user is spelled out, never the control token.
         self.backend.encode_special_tokens = True
-        config = _read_config(path.with_name("tokenizer_config.json"))
+        config = read_json_object(path.with_name("tokenizer_config.json"))
         self.n_words: int = self.backend.get_vocab_size(with_added_tokens=True)
         self.bos_id: int = self._config_id(config, "bos_token")
         self.eos_id: int = self._config_id(config, "eos_token")
@@ -67,7 +67,8 @@ class HFTokenizer:
         return self.special_id(token)
 
 
-def _read_config(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """The JSON object in path, {} if there is no such file; ValueError naming the file if malformed."""
     if not path.is_file():
         return {}
     try:

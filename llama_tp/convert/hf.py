@@ -1,13 +1,12 @@
 """Hugging Face Llama folders (config.json, *.safetensors, tokenizer files) to Meta's layout."""
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..chat_format import ChatRecord
-from ..hf_tokenizer import HFTokenizer
+from ..hf_tokenizer import HFTokenizer, read_json_object
 from . import require
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
 from .writer import TensorLoader, ffn_params, meta_name, resolve_dtype, write_checkpoint
@@ -145,9 +144,7 @@ def _as_list(value) -> list[int]:
 
 
 def _read_json(path: Path, required: bool = False) -> dict:
-    if not path.is_file():
-        if required:
-            raise FileNotFoundError(f"{path} does not exist; pass the Hugging Face model folder "
-                                    "that holds config.json and the *.safetensors weights")
-        return {}
-    return json.loads(path.read_text())
+    if required and not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass the Hugging Face model folder "
+                                "that holds config.json and the *.safetensors weights")
+    return read_json_object(path)
