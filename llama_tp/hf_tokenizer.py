@@ -33,6 +33,11 @@ class HFTokenizer:
             raise ValueError(f"{path} is not a Hugging Face tokenizer.json ({error})") from None
         # Text is text: "<|im_end|>" typed by a user is spelled out, never the control token.
         self.backend.encode_special_tokens = True
+        # Control tokens by name, as Llama3Tokenizer.special_tokens: chat formats look theirs up here.
+        self.special_tokens: dict[str, int] = {
+            token.content: token_id for token_id, token in self.backend.get_added_tokens_decoder().items()
+            if token.special
+        }
         config = read_json_object(path.with_name("tokenizer_config.json"))
         self.n_words: int = self.backend.get_vocab_size(with_added_tokens=True)
         self.bos_id: int = self._config_id(config, "bos_token")

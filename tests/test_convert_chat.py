@@ -40,6 +40,7 @@ def tokenizer(tmp_path_factory) -> HFTokenizer:
 def test_convert_chat_load_tokenizer_chooses_by_file(tokenizer):
     assert isinstance(tokenizer, HFTokenizer)
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (1, 0, -1)
+    assert tokenizer.special_tokens == {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
     assert tokenizer.encode("the fox", bos=True, eos=True)[-1] == 0
     assert tokenizer.encode("the fox", bos=True, eos=False)[0] != 1  # add_bos_token false: no bos
     assert not isinstance(load_tokenizer(str(LLAMA2_TOKENIZER)), HFTokenizer)
