@@ -23,6 +23,15 @@ ROUND_TRIP_TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 0.03, Q.Q
 K_BLOCK = {Q.Q4_K: (144, (0, 2)), Q.Q6_K: (210, (208,))}  # bytes per block, offsets of its fp16 scales
 
 
+def random_k_blocks(kind: Q, rows: int, cols: int, rng, scales: tuple[float, float]) -> np.ndarray:
+    """Random K-quant blocks for a rows x cols tensor, with fp16 scales drawn from the range given."""
+    block_bytes, scale_offsets = K_BLOCK[kind]
+    blocks = rng.integers(0, 256, (rows * cols // 256, block_bytes), dtype=np.uint8)
+    for offset in scale_offsets:  # random bytes there could be inf or NaN
+        blocks[:, offset : offset + 2] = rng.uniform(*scales, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def written_and_read(tmp_path, data: np.ndarray, kind: Q):
     """data stored as one GGUF tensor of type kind, and that tensor read back from the file."""
     writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
@@ -52,13 +61,7 @@ def test_convert_gguf_dequantises_what_gguf_quantised(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", list(K_BLOCK), ids=lambda k: k.name)
 def test_convert_gguf_dequantises_k_quants_as_transformers_does(tmp_path, kind):
-    block_bytes, scale_offsets = K_BLOCK[kind]
-    rng = np.random.default_rng(1)
-    blocks = rng.integers(0, 256, (ROWS * COLS // 256, block_bytes), dtype=np.uint8)
-    for offset in scale_offsets:  # random bytes there could be inf or NaN: use sane fp16 scales
-        scales = rng.uniform(0.01, 0.1, (blocks.shape[0], 1)).astype(np.float16)
-        blocks[:, offset : offset + 2] = scales.view(np.uint8)
-    stored = blocks.reshape(ROWS, -1)
+    stored = random_k_blocks(kind, ROWS, COLS, np.random.default_rng(1), scales=(0.01, 0.1))
     result = dequantized(written_and_read(tmp_path, stored, kind))
     expected = transformers_dequantize(torch.from_numpy(stored.reshape(-1)), int(kind)).reshape(ROWS, COLS)
     assert result.shape == (ROWS, COLS) and result.abs().max() > 0

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from llama_tp import Llama
 from llama_tp.chat_format import ChatMLFormat
 from llama_tp.convert.__main__ import main as convert
+from test_convert_gguf import K_BLOCK, random_k_blocks
 from test_convert_hf import CHATML_TEMPLATE, byte_level_tokenizer
 
 DIM, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2  # K-quant rows need multiples of 256
@@ -28,12 +29,8 @@ TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q6_K, "attn_v": Q.Q4_0, "attn_output": Q.
 
 def stored(values: np.ndarray, kind: Q, rng) -> np.ndarray:
     """values in GGUF's encoding of kind; K-quants (which gguf cannot quantise) as random blocks."""
-    if kind in (Q.Q4_K, Q.Q6_K):
-        block_bytes, scale_offsets = (144, (0, 2)) if kind == Q.Q4_K else (210, (208,))
-        blocks = rng.integers(0, 256, (values.size // 256, block_bytes), dtype=np.uint8)
-        for offset in scale_offsets:  # small scales keep activations sane
-            blocks[:, offset : offset + 2] = rng.uniform(1e-4, 1e-3, (len(blocks), 1)).astype(np.float16).view(np.uint8)
-        return blocks.reshape(values.shape[0], -1)
+    if kind in K_BLOCK:  # small scales keep activations sane
+        return random_k_blocks(kind, *values.shape, rng, scales=(1e-4, 1e-3))
     return values.astype(np.float16) if kind == Q.F16 else quantize(values, kind)
 
 
