@@ -1,11 +1,12 @@
 """Answer dialogs (a few examples, or --prompts_file) with a Llama chat checkpoint split across the torchrun processes.
 
     torchrun --nproc_per_node N launch/chat_completion.py --ckpt_dir DIR --tokenizer_path FILE
+    torchrun --nproc_per_node 1 launch/chat_completion.py   # the built-in demo model (1 or 3 processes)
 """
 
 from typing import Optional
 
-from llama_tp import Dialog, Llama
+from llama_tp import Dialog, Llama, demo
 from llama_tp.cli import run
 from llama_tp.parallel import print0
 from llama_tp.prompts import load_prompts, prompt_record, write_json
@@ -34,8 +35,8 @@ EXAMPLE_DIALOGS: list[Dialog] = [
 
 
 def main(
-    ckpt_dir: str,
-    tokenizer_path: str,
+    ckpt_dir: Optional[str] = None,
+    tokenizer_path: Optional[str] = None,
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_seq_len: int = 512,
@@ -53,7 +54,8 @@ def main(
     """Print each dialog and the model's reply.
 
     Args:
-        ckpt_dir: folder with params.json and consolidated.XX.pth shards.
+        ckpt_dir: folder with params.json and consolidated.XX.pth shards; leave out both paths
+            to run the built-in demo model (SmolLM2-135M-Instruct, fetched and converted once).
         tokenizer_path: the tokenizer file that came with the checkpoint.
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus sampling threshold in (0, 1].
@@ -70,6 +72,7 @@ def main(
         seed: seed for this run's sampling (default: the seed Llama.build sets).
         stream: print each reply as it is generated (dialogs then run one at a time).
     """
+    ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,

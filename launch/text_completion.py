@@ -1,11 +1,12 @@
 """Complete text prompts (a few examples, or --prompts_file) with a Llama checkpoint split across the torchrun processes.
 
     torchrun --nproc_per_node N launch/text_completion.py --ckpt_dir DIR --tokenizer_path FILE
+    torchrun --nproc_per_node 1 launch/text_completion.py   # the built-in demo model (1 or 3 processes)
 """
 
 from typing import Optional
 
-from llama_tp import Llama
+from llama_tp import Llama, demo
 from llama_tp.cli import run
 from llama_tp.parallel import print0
 from llama_tp.prompts import load_prompts, prompt_record, write_json
@@ -30,8 +31,8 @@ EXAMPLE_PROMPTS = [
 
 
 def main(
-    ckpt_dir: str,
-    tokenizer_path: str,
+    ckpt_dir: Optional[str] = None,
+    tokenizer_path: Optional[str] = None,
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_seq_len: int = 128,
@@ -50,7 +51,8 @@ def main(
     """Print a completion of each prompt.
 
     Args:
-        ckpt_dir: folder with params.json and consolidated.XX.pth shards.
+        ckpt_dir: folder with params.json and consolidated.XX.pth shards; leave out both paths
+            to run the built-in demo model (SmolLM2-135M-Instruct, fetched and converted once).
         tokenizer_path: the tokenizer file that came with the checkpoint.
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus sampling threshold in (0, 1].
@@ -67,6 +69,7 @@ def main(
         stream: print each completion as it is generated (prompts then run one at a time).
         show_top: for each token of the first completion, print the N most likely candidates.
     """
+    ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     if stream and show_top:
         raise ValueError("--show_top lists candidates after generation; run it without --stream")
     prompts = load_prompts(prompts_file, "text") if prompts_file else EXAMPLE_PROMPTS

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from . import parallel
 from .args import ModelArgs
 from .batch import NO_TOKEN, Batch, Generated
-from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
+from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
 from .checkpoint import load_model, shard_paths
 from .model import Transformer
 from .sampling import SamplingOptions, choose_next, top_candidates
@@ -57,6 +57,8 @@ class Llama:
         shard_paths(ckpt_dir)  # a missing folder or shard is the first thing to report
         args = ModelArgs.load(ckpt_dir / "params.json")
         tokenizer = load_tokenizer(tokenizer_path)
+        record = read_chat_record(ckpt_dir)  # a converted model's chat format and stop tokens
+        tokenizer.stop_tokens = tokenizer.stop_tokens | set(record.stop_tokens)
         args = args.with_vocab_size(tokenizer.n_words)
         placement = parallel.init(model_parallel_size)
         args.check_model_parallel_size(placement.world_size)
@@ -71,12 +73,12 @@ class Llama:
         model = load_model(ckpt_dir, args, placement, dtype)
         model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
         parallel.print0(f"Loaded in {time.perf_counter() - start:.2f} seconds")
-        return Llama(model, tokenizer)
+        return Llama(model, tokenizer, chat_format_for(tokenizer, record))
 
-    def __init__(self, model: Transformer, tokenizer):
+    def __init__(self, model: Transformer, tokenizer, formatter=None):
         self.model = model
         self.tokenizer = tokenizer
-        self.formatter = chat_format_for(tokenizer)
+        self.formatter = formatter or chat_format_for(tokenizer)
 
     @torch.inference_mode()
     def generate(

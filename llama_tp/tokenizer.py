@@ -9,6 +9,8 @@ from typing import AbstractSet, Iterator, Literal, Union
 import tiktoken
 from sentencepiece import SentencePieceProcessor
 
+from .hf_tokenizer import HFTokenizer, is_hf_tokenizer_file
+
 
 class Tokenizer:
     """Llama 2's SentencePiece tokenizer."""
@@ -152,8 +154,10 @@ def is_tiktoken_bpe(path: Path) -> bool:
         return _BPE_LINE.match(file.readline(1024)) is not None
 
 
-def load_tokenizer(path: str) -> Union[Tokenizer, Llama3Tokenizer]:
+def load_tokenizer(path: str) -> Union[Tokenizer, Llama3Tokenizer, HFTokenizer]:
     """The tokenizer for the file at path, told apart by the file's content, never its name."""
     if Path(path).is_file() and is_tiktoken_bpe(Path(path)):
         return Llama3Tokenizer(path)
+    if is_hf_tokenizer_file(path):  # a Hugging Face tokenizer.json, e.g. from llama_tp.convert
+        return HFTokenizer(path)
     return Tokenizer(path)

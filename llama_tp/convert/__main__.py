@@ -1,0 +1,32 @@
+"""python -m llama_tp.convert {hf,gguf} SOURCE DEST --mp N [--dtype bf16|fp16|fp32]"""
+
+from typing import Optional
+
+from ..cli import run
+
+FORMATS = ("hf", "gguf")
+
+
+def main(kind: str, source: str, dest: str, mp: int = 1, dtype: Optional[str] = None):
+    """Convert Llama weights into a Meta-layout checkpoint folder that llama_tp loads.
+
+    Args:
+        kind: "hf" for a Hugging Face folder (config.json, *.safetensors, tokenizer files) or
+            "gguf" for a llama.cpp GGUF file.
+        source: the folder (hf) or the .gguf file.
+        dest: the new checkpoint folder; must not exist or be empty.
+        mp: model-parallel shards to write: run the result with torchrun --nproc_per_node mp.
+        dtype: bf16, fp16 or fp32; by default the source's own precision for hf, fp32 for gguf.
+    """
+    if kind == "hf":
+        from .hf import convert_hf
+        return str(convert_hf(source, dest, mp, dtype))
+    if kind == "gguf":
+        from .gguf import convert_gguf
+        return str(convert_gguf(source, dest, mp, dtype or "fp32"))
+    raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(FORMATS)}: "
+                     "python -m llama_tp.convert hf SRC_DIR DST_DIR --mp N")
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,165 @@
+"""GGUF (llama.cpp) Llama files to Meta's layout: metadata to params.json, tensors dequantised.
+
+llama.cpp's converter already stores q/k in Meta's interleaved rotary layout (it undoes Hugging
+Face's permutation), so tensors are only renamed; tests/test_demo_network.py checks this against
+transformers' own GGUF loading, which re-permutes them for its rotate-half rotary.
+"""
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..args import ModelArgs
+from ..chat_format import ChatRecord
+from ..model import rotary_frequencies
+from . import gguf_vocab, require
+from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
+from .writer import TensorLoader, ffn_params, meta_name, progress, resolve_dtype, write_checkpoint
+
+# Per layer, llama.cpp's tensor names to Meta's.
+LAYER_NAMES = {
+    "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv",
+    "attn_output": "attention.wo", "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2",
+    "ffn_up": "feed_forward.w3", "attn_norm": "attention_norm", "ffn_norm": "ffn_norm",
+}
+TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+             "output.weight": "output.weight"}
+# Llama 3.1's rescaled rotary frequencies, stored by llama.cpp as a tensor of divisors.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32") -> Path:
+    """Convert a GGUF Llama file into a Meta-layout checkpoint folder with mp shards.
+
+    dtype defaults to fp32: dequantised values are exact only there.
+    """
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
+    progress(f"reading {path}")
+    try:
+        reader = require("gguf").GGUFReader(str(path))
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{path} is not a readable GGUF file ({error})") from None
+    metadata = Metadata(reader, path)
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    params = model_params(metadata, by_name)
+    tensors = meta_tensors(by_name, path)
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    files, stop_tokens, template = tokenizer_files(metadata, tokens)
+    chat_format = chat_format_of(template)
+    if chat_format in END_OF_TURN and END_OF_TURN[chat_format] in tokens:
+        stop_tokens.append(tokens.index(END_OF_TURN[chat_format]))
+    system = default_system_prompt(template) if chat_format == "chatml" else None
+    record = ChatRecord(chat_format, system, tuple(stop_tokens), converted_from=path.name)
+    return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record)
+
+
+class Metadata:
+    """The GGUF's key/value metadata, with errors that name the file and the key."""
+
+    def __init__(self, reader, path: Path):
+        self.fields, self.path = reader.fields, path
+        self.arch = self.get("general.architecture")
+        if self.arch != "llama":
+            raise ValueError(f"{path} holds a {self.arch!r} model; only the 'llama' architecture converts")
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        key = key.replace("{arch}", getattr(self, "arch", ""))
+        if key not in self.fields:
+            if default is ...:
+                raise ValueError(f"{self.path} has no {key!r} metadata; is it a complete Llama GGUF?")
+            return default
+        return self.fields[key].contents()
+
+
+def model_params(metadata: Metadata, tensors: dict) -> dict:
+    """params.json from the GGUF's metadata (the vocabulary size from its embedding)."""
+    dim = metadata.get("{arch}.embedding_length")
+    n_heads = metadata.get("{arch}.attention.head_count")
+    n_kv_heads = metadata.get("{arch}.attention.head_count_kv", n_heads)
+    if not isinstance(n_kv_heads, int):
+        raise ValueError(f"{metadata.path}: per-layer KV head counts ({n_kv_heads!r}) are not supported")
+    rope_dims = metadata.get("{arch}.rope.dimension_count", dim // n_heads)
+    if rope_dims != dim // n_heads:
+        raise ValueError(f"{metadata.path}: rotary embedding over {rope_dims} of {dim // n_heads} head "
+                         "channels is not supported; llama_tp rotates whole heads")
+    scaling = metadata.get("{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{metadata.path}: rope scaling {scaling!r} is not supported")
+    params = {
+        "dim": dim,
+        "n_layers": metadata.get("{arch}.block_count"),
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # GGUF lists dims fastest first
+        **ffn_params(dim, metadata.get("{arch}.feed_forward_length")),
+        # float32 in the file: keep its shortest decimal (1e-05, not 9.999999747378752e-06).
+        "norm_eps": float(str(np.float32(metadata.get("{arch}.attention.layer_norm_rms_epsilon")))),
+        "rope_theta": float(str(np.float32(metadata.get("{arch}.rope.freq_base", 10000.0)))),
+    }
+    if ROPE_FREQS in tensors:
+        params |= llama31_rope(ModelArgs.from_dict(params), dequantized(tensors[ROPE_FREQS]), metadata.path)
+    return params
+
+
+def llama31_rope(args: ModelArgs, divisors: torch.Tensor, path: Path) -> dict:
+    """ModelArgs' Llama 3.1 rope settings that reproduce the file's frequency divisors, or ValueError."""
+    settings = {"use_scaled_rope": True, "rope_scaling_factor": float(divisors.max()), "rope_high_freq_factor": 4.0}
+    scaled = dataclasses.replace(args, **settings)
+    if not torch.allclose(rotary_frequencies(args) / rotary_frequencies(scaled), divisors, rtol=1e-4):
+        raise ValueError(f"{path}: its {ROPE_FREQS} is not Llama 3.1's rope scaling with factor "
+                         f"{settings['rope_scaling_factor']}; this rope scaling is not supported")
+    return settings
+
+
+def meta_tensors(by_name: dict, path: Path) -> dict[str, TensorLoader]:
+    """A loader per Meta tensor name; tied embeddings become an explicit output.weight."""
+    loaders = {}
+    for name, tensor in by_name.items():
+        if name == ROPE_FREQS:
+            continue  # folded into params.json
+        target = meta_name(name, TOP_NAMES, r"blk\.(\d+)\.(\w+)\.weight", LAYER_NAMES)
+        if target is None:
+            raise ValueError(f"{path} holds tensor {name!r}, which has no place in a Llama model")
+        loaders[target] = lambda tensor=tensor: dequantized(tensor)
+    loaders.setdefault("output.weight", loaders["tok_embeddings.weight"])
+    return loaders
+
+
+def dequantized(tensor) -> torch.Tensor:
+    """A GGUF tensor as fp32, in PyTorch's dimension order (GGUF lists dimensions fastest first)."""
+    quants = require("gguf.quants")
+    try:
+        values = quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf "
+                         "package cannot dequantise; upgrade gguf or use another quantisation") from None
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+def tokenizer_files(metadata: Metadata, tokens: list[str]) -> tuple[dict[str, bytes], list[int], Optional[str]]:
+    """tokenizer.json and tokenizer_config.json from the embedded vocabulary, eos, and the chat template."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"{metadata.path}: its {model!r} vocabulary is not supported, only byte-level BPE "
+                         "('gpt2'); convert the model's Hugging Face folder with `convert hf` instead")
+    special_ids = {
+        f"{role}_token": metadata.get(f"tokenizer.ggml.{key}_token_id", None)
+        for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))
+    }
+    template = metadata.get("tokenizer.chat_template", None)
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", False)
+    files = {
+        "tokenizer.json": gguf_vocab.tokenizer_json(
+            tokens, metadata.get("tokenizer.ggml.merges"),
+            metadata.get("tokenizer.ggml.token_type"), metadata.get("tokenizer.ggml.pre", "default"),
+        ),
+        "tokenizer_config.json": gguf_vocab.tokenizer_config_json(tokens, special_ids, add_bos, template),
+    }
+    eos = special_ids["eos_token"]
+    return files, [] if eos is None else [eos], template

@@ -1,0 +1,72 @@
+"""A GGUF file's embedded byte-level BPE vocabulary, written out as a Hugging Face tokenizer.json."""
+
+import json
+from typing import Optional
+
+from . import require
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+CONTROL, USER_DEFINED = 3, 4
+
+# How text is split into words before BPE, by the GGUF's tokenizer.ggml.pre: the regexes are
+# llama.cpp's (llama-vocab.cpp), which reproduce each model's original Hugging Face tokenizer.
+GPT2_FAMILY = ("default", "gpt2", "mpt", "olmo", "jais")
+# GPT-2's split after cutting out each digit on its own (StarCoder's tokenizer, which SmolLM2 uses).
+DIGITS_FAMILY = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
+LLAMA3_FAMILY = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def pre_tokenizer_for(pre: str):
+    """The `tokenizers` pre-tokenizer matching llama.cpp's split for tokenizer.ggml.pre."""
+    pre_tokenizers = require("tokenizers.pre_tokenizers")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in LLAMA3_FAMILY)
+    if pre in GPT2_FAMILY:
+        return byte_level
+    if pre in DIGITS_FAMILY:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in LLAMA3_FAMILY:
+        split = pre_tokenizers.Split(require("tokenizers").Regex(LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    known = ", ".join(GPT2_FAMILY + DIGITS_FAMILY + LLAMA3_FAMILY)
+    raise ValueError(f"the GGUF's pre-tokenizer {pre!r} is not supported (known: {known}); "
+                     "convert the model's Hugging Face folder with `convert hf` instead")
+
+
+def tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int], pre: str) -> bytes:
+    """tokenizer.json for a byte-level BPE vocabulary (tokenizer.ggml.model "gpt2")."""
+    tokenizers = require("tokenizers")
+    bpe = tokenizers.models.BPE(
+        vocab={token: index for index, token in enumerate(tokens)},
+        merges=[tuple(merge.split(" ", 1)) for merge in merges],
+        # Llama 3 keeps a word whole when the vocabulary has it, whatever the merges say.
+        ignore_merges=pre in LLAMA3_FAMILY,
+    )
+    tokenizer = tokenizers.Tokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizer_for(pre)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    # Control tokens (<|im_start|>) must stay whole instead of being cut into byte pieces.
+    added = [
+        tokenizers.AddedToken(token, special=kind == CONTROL, normalized=False)
+        for token, kind in zip(tokens, token_types) if kind in (CONTROL, USER_DEFINED)
+    ]
+    tokenizer.add_special_tokens([t for t in added if t.special])
+    tokenizer.add_tokens([t for t in added if not t.special])
+    if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise ValueError(f"the GGUF's vocabulary has {len(tokens)} tokens but the tokenizer built "
+                         f"from it has {tokenizer.get_vocab_size(with_added_tokens=True)}; duplicate tokens?")
+    return tokenizer.to_str(pretty=False).encode()
+
+
+def tokenizer_config_json(tokens: list[str], special_ids: dict[str, Optional[int]], add_bos: bool,
+                          chat_template: Optional[str]) -> bytes:
+    """tokenizer_config.json naming the special tokens, as Hugging Face and llama_tp read it."""
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos}
+    for key, token_id in special_ids.items():
+        config[key] = tokens[token_id] if token_id is not None else None
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
