@@ -18,7 +18,7 @@ import termios
 from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional, Union
 
-from llama_tp import Dialog, Llama
+from llama_tp import Dialog, Llama, demo
 from llama_tp.cli import run
 from llama_tp.parallel import COLLECTIVE_TIMEOUT, broadcast_object, global_rank, print0
 from llama_tp.sampling import SamplingOptions
@@ -119,8 +119,8 @@ def fit(dialog: Dialog, generator: Llama, room: int) -> tuple[Dialog, int]:
 
 
 def main(
-    ckpt_dir: str,
-    tokenizer_path: str,
+    ckpt_dir: Optional[str] = None,
+    tokenizer_path: Optional[str] = None,
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_seq_len: int = 2048,
@@ -135,7 +135,8 @@ def main(
     """Chat in the terminal (or from a pipe) with a chat model.
 
     Args:
-        ckpt_dir: folder with params.json and consolidated.XX.pth shards of a chat model.
+        ckpt_dir: folder with params.json and consolidated.XX.pth shards of a chat model; leave
+            out both paths to chat with the built-in demo model (SmolLM2-135M-Instruct).
         tokenizer_path: the tokenizer file that came with the checkpoint.
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus sampling threshold in (0, 1].
@@ -158,6 +159,7 @@ def main(
     # Mistakes in the options surface now rather than at the first reply.
     SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed).check()
     check_stop(stop)
+    ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
