@@ -53,17 +53,18 @@ class Llama:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
         ckpt_dir = Path(ckpt_dir)
-        args = ModelArgs.load(ckpt_dir / "params.json")
-        tokenizer = load_tokenizer(tokenizer_path)
-        args = args.with_vocab_size(tokenizer.n_words)
         placement = parallel.init(model_parallel_size)
-        args.check_model_parallel_size(placement.world_size)
-        torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
-
         start = time.perf_counter()
-        dtype = parallel.resolve_dtype(dtype, placement.device)
-        model = load_model(ckpt_dir, args, placement, dtype)
-        model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
+        # Each rank reads its own files: a mistake seen by one rank must stop them all.
+        with parallel.agreement("loading the model"):
+            args = ModelArgs.load(ckpt_dir / "params.json")
+            tokenizer = load_tokenizer(tokenizer_path)
+            args = args.with_vocab_size(tokenizer.n_words)
+            args.check_model_parallel_size(placement.world_size)
+            dtype = parallel.resolve_dtype(dtype, placement.device)
+            model = load_model(ckpt_dir, args, placement, dtype)
+            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
+        torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         parallel.print0(f"Loaded in {time.perf_counter() - start:.2f} seconds")
         return Llama(model, tokenizer)
 
@@ -203,10 +204,10 @@ class Llama:
                              temperature: float, top_p: float) -> None:
         if not isinstance(max_gen_len, int) or max_gen_len < 1:
             raise ValueError(f"max_gen_len must be a positive integer, found {max_gen_len!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be 0 (greedy) or more, found {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], found {top_p}")
+        if not _is_number(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be 0 (greedy) or more, found {temperature!r}")
+        if not _is_number(top_p) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], found {top_p!r}")
         vocab = self.model.args.vocab_size
         for row, prompt in enumerate(prompt_tokens):
             if len(prompt) == 0:
@@ -218,6 +219,11 @@ class Llama:
                 )
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {row} holds a token id outside [0, {vocab})")
+
+
+def _is_number(value: object) -> bool:
+    """A real number and not a bool (fire hands over whatever the user typed, e.g. the str 'hot')."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

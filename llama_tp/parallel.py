@@ -6,8 +6,12 @@ torchrun environment. NCCL and `cuda:LOCAL_RANK` when CUDA is present, gloo and 
 
 import contextlib
 import io
+import json
 import os
+import sys
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +26,8 @@ from fairscale.nn.model_parallel import layers as fairscale_layers
 # ParallelEmbedding), Llama 3 along the vocabulary (VocabParallelEmbedding).
 EmbeddingLayout = Literal["dim", "vocab"]
 
+# How long a rank waits for the others at process-group start-up or in any one collective before
+# giving up with an error instead of hanging; generous because ranks load shards at their own pace.
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("LLAMA_TP_TIMEOUT", 300)))
 
 
@@ -98,6 +104,8 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
                 backend, init_method=f"file://{store}", rank=0, world_size=1,
                 timeout=COLLECTIVE_TIMEOUT,
             )
+        if world_size > 1:
+            _start_launcher_watchdog()
     if not fairscale_mp.model_parallel_is_initialized():
         with _quiet():
             fairscale_mp.initialize_model_parallel(model_parallel_size)
@@ -130,6 +138,73 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+@contextmanager
+def agreement(step: str) -> Iterator[None]:
+    """Run a block on every rank, then fail on every rank if it failed on any.
+
+    Without this, a rank whose own file is bad raises while the others walk on into the next
+    collective and wait for it until the timeout. The failing rank re-raises its own exception;
+    the others raise the same type naming that rank, so every rank reports the cause.
+    """
+    failure: Optional[Exception] = None
+    try:
+        yield
+    except Exception as error:  # any failure, bug or not, must reach the other ranks
+        failure = error
+    verdicts = _all_gather_object(None if failure is None else (type(failure), str(failure)))
+    if failure is not None:
+        raise failure
+    for rank, verdict in enumerate(verdicts):
+        if verdict is not None:
+            kind, message = verdict
+            if not issubclass(kind, (ValueError, FileNotFoundError)):
+                kind, message = RuntimeError, f"{kind.__name__}: {message}"
+            raise kind(f"rank {rank} failed while {step}: {message}")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether error is a collective failing because another rank is gone or too slow.
+
+    NCCL and the process-group store raise DistError; gloo raises a plain RuntimeError
+    ("Connection closed by peer", "Timed out waiting ...") whose text names its gloo source file.
+    """
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
+def report_failure(message: str) -> None:
+    """Hand message to torchrun, which shows it in its failure summary instead of a link to its docs."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as file:
+            json.dump({"message": message, "timestamp": int(time.time())}, file)
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _start_launcher_watchdog(poll_seconds: float = 1.0) -> None:
+    """Exit if torchrun dies (e.g. killed with SIGKILL), so no rank is left behind as an orphan.
+
+    A thread, because the main thread may be blocked inside a collective where Python runs no
+    signal handlers; os._exit works from any thread.
+    """
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_seconds)
+        print(f"llama_tp error on rank {global_rank()}: the launcher (pid {launcher}) is gone; "
+              "stopping this rank too", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="llama_tp-launcher-watchdog", daemon=True).start()
 
 
 def column_parallel_linear(in_features: int, out_features: int, gather_output: bool) -> torch.nn.Module:

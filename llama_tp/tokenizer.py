@@ -16,8 +16,15 @@ class Tokenizer:
                 "tokenizer.model that came with the checkpoint"
             )
         self.sp_model = SentencePieceProcessor()
-        if not self.sp_model.Load(str(path)):  # raises on most bad files, returns False on others
-            raise ValueError(f"{path} is not a SentencePiece tokenizer model")
+        try:
+            loaded = self.sp_model.Load(str(path))  # raises on most bad files, returns False on others
+        except RuntimeError:  # "could not parse ModelProto"
+            loaded = False
+        if not loaded:
+            raise ValueError(
+                f"{path} is not a SentencePiece tokenizer model; pass --tokenizer_path with the "
+                "tokenizer.model that came with the checkpoint"
+            )
         self.n_words: int = self.sp_model.vocab_size()
         self.bos_id: int = self.sp_model.bos_id()
         self.eos_id: int = self.sp_model.eos_id()
