@@ -118,3 +118,54 @@ def _rank_main(script: str, args: list[str], rank: int, world_size: int, port: i
     os.dup2(devnull, 1)
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
+
+
+def start_torchrun(script: Path, args: list[str], stderr_path: Path) -> subprocess.Popen:
+    """Start a world-size-2 torchrun job in its own session (so a signal can go to its group)."""
+    return subprocess.Popen(
+        torchrun_command(script, args), cwd=PROJECT_ROOT, env=subprocess_env(),
+        stdout=subprocess.PIPE, stderr=stderr_path.open("w"), text=True, start_new_session=True,
+    )
+
+
+def wait_for_line(job: subprocess.Popen, text: str, timeout: float) -> None:
+    """Read the job's stdout until a line holds text; fail if it ends or takes longer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = job.stdout.readline()
+        if text in line:
+            return
+        if not line and job.poll() is not None:
+            raise AssertionError(f"the job ended (exit {job.returncode}) before printing {text!r}")
+    raise AssertionError(f"no {text!r} within {timeout} s")
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids in pids that are still running (not gone, not a zombie)."""
+    running = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone
+            continue
+        if state != "Z":
+            running.append(pid)
+    return running
+
+
+def rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the workers a torchrun launcher started."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if parent == launcher:
+            for variable in environ:
+                if variable.startswith(b"RANK="):
+                    ranks[int(variable[5:])] = int(entry.name)
+    return ranks
