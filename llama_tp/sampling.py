@@ -19,7 +19,10 @@ def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """logits [bsz, vocab] -> token ids [bsz]; temperature 0 is greedy."""
-    if temperature == 0:
+    # A temperature that rounds to 0 in the logits' dtype is greedy too (dividing by it gives NaN).
+    if temperature < torch.finfo(logits.dtype).tiny:
         return torch.argmax(logits, dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # Shift the best logit to 0 first: logits / temperature overflows to inf (and softmax to NaN)
+    # for a tiny temperature, while values <= 0 divided by it only reach -inf.
+    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / temperature, dim=-1)
     return sample_top_p(probs, top_p).reshape(-1)

@@ -32,6 +32,7 @@ class Tokenizer:
         self.stop_tokens: set[int] = {self.eos_id}
 
     def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+        _check_text(s)
         ids = self.sp_model.encode(s)
         return [self.bos_id] * bos + ids + [self.eos_id] * eos
 
@@ -42,3 +43,16 @@ class Tokenizer:
 def load_tokenizer(path: str) -> Tokenizer:
     """The tokenizer for the file at path."""
     return Tokenizer(path)
+
+
+def _check_text(s: str) -> None:
+    """Refuse what SentencePiece would fail on with an opaque error: non-strings, lone surrogates."""
+    if not isinstance(s, str):
+        raise ValueError(f"text to encode must be a string, found {type(s).__name__} {s!r:.80}")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"text holds {s[error.start:error.end]!r} at character {error.start}, which is not "
+            "valid Unicode (a lone surrogate, e.g. from a JSON \\ud800 escape); fix the prompt"
+        ) from None
