@@ -31,11 +31,7 @@ def run(main: Callable) -> None:
     except RuntimeError as error:
         if debug or not parallel.is_peer_failure(error):
             raise
-        _exit(
-            "lost contact with another process of this job, which failed or was stopped (see its "
-            f"message above, or the launcher's summary); the collective reported: {_first_line(error)}",
-            1,
-        )
+        _exit(parallel.describe_peer_failure(error), 1)
 
 
 def _exit(message: str, code: int, kind: str = "error") -> NoReturn:
@@ -44,7 +40,3 @@ def _exit(message: str, code: int, kind: str = "error") -> NoReturn:
     parallel.report_failure(line)
     sys.exit(code)
 
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__

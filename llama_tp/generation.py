@@ -89,6 +89,9 @@ class Llama:
         Returns the generated tokens (prompt included with echo) and, with logprobs, the log
         probability of each returned token.
         """
+        parallel.check_same_on_every_rank(
+            "generate's arguments", (prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
+        )
         self._check_generate_args(prompt_tokens, max_gen_len, temperature, top_p)
         batch = self.model.max_batch_size
         all_tokens, all_logprobs = [], []

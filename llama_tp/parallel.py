@@ -5,8 +5,10 @@ torchrun environment. NCCL and `cuda:LOCAL_RANK` when CUDA is present, gloo and 
 """
 
 import contextlib
+import hashlib
 import io
 import json
+import pickle
 import os
 import sys
 import tempfile
@@ -28,7 +30,19 @@ EmbeddingLayout = Literal["dim", "vocab"]
 
 # How long a rank waits for the others at process-group start-up or in any one collective before
 # giving up with an error instead of hanging; generous because ranks load shards at their own pace.
-COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("LLAMA_TP_TIMEOUT", 300)))
+DEFAULT_TIMEOUT_SECONDS = 300
+
+
+def collective_timeout() -> timedelta:
+    """The wait limit: LLAMA_TP_TIMEOUT seconds if set, else DEFAULT_TIMEOUT_SECONDS."""
+    value = os.environ.get("LLAMA_TP_TIMEOUT", str(DEFAULT_TIMEOUT_SECONDS))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"LLAMA_TP_TIMEOUT must be a positive number of seconds, found {value!r}")
+    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -94,15 +108,15 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if accelerator_available() else "gloo"
+        timeout = collective_timeout()
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(backend, timeout=timeout)
         else:
             # A plain `python` run: a one-process group needs no network rendezvous.
             store = tempfile.NamedTemporaryFile(prefix="llama_tp_rendezvous_", delete=False).name
             os.unlink(store)
             dist.init_process_group(
-                backend, init_method=f"file://{store}", rank=0, world_size=1,
-                timeout=COLLECTIVE_TIMEOUT,
+                backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout,
             )
         if world_size > 1:
             _start_launcher_watchdog()
@@ -173,12 +187,44 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
 
 
+def check_same_on_every_rank(what: str, value: Any) -> None:
+    """Raise on every rank if value is not the same on all of them.
+
+    Ranks given different prompts run different numbers of steps, and one then waits for the
+    others in a collective until the timeout; comparing a digest first turns that into a message.
+    """
+    digests = _all_gather_object(hashlib.sha256(pickle.dumps(value)).hexdigest())
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differing:
+        raise ValueError(
+            f"{what} on rank(s) {', '.join(map(str, differing))} differ from rank 0's; every rank "
+            "must make the same call with the same arguments (e.g. read the same prompts)"
+        )
+
+
+def describe_peer_failure(error: BaseException) -> str:
+    """What a failed collective means for the user, in one line."""
+    detail = next(iter(str(error).strip().splitlines()), type(error).__name__)
+    if "timed out" in detail.lower() or "timeout" in detail.lower():
+        return (
+            f"gave up waiting for the other processes of this job after {collective_timeout().total_seconds():g} s "
+            "(one may be stuck, e.g. reading a slow disk, or was never started); set "
+            f"LLAMA_TP_TIMEOUT to wait longer. torch.distributed reported: {detail}"
+        )
+    return (
+        "lost contact with another process of this job, which failed or was stopped (see its "
+        f"message above, or the launcher's summary). torch.distributed reported: {detail}"
+    )
+
+
 def report_failure(message: str) -> None:
     """Hand message to torchrun, which shows it in its failure summary instead of a link to its docs."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
+        # The layout torchrun's own @record writes; the summary prints py_callstack as "traceback".
+        details = {"py_callstack": message, "timestamp": str(int(time.time()))}
         with open(error_file, "w") as file:
-            json.dump({"message": message, "timestamp": int(time.time())}, file)
+            json.dump({"message": {"message": message, "extraInfo": details}}, file)
 
 
 def _all_gather_object(obj: Any) -> list[Any]:

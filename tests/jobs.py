@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = PROJECT_ROOT / "launch"
@@ -52,15 +53,20 @@ def run_torchrun(script: Path, args: list[str], timeout: float, **env: str) -> J
     return Job([result.returncode], [result.stderr], result.stdout, time.perf_counter() - start)
 
 
-def run_forked(script: Path, args: list[str], timeout: float, world_size: int = 2, **env: str) -> Job:
-    """Run script as world_size ranks forked from a warm server, with torchrun's environment."""
+def run_forked(script: Path, args: list[str], timeout: float, world_size: int = 2,
+               started: Optional[list[int]] = None, **env: str) -> Job:
+    """Run script as world_size ranks forked from a warm server, with torchrun's environment.
+
+    started: the ranks to start (all by default); the others never turn up.
+    """
     context = _fork_server()
     port = free_port()
+    started = list(range(world_size)) if started is None else started
     logs = [Path(os.environ.get("TMPDIR", "/tmp")) / f"llama_tp_rank{r}_{os.getpid()}_{port}.log"
-            for r in range(world_size)]
+            for r in started]
     ranks = [
         context.Process(target=_rank_main, args=(str(script), args, rank, world_size, port, str(log), env))
-        for rank, log in enumerate(logs)
+        for rank, log in zip(started, logs)
     ]
     for log in logs:
         log.write_text("")  # so a rank that never started reads as silent

@@ -30,6 +30,19 @@ def main(ckpt_dir: str, tokenizer_path: str):
 run(main)
 '''
 
+# A script that gives each rank different prompts, as a per-node prompts file might.
+RANK_PROMPTS_SCRIPT = '''
+import os
+from llama_tp import Llama
+from llama_tp.cli import run
+
+def main(ckpt_dir: str, tokenizer_path: str):
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=64, max_batch_size=2)
+    generator.text_completion(["a prompt for rank " + os.environ["RANK"] * 10], max_gen_len=4)
+
+run(main)
+'''
+
 
 @dataclass(frozen=True)
 class Mistake:
@@ -137,6 +150,12 @@ def bad_dialog(good: Path, folder: Path) -> tuple[Path, list[str]]:
     return script, ["--ckpt_dir", str(good), "--tokenizer_path", str(LLAMA2_TOKENIZER)]
 
 
+def prompts_per_rank(good: Path, folder: Path) -> tuple[Path, list[str]]:
+    script = folder / "rank_prompts.py"
+    script.write_text(RANK_PROMPTS_SCRIPT)
+    return script, ["--ckpt_dir", str(good), "--tokenizer_path", str(LLAMA2_TOKENIZER)]
+
+
 MISTAKES = [
     Mistake("checkpoint dir missing", missing_dir, ("checkpoint directory", "nowhere does not exist")),
     Mistake("checkpoint dir empty", empty_dir, ("checkpoint directory", "empty is empty", "--ckpt_dir")),
@@ -167,6 +186,8 @@ MISTAKES = [
     Mistake("top_p above one", flags("--top_p", "1.5"), ("top_p", "(0, 1]", "1.5")),
     Mistake("max_gen_len zero", flags("--max_gen_len", "0"), ("max_gen_len", "positive", "0")),
     Mistake("bad dialog", bad_dialog, ("message 1", "'assistant' was expected")),
+    Mistake("different prompts on each rank", prompts_per_rank,
+            ("generate's arguments on rank(s) 1 differ from rank 0's", "same arguments")),
 ]
 
 
@@ -190,6 +211,15 @@ def test_misspelled_option_stops_every_rank_with_usage(good_checkpoint: Path):
         assert code == 2
         assert "--temprature" in stderr and "Usage" in stderr
         assert "Traceback" not in stderr
+
+
+def test_a_rank_that_never_starts_times_out_with_a_message(good_checkpoint: Path):
+    """Process-group start-up has a timeout (LLAMA_TP_TIMEOUT): rank 0 alone does not wait forever."""
+    script, args = text_args(good_checkpoint)
+    job = run_forked(script, args, timeout=TIME_LIMIT, started=[0], LLAMA_TP_TIMEOUT="2")
+    assert job.returncodes == [1], job.stderr[0]
+    assert "llama_tp error on rank 0: gave up waiting for the other processes" in job.stderr[0]
+    assert "LLAMA_TP_TIMEOUT" in job.stderr[0] and "Traceback" not in job.stderr[0]
 
 
 def test_debug_keeps_the_traceback(good_checkpoint: Path, tmp_path: Path):
