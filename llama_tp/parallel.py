@@ -8,8 +8,8 @@ import contextlib
 import hashlib
 import io
 import json
-import pickle
 import os
+import pickle
 import sys
 import tempfile
 import threading
@@ -167,15 +167,21 @@ def agreement(step: str) -> Iterator[None]:
         yield
     except Exception as error:  # any failure, bug or not, must reach the other ranks
         failure = error
-    verdicts = _all_gather_object(None if failure is None else (type(failure), str(failure)))
+    verdicts = _all_gather_object(None if failure is None else _verdict(failure))
     if failure is not None:
         raise failure
     for rank, verdict in enumerate(verdicts):
         if verdict is not None:
             kind, message = verdict
-            if not issubclass(kind, (ValueError, FileNotFoundError)):
-                kind, message = RuntimeError, f"{kind.__name__}: {message}"
             raise kind(f"rank {rank} failed while {step}: {message}")
+
+
+def _verdict(failure: Exception) -> tuple[type, str]:
+    """What the other ranks raise for failure: the same kind of user error, else RuntimeError."""
+    for kind in (FileNotFoundError, ValueError):  # built-in classes: they pickle everywhere
+        if isinstance(failure, kind):
+            return kind, str(failure)
+    return RuntimeError, f"{type(failure).__name__}: {failure}"
 
 
 def is_peer_failure(error: BaseException) -> bool:
@@ -206,10 +212,11 @@ def describe_peer_failure(error: BaseException) -> str:
     """What a failed collective means for the user, in one line."""
     detail = next(iter(str(error).strip().splitlines()), type(error).__name__)
     if "timed out" in detail.lower() or "timeout" in detail.lower():
+        waited = collective_timeout().total_seconds()
         return (
-            f"gave up waiting for the other processes of this job after {collective_timeout().total_seconds():g} s "
-            "(one may be stuck, e.g. reading a slow disk, or was never started); set "
-            f"LLAMA_TP_TIMEOUT to wait longer. torch.distributed reported: {detail}"
+            f"gave up waiting for the other processes of this job after {waited:g} s (one may be "
+            "stuck, e.g. reading a slow disk, or was never started); set LLAMA_TP_TIMEOUT to wait "
+            f"longer. torch.distributed reported: {detail}"
         )
     return (
         "lost contact with another process of this job, which failed or was stopped (see its "

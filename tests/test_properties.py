@@ -5,7 +5,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_tp import Llama
