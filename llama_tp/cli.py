@@ -23,7 +23,7 @@ def run(main: Callable) -> None:
     except USER_ERRORS as error:
         if debug:
             raise
-        _exit(str(error), 1)
+        _exit(str(error), 1, wait_for_others=True)
     except KeyboardInterrupt:
         if debug:
             raise
@@ -31,12 +31,14 @@ def run(main: Callable) -> None:
     except RuntimeError as error:
         if debug or not parallel.is_peer_failure(error):
             raise
-        _exit(parallel.describe_peer_failure(error), 1)
+        _exit(parallel.describe_peer_failure(error), 1, wait_for_others=True)
 
 
-def _exit(message: str, code: int, kind: str = "error") -> NoReturn:
+def _exit(message: str, code: int, kind: str = "error", wait_for_others: bool = False) -> NoReturn:
     line = f"llama_tp {kind} on rank {parallel.global_rank()}: {message}"
     print(line, file=sys.stderr, flush=True)
     parallel.report_failure(line)
+    if wait_for_others:  # so that torchrun cuts no rank off before it has printed its message
+        parallel.wait_for_every_rank()
     sys.exit(code)
 

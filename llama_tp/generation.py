@@ -49,11 +49,12 @@ class Llama:
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         """
+        # First, so that every later mistake is found with the process group up (see cli.run).
+        placement = parallel.init(model_parallel_size)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
         ckpt_dir = Path(ckpt_dir)
-        placement = parallel.init(model_parallel_size)
         start = time.perf_counter()
         # Each rank reads its own files: a mistake seen by one rank must stop them all.
         with parallel.agreement("loading the model"):

@@ -45,6 +45,10 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+# Small host-side agreements (the farewell barrier) need gloo; beside NCCL it is a second group.
+_host_groups: list[Any] = []
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where this process sits: its rank among the model-parallel processes and its device."""
@@ -119,6 +123,8 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
                 backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout,
             )
         if world_size > 1:
+            # Made now, on every rank together: creating a group is itself a collective.
+            _host_groups.append(dist.new_group(backend="gloo") if backend != "gloo" else None)
             _start_launcher_watchdog()
     if not fairscale_mp.model_parallel_is_initialized():
         with _quiet():
@@ -232,6 +238,22 @@ def report_failure(message: str) -> None:
         details = {"py_callstack": message, "timestamp": str(int(time.time()))}
         with open(error_file, "w") as file:
             json.dump({"message": {"message": message, "extraInfo": details}}, file)
+
+
+def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
+    """Wait briefly until every rank gets here, e.g. before exiting on an error.
+
+    torchrun stops the other ranks as soon as one exits, so without this a rank that is a
+    moment late can be killed before it has printed its message. A rank that is gone or stuck
+    does not hold the others for more than timeout_seconds.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    group = _host_groups[0] if _host_groups else None
+    try:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_seconds))
+    except RuntimeError:  # a rank is gone or stuck: there is nobody to wait for
+        pass
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
