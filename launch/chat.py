@@ -20,15 +20,18 @@ from typing import Iterator, Optional, Union
 
 from llama_tp import Dialog, Llama, demo
 from llama_tp.cli import run
-from llama_tp.parallel import COLLECTIVE_TIMEOUT, broadcast_object, global_rank, print0
+from llama_tp.parallel import broadcast_object, collective_timeout, global_rank, print0
 from llama_tp.sampling import SamplingOptions
 from llama_tp.streaming import check_stop
 
 CTRL_C = b"\x03"
 # While rank 0 waits for the user, the other ranks wait in a broadcast; rank 0 sends "still
 # waiting" this often so no collective runs into the process group's timeout.
-HEARTBEAT_SECONDS = min(10.0, COLLECTIVE_TIMEOUT.total_seconds() / 3)
 WAITING = False  # broadcast while no line has arrived yet; None means end of input
+
+
+def heartbeat_seconds() -> float:
+    return min(10.0, collective_timeout().total_seconds() / 3)
 
 
 class Keyboard:
@@ -100,7 +103,7 @@ class Keyboard:
 def next_line(keyboard: Optional[Keyboard]) -> Optional[str]:
     """Rank 0's next input line on every rank (None at end of input)."""
     while True:
-        line = keyboard.read_line(HEARTBEAT_SECONDS) if keyboard else None
+        line = keyboard.read_line(heartbeat_seconds()) if keyboard else None
         line = broadcast_object(line)
         if line is not WAITING:
             return line

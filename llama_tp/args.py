@@ -60,6 +60,16 @@ class ModelArgs:
     @classmethod
     def load(cls, path: Path) -> "ModelArgs":
         path = Path(path)
+        if not path.parent.is_dir():
+            raise FileNotFoundError(
+                f"checkpoint directory {path.parent} does not exist; pass --ckpt_dir with the "
+                "folder that holds params.json and consolidated.XX.pth"
+            )
+        if not any(path.parent.iterdir()):
+            raise FileNotFoundError(
+                f"checkpoint directory {path.parent} is empty; pass --ckpt_dir with the folder "
+                "that holds params.json and consolidated.XX.pth"
+            )
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} does not exist; a Meta-layout checkpoint folder holds params.json "

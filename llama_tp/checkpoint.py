@@ -54,6 +54,13 @@ def shard_paths(ckpt_dir: Path) -> list[Path]:
 
 def load_shard(path: Path) -> dict[str, torch.Tensor]:
     """Tensors of one shard, memory-mapped: nothing is read until used."""
+    # torch.save has written zip archives since torch 1.6; a cut-off archive loses its index at
+    # the end, so this catches truncated files too, before torch's long, misleading messages.
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"{path} is not a torch checkpoint (not the zip archive torch.save writes); the file "
+            "may be truncated or corrupt: download or convert it again"
+        )
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as error:

@@ -2,7 +2,7 @@
 
 import os
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 import fire
 
@@ -10,14 +10,35 @@ from . import parallel
 
 # What a user can get wrong surfaces as one of these; anything else is our bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)
+# The shell's convention for a process ended by SIGINT (128 + 2).
+INTERRUPTED_EXIT_CODE = 130
 
 
 def run(main: Callable) -> None:
-    """fire.Fire(main), turning a user mistake into a message and exit code 1 on every rank."""
+    """fire.Fire(main), turning a user mistake, Ctrl-C or a lost peer into a short message and a
+    non-zero exit on every rank; LLAMA_TP_DEBUG=1 keeps the traceback."""
+    debug = os.environ.get("LLAMA_TP_DEBUG") == "1"
     try:
         fire.Fire(main)
     except USER_ERRORS as error:
-        if os.environ.get("LLAMA_TP_DEBUG") == "1":
+        if debug:
             raise
-        print(f"llama_tp error on rank {parallel.global_rank()}: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        _exit(str(error), 1, wait_for_others=True)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        _exit("interrupted (Ctrl-C)", INTERRUPTED_EXIT_CODE, kind="stopped")
+    except RuntimeError as error:
+        if debug or not parallel.is_peer_failure(error):
+            raise
+        _exit(parallel.describe_peer_failure(error), 1, wait_for_others=True)
+
+
+def _exit(message: str, code: int, kind: str = "error", wait_for_others: bool = False) -> NoReturn:
+    line = f"llama_tp {kind} on rank {parallel.global_rank()}: {message}"
+    print(line, file=sys.stderr, flush=True)
+    parallel.report_failure(line)
+    if wait_for_others:  # so that torchrun cuts no rank off before it has printed its message
+        parallel.wait_for_every_rank()
+    sys.exit(code)
+

@@ -50,28 +50,30 @@ class Llama:
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         """
+        # First, so that every later mistake is found with the process group up (see cli.run).
+        placement = parallel.init(model_parallel_size)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
         ckpt_dir = Path(ckpt_dir)
-        shard_paths(ckpt_dir)  # a missing folder or shard is the first thing to report
-        args = ModelArgs.load(ckpt_dir / "params.json")
-        tokenizer = load_tokenizer(tokenizer_path)
-        record = read_chat_record(ckpt_dir)  # a converted model's chat format and stop tokens
-        tokenizer.stop_tokens = tokenizer.stop_tokens | set(record.stop_tokens)
-        args = args.with_vocab_size(tokenizer.n_words)
-        placement = parallel.init(model_parallel_size)
-        args.check_model_parallel_size(placement.world_size)
-        torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
-
         start = time.perf_counter()
-        dtype = parallel.resolve_dtype(dtype, placement.device)
-        # Imported here: `python -m llama_tp.plan` must not find the module already imported by the package.
-        from .plan import plan, report
+        # Each rank reads its own files: a mistake seen by one rank must stop them all.
+        with parallel.agreement("loading the model"):
+            shard_paths(ckpt_dir)  # a missing folder or shard is the first thing to report
+            args = ModelArgs.load(ckpt_dir / "params.json")
+            tokenizer = load_tokenizer(tokenizer_path)
+            record = read_chat_record(ckpt_dir)  # a converted model's chat format and stop tokens
+            tokenizer.stop_tokens = tokenizer.stop_tokens | set(record.stop_tokens)
+            args = args.with_vocab_size(tokenizer.n_words)
+            args.check_model_parallel_size(placement.world_size)
+            dtype = parallel.resolve_dtype(dtype, placement.device)
+            # Imported here: `python -m llama_tp.plan` must not find the module already imported by the package.
+            from .plan import plan, report
 
-        parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype)))
-        model = load_model(ckpt_dir, args, placement, dtype)
-        model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
+            parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype)))
+            model = load_model(ckpt_dir, args, placement, dtype)
+            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
+        torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         parallel.print0(f"Loaded in {time.perf_counter() - start:.2f} seconds")
         return Llama(model, tokenizer, chat_format_for(tokenizer, record))
 
@@ -102,6 +104,11 @@ class Llama:
         probability of each returned token. A row that produces one of the `stop` strings ends
         with the token that completed it (text_completion then cuts the text before the string).
         """
+        parallel.check_same_on_every_rank(
+            "generate's arguments",
+            (prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo, top_k, repetition_penalty,
+             stop, min_gen_len, seed),
+        )
         options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         stop = check_stop(stop)
         self._check_generate_args(prompt_tokens, max_gen_len, options)

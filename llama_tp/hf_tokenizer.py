@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 from .convert import require
+from .text import check_text
 
 
 def is_hf_tokenizer_file(path: str) -> bool:
@@ -50,6 +51,7 @@ class HFTokenizer:
         self.adds_bos: bool = bool(config.get("add_bos_token", default)) and self.bos_id >= 0
 
     def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+        check_text(s)
         ids = self.backend.encode(s, add_special_tokens=False).ids
         return [self.bos_id] * (bos and self.adds_bos) + ids + [self.eos_id] * (eos and self.eos_id >= 0)
 

@@ -5,9 +5,15 @@ torchrun environment. NCCL and `cuda:LOCAL_RANK` when CUDA is present, gloo and 
 """
 
 import contextlib
+import hashlib
 import io
+import json
 import os
+import pickle
+import sys
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +28,25 @@ from fairscale.nn.model_parallel import layers as fairscale_layers
 # ParallelEmbedding), Llama 3 along the vocabulary (VocabParallelEmbedding).
 EmbeddingLayout = Literal["dim", "vocab"]
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("LLAMA_TP_TIMEOUT", 300)))
+# How long a rank waits for the others at process-group start-up or in any one collective before
+# giving up with an error instead of hanging; generous because ranks load shards at their own pace.
+DEFAULT_TIMEOUT_SECONDS = 300
+
+
+def collective_timeout() -> timedelta:
+    """The wait limit: LLAMA_TP_TIMEOUT seconds if set, else DEFAULT_TIMEOUT_SECONDS."""
+    value = os.environ.get("LLAMA_TP_TIMEOUT", str(DEFAULT_TIMEOUT_SECONDS))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"LLAMA_TP_TIMEOUT must be a positive number of seconds, found {value!r}")
+    return timedelta(seconds=seconds)
+
+
+# Small host-side agreements (the farewell barrier) need gloo; beside NCCL it is a second group.
+_host_groups: list[Any] = []
 
 
 @dataclass(frozen=True)
@@ -88,16 +112,20 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if accelerator_available() else "gloo"
+        timeout = collective_timeout()
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(backend, timeout=timeout)
         else:
             # A plain `python` run: a one-process group needs no network rendezvous.
             store = tempfile.NamedTemporaryFile(prefix="llama_tp_rendezvous_", delete=False).name
             os.unlink(store)
             dist.init_process_group(
-                backend, init_method=f"file://{store}", rank=0, world_size=1,
-                timeout=COLLECTIVE_TIMEOUT,
+                backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout,
             )
+        if world_size > 1:
+            # Made now, on every rank together: creating a group is itself a collective.
+            _host_groups.append(dist.new_group(backend="gloo") if backend != "gloo" else None)
+            _start_launcher_watchdog()
     if not fairscale_mp.model_parallel_is_initialized():
         with _quiet():
             fairscale_mp.initialize_model_parallel(model_parallel_size)
@@ -130,6 +158,128 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+@contextmanager
+def agreement(step: str) -> Iterator[None]:
+    """Run a block on every rank, then fail on every rank if it failed on any.
+
+    Without this, a rank whose own file is bad raises while the others walk on into the next
+    collective and wait for it until the timeout. The failing rank re-raises its own exception;
+    the others raise the same type naming that rank, so every rank reports the cause.
+    """
+    failure: Optional[Exception] = None
+    try:
+        yield
+    except Exception as error:  # any failure, bug or not, must reach the other ranks
+        failure = error
+    verdicts = _all_gather_object(None if failure is None else _verdict(failure))
+    if failure is not None:
+        raise failure
+    for rank, verdict in enumerate(verdicts):
+        if verdict is not None:
+            kind, message = verdict
+            raise kind(f"rank {rank} failed while {step}: {message}")
+
+
+def _verdict(failure: Exception) -> tuple[type, str]:
+    """What the other ranks raise for failure: the same kind of user error, else RuntimeError."""
+    for kind in (FileNotFoundError, ValueError):  # built-in classes: they pickle everywhere
+        if isinstance(failure, kind):
+            return kind, str(failure)
+    return RuntimeError, f"{type(failure).__name__}: {failure}"
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether error is a collective failing because another rank is gone or too slow.
+
+    NCCL and the process-group store raise DistError; gloo raises a plain RuntimeError
+    ("Connection closed by peer", "Timed out waiting ...") whose text names its gloo source file.
+    """
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
+def check_same_on_every_rank(what: str, value: Any) -> None:
+    """Raise on every rank if value is not the same on all of them.
+
+    Ranks given different prompts run different numbers of steps, and one then waits for the
+    others in a collective until the timeout; comparing a digest first turns that into a message.
+    """
+    digests = _all_gather_object(hashlib.sha256(pickle.dumps(value)).hexdigest())
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differing:
+        raise ValueError(
+            f"{what} on rank(s) {', '.join(map(str, differing))} differ from rank 0's; every rank "
+            "must make the same call with the same arguments (e.g. read the same prompts)"
+        )
+
+
+def describe_peer_failure(error: BaseException) -> str:
+    """What a failed collective means for the user, in one line."""
+    detail = next(iter(str(error).strip().splitlines()), type(error).__name__)
+    if "timed out" in detail.lower() or "timeout" in detail.lower():
+        waited = collective_timeout().total_seconds()
+        return (
+            f"gave up waiting for the other processes of this job after {waited:g} s (one may be "
+            "stuck, e.g. reading a slow disk, or was never started); set LLAMA_TP_TIMEOUT to wait "
+            f"longer. torch.distributed reported: {detail}"
+        )
+    return (
+        "lost contact with another process of this job, which failed or was stopped (see its "
+        f"message above, or the launcher's summary). torch.distributed reported: {detail}"
+    )
+
+
+def report_failure(message: str) -> None:
+    """Hand message to torchrun, which shows it in its failure summary instead of a link to its docs."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # The layout torchrun's own @record writes; the summary prints py_callstack as "traceback".
+        details = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        with open(error_file, "w") as file:
+            json.dump({"message": {"message": message, "extraInfo": details}}, file)
+
+
+def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
+    """Wait briefly until every rank gets here, e.g. before exiting on an error.
+
+    torchrun stops the other ranks as soon as one exits, so without this a rank that is a
+    moment late can be killed before it has printed its message. A rank that is gone or stuck
+    does not hold the others for more than timeout_seconds.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    group = _host_groups[0] if _host_groups else None
+    try:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_seconds))
+    except RuntimeError:  # a rank is gone or stuck: there is nobody to wait for
+        pass
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _start_launcher_watchdog(poll_seconds: float = 1.0) -> None:
+    """Exit if torchrun dies (e.g. killed with SIGKILL), so no rank is left behind as an orphan.
+
+    A thread, because the main thread may be blocked inside a collective where Python runs no
+    signal handlers; os._exit works from any thread.
+    """
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_seconds)
+        print(f"llama_tp error on rank {global_rank()}: the launcher (pid {launcher}) is gone; "
+              "stopping this rank too", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="llama_tp-launcher-watchdog", daemon=True).start()
 
 
 def column_parallel_linear(in_features: int, out_features: int, gather_output: bool) -> torch.nn.Module:

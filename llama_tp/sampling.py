@@ -20,6 +20,11 @@ class SamplingOptions:
 
     def check(self) -> None:
         """Raise ValueError naming the first option out of range."""
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            # fire hands over whatever the user typed, e.g. the str 'hot'
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, found {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be 0 (greedy) or more, found {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -86,9 +91,12 @@ def choose_next(logits: torch.Tensor, options: SamplingOptions, history: Optiona
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """The next token of each row: logits [bsz, vocab] -> token ids [bsz], with every option applied."""
     logits = adjust_logits(logits, options, history, suppress)
-    if options.temperature == 0:
+    # A temperature that rounds to 0 in the logits' dtype is greedy too (dividing by it gives NaN).
+    if options.temperature < torch.finfo(logits.dtype).tiny:
         return torch.argmax(logits, dim=-1)
-    logits = logits / options.temperature
+    # Shift the best logit to 0 first: for a tiny temperature, logits / temperature overflows to
+    # inf (and softmax to NaN), while values <= 0 divided by it only reach -inf.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / options.temperature
     if options.top_k:
         kth_best = torch.topk(logits, min(options.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))

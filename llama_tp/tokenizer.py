@@ -10,6 +10,7 @@ import tiktoken
 from sentencepiece import SentencePieceProcessor
 
 from .hf_tokenizer import HFTokenizer, is_hf_tokenizer_file
+from .text import check_text
 
 
 class Tokenizer:
@@ -37,6 +38,7 @@ class Tokenizer:
         self.stop_tokens: set[int] = {self.eos_id}
 
     def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+        check_text(s)
         ids = self.sp_model.encode(s)
         return [self.bos_id] * bos + ids + [self.eos_id] * eos
 
@@ -90,6 +92,7 @@ class Llama3Tokenizer:
     def encode(self, s: str, bos: bool, eos: bool,
                allowed_special: Union[Literal["all"], AbstractSet[str]] = frozenset()) -> list[int]:
         """Token ids of s; special-token text in s is plain text unless allowed_special names it."""
+        check_text(s)
         ids: list[int] = []
         for start in range(0, len(s), self.max_encode_chars):
             for part in split_long_runs(s[start : start + self.max_encode_chars], self.max_run_chars):

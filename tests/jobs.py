@@ -1,0 +1,177 @@
+"""Running a launch script as a world-size-2 job in tests: under torchrun, or forked from a warm process.
+
+torchrun pays for importing torch in the launcher and in every rank (about 4 seconds a job on
+this machine); the forked runner imports llama_tp once in a multiprocessing fork server and
+starts each rank from it with torchrun's environment, so a table of mistakes stays cheap. It
+also asks more than torchrun does: nobody kills the other ranks when one fails, so each rank
+must stop by itself.
+"""
+
+import multiprocessing
+import os
+import runpy
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = PROJECT_ROOT / "launch"
+# Imported once by the fork server, so forked ranks start in milliseconds.
+WARM_MODULES = ["fire", "llama_tp", "llama_tp.cli", "llama_tp.generation"]
+
+
+@dataclass
+class Job:
+    returncodes: list[int]  # one per rank; torchrun's own exit code for torchrun jobs
+    stderr: list[str]  # one per rank; torchrun's whole stderr for torchrun jobs
+    stdout: str
+    seconds: float
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child python: this checkout's llama_tp first, one thread per rank."""
+    env = {key: value for key, value in os.environ.items() if key != "LLAMA_TP_DEBUG"}
+    return env | {"PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1"} | extra
+
+
+def torchrun_command(script: Path, args: list[str], nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), str(script), *args]
+
+
+def run_torchrun(script: Path, args: list[str], timeout: float, **env: str) -> Job:
+    """Run script under torchrun at world size 2; a job still running after timeout is killed."""
+    start = time.perf_counter()
+    result = subprocess.run(
+        torchrun_command(script, args), cwd=PROJECT_ROOT, env=subprocess_env(**env),
+        capture_output=True, text=True, timeout=timeout,
+    )
+    return Job([result.returncode], [result.stderr], result.stdout, time.perf_counter() - start)
+
+
+def run_forked(script: Path, args: list[str], timeout: float, world_size: int = 2,
+               started: Optional[list[int]] = None, **env: str) -> Job:
+    """Run script as world_size ranks forked from a warm server, with torchrun's environment.
+
+    started: the ranks to start (all by default); the others never turn up.
+    """
+    context = _fork_server()
+    port = free_port()
+    started = list(range(world_size)) if started is None else started
+    logs = [Path(os.environ.get("TMPDIR", "/tmp")) / f"llama_tp_rank{r}_{os.getpid()}_{port}.log"
+            for r in started]
+    ranks = [
+        context.Process(target=_rank_main, args=(str(script), args, rank, world_size, port, str(log), env))
+        for rank, log in zip(started, logs)
+    ]
+    for log in logs:
+        log.write_text("")  # so a rank that never started reads as silent
+    start = time.perf_counter()
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(max(0.0, timeout - (time.perf_counter() - start)))
+    seconds = time.perf_counter() - start
+    for rank in ranks:
+        if rank.is_alive():  # a hang: the test fails on the exit code, but leave nothing behind
+            rank.kill()
+            rank.join()
+    stderr = [log.read_text() for log in logs]
+    for log in logs:
+        log.unlink()
+    return Job([rank.exitcode for rank in ranks], stderr, "", seconds)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+_context = None
+
+
+def _fork_server():
+    global _context
+    if _context is None:
+        # The server inherits this sys.path: make it import this checkout's llama_tp.
+        if str(PROJECT_ROOT) not in sys.path:
+            sys.path.insert(0, str(PROJECT_ROOT))
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(WARM_MODULES)
+    return _context
+
+
+def _rank_main(script: str, args: list[str], rank: int, world_size: int, port: int,
+               log: str, env: dict[str, str]) -> None:
+    """One rank, as torchrun would start it: its environment, argv, and stderr to a file."""
+    import torch  # already imported by the fork server
+
+    torch.set_num_threads(1)
+    os.environ.pop("LLAMA_TP_DEBUG", None)
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    stream = open(log, "a")
+    os.dup2(stream.fileno(), 2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+def start_torchrun(script: Path, args: list[str], stderr_path: Path) -> subprocess.Popen:
+    """Start a world-size-2 torchrun job in its own session (so a signal can go to its group)."""
+    return subprocess.Popen(
+        torchrun_command(script, args), cwd=PROJECT_ROOT, env=subprocess_env(),
+        stdout=subprocess.PIPE, stderr=stderr_path.open("w"), text=True, start_new_session=True,
+    )
+
+
+def wait_for_line(job: subprocess.Popen, text: str, timeout: float) -> None:
+    """Read the job's stdout until a line holds text; fail if it ends or takes longer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = job.stdout.readline()
+        if text in line:
+            return
+        if not line and job.poll() is not None:
+            raise AssertionError(f"the job ended (exit {job.returncode}) before printing {text!r}")
+    raise AssertionError(f"no {text!r} within {timeout} s")
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids in pids that are still running (not gone, not a zombie)."""
+    running = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone
+            continue
+        if state != "Z":
+            running.append(pid)
+    return running
+
+
+def rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the workers a torchrun launcher started."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if parent == launcher:
+            for variable in environ:
+                if variable.startswith(b"RANK="):
+                    ranks[int(variable[5:])] = int(entry.name)
+    return ranks
