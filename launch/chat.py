@@ -25,12 +25,12 @@ from llama_tp.sampling import SamplingOptions
 from llama_tp.streaming import check_stop
 
 CTRL_C = b"\x03"
-# While rank 0 waits for the user, the other ranks wait in a broadcast; rank 0 sends "still
-# waiting" this often so no collective runs into the process group's timeout.
 WAITING = False  # broadcast while no line has arrived yet; None means end of input
 
 
 def heartbeat_seconds() -> float:
+    """While rank 0 waits for the user, the other ranks wait in a broadcast; rank 0 sends "still
+    waiting" this often so that no collective runs into the process group's timeout."""
     return min(10.0, collective_timeout().total_seconds() / 3)
 
 
