@@ -14,7 +14,7 @@ from . import parallel
 from .args import ModelArgs
 from .batch import NO_TOKEN, Batch, Generated
 from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
-from .checkpoint import load_model, shard_paths
+from .checkpoint import load_model
 from .model import Transformer
 from .sampling import SamplingOptions, choose_next, top_candidates
 from .streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
@@ -59,7 +59,6 @@ class Llama:
         start = time.perf_counter()
         # Each rank reads its own files: a mistake seen by one rank must stop them all.
         with parallel.agreement("loading the model"):
-            shard_paths(ckpt_dir)  # a missing folder or shard is the first thing to report
             args = ModelArgs.load(ckpt_dir / "params.json")
             tokenizer = load_tokenizer(tokenizer_path)
             record = read_chat_record(ckpt_dir)  # a converted model's chat format and stop tokens
@@ -104,14 +103,9 @@ class Llama:
         probability of each returned token. A row that produces one of the `stop` strings ends
         with the token that completed it (text_completion then cuts the text before the string).
         """
-        parallel.check_same_on_every_rank(
-            "generate's arguments",
-            (prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo, top_k, repetition_penalty,
-             stop, min_gen_len, seed),
-        )
         options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         stop = check_stop(stop)
-        self._check_generate_args(prompt_tokens, max_gen_len, options)
+        self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo))
         generated = self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo)
         return generated.tokens, (generated.logprobs if logprobs else None)
 
@@ -243,7 +237,7 @@ class Llama:
             max_gen_len = self.model.max_seq_len - 1
         options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         stop = check_stop(stop)
-        prompt_tokens = [self.formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
+        prompt_tokens = [self._encode_dialog(dialog, index) for index, dialog in enumerate(dialogs)]
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
         safe_tokens = [prompt_tokens[row] for row in safe]
         self._check_generate_args(safe_tokens, max_gen_len, options)
@@ -327,8 +321,17 @@ class Llama:
 
         return TextStream(run)
 
+    def _encode_dialog(self, dialog: Dialog, index: int) -> list[int]:
+        """The dialog's prompt tokens; a malformed dialog's error names it within the batch."""
+        try:
+            return self.formatter.encode_dialog_prompt(dialog)
+        except ValueError as error:
+            raise ValueError(f"dialog {index}: {error}") from None
+
     def _check_generate_args(self, prompt_tokens: list[list[int]], max_gen_len: int,
-                             options: SamplingOptions) -> None:
+                             options: SamplingOptions, other_args: tuple = ()) -> None:
+        """Refuse bad arguments, and arguments that differ between ranks (the decode would hang)."""
+        parallel.check_same_on_every_rank("the generation arguments", (prompt_tokens, max_gen_len, options, other_args))
         if not isinstance(max_gen_len, int) or max_gen_len < 1:
             raise ValueError(f"max_gen_len must be a positive integer, found {max_gen_len!r}")
         options.check()

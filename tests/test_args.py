@@ -48,6 +48,9 @@ def test_missing_required_key():
 
 
 def test_load_reports_missing_and_invalid_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="checkpoint directory .* is empty"):
+        ModelArgs.load(tmp_path / "params.json")
+    (tmp_path / "consolidated.00.pth").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="params.json does not exist"):
         ModelArgs.load(tmp_path / "params.json")
     (tmp_path / "params.json").write_text("{not json")

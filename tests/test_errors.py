@@ -18,6 +18,7 @@ from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_c
 
 TIME_LIMIT = 30  # seconds, from the issue
 TEXT = LAUNCH / "text_completion.py"
+CHAT = LAUNCH / "chat_completion.py"
 # A chat script that sends one malformed dialog: the launch scripts only send their examples.
 BAD_DIALOG_SCRIPT = '''
 from llama_tp import Llama
@@ -119,12 +120,6 @@ def no_shards(good: Path, folder: Path) -> tuple[Path, list[str]]:
     return text_args(ckpt)
 
 
-def one_shard(good: Path, folder: Path) -> tuple[Path, list[str]]:
-    ckpt = folder / "one"
-    write_checkpoint(ckpt, TINY_LLAMA2, full_weights(TINY_LLAMA2, 32000), 1, "dim")
-    return text_args(ckpt)
-
-
 def other_vocabulary(good: Path, folder: Path) -> tuple[Path, list[str]]:
     ckpt = folder / "vocab"
     write_checkpoint(ckpt, TINY_LLAMA2, full_weights(TINY_LLAMA2, 32002), 2, "dim")
@@ -138,6 +133,14 @@ def missing_tokenizer(good: Path, folder: Path) -> tuple[Path, list[str]]:
 def unknown_tokenizer(good: Path, folder: Path) -> tuple[Path, list[str]]:
     (folder / "tokenizer.model").write_text("not a tokenizer\n")
     return text_args(good, tokenizer=folder / "tokenizer.model")
+
+
+def prompts_file(content: str, script: Path) -> Callable[[Path, Path], tuple[Path, list[str]]]:
+    def setup(good: Path, folder: Path) -> tuple[Path, list[str]]:
+        (folder / "prompts.json").write_text(content)
+        _, args = text_args(good, "--prompts_file", str(folder / "prompts.json"))
+        return script, args
+    return setup
 
 
 def flags(*extra: str) -> Callable[[Path, Path], tuple[Path, list[str]]]:
@@ -171,8 +174,7 @@ MISTAKES = [
     Mistake("shard not torch on rank 0", with_shard(0, not_torch),
             ("consolidated.00.pth is not a torch checkpoint",)),
     Mistake("shard shapes inconsistent", with_shard(1, wrong_shape),
-            ("consolidated.01.pth", "layers.1.feed_forward.w1.weight", "shape")),
-    Mistake("shards for another world size", one_shard, ("found 1 shards", "--nproc_per_node 1")),
+            ("consolidated.01.pth", "layers.1.feed_forward.w1.weight", "do not belong to one checkpoint")),
     Mistake("world size the model cannot split over", with_params({**TINY_LLAMA2, "n_heads": 1}),
             ("cannot be split over 2", "world sizes that work: 1")),
     Mistake("tokenizer missing", missing_tokenizer, ("tokenizer.model does not exist", "--tokenizer_path")),
@@ -190,9 +192,17 @@ MISTAKES = [
     Mistake("top_p zero", flags("--top_p", "0"), ("top_p", "(0, 1]", "0")),
     Mistake("top_p above one", flags("--top_p", "1.5"), ("top_p", "(0, 1]", "1.5")),
     Mistake("max_gen_len zero", flags("--max_gen_len", "0"), ("max_gen_len", "positive", "0")),
-    Mistake("bad dialog", bad_dialog, ("message 1", "'assistant' was expected")),
+    Mistake("bad dialog", bad_dialog, ("dialog 0: message 1", "'assistant' was expected")),
     Mistake("different prompts on each rank", prompts_per_rank,
-            ("generate's arguments on rank(s) 1 differ from rank 0's", "same arguments")),
+            ("the generation arguments on rank(s) 1 differ from rank 0's", "same arguments")),
+    Mistake("prompts file not JSON", prompts_file("['unclosed", TEXT), ("prompts.json is not valid UTF-8 JSON",)),
+    Mistake("prompts file not a list of strings", prompts_file('{"prompt": "hi"}', TEXT),
+            ("prompts.json must hold a non-empty JSON list",)),
+    Mistake("prompts file with a lone surrogate", prompts_file('["ok", "bad \\ud800 text"]', TEXT),
+            ("not valid Unicode", "lone surrogate")),
+    Mistake("prompts file with a bad dialog", prompts_file(
+        json.dumps([[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]]), CHAT),
+            ("dialog 0: message 1 has role 'user'",)),
 ]
 
 
