@@ -120,7 +120,7 @@ class Llama:
             logits = self.model.forward(tokens[:, :-1], 0)
             token_logprobs[:, 1:] = _logprobs_of(logits, tokens[:, 1:])
         for cur_pos in range(min_len, total_len):
-            logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos)
+            logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs)
             sampled = next_token(logits[:, -1], temperature, top_p)
             sampled = torch.where(is_prompt[:, cur_pos], tokens[:, cur_pos], sampled)
             tokens[:, cur_pos] = sampled
