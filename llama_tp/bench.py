@@ -26,6 +26,7 @@ from .args import ModelArgs
 from .checkpoint import load_model, load_shard, shard_paths, split_dim
 from .cli import run
 from .generation import Llama
+from .quantize import check_quantize, quantize_model
 from .tokenizer import load_tokenizer
 
 # SmolLM2-135M-Instruct in Meta's terms: 30 layers, 9 query and 3 KV heads, SwiGLU hidden 1536.
@@ -134,12 +135,7 @@ def model_args(ckpt_dir: Path, tokenizer_path: Optional[str]) -> ModelArgs:
 def load_ours(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement, dtype: torch.dtype,
               quantize: Optional[str]) -> torch.nn.Module:
     """llama_tp's loader, as Llama.build runs it."""
-    model = load_model(ckpt_dir, args, placement, dtype)
-    if quantize is not None:
-        from .quantize import quantize_model
-
-        quantize_model(model, quantize)
-    return model
+    return quantize_model(load_model(ckpt_dir, args, placement, dtype), quantize)
 
 
 def load_meta_reference(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement,
@@ -246,7 +242,7 @@ def main(
             written once under ~/.cache/llama_tp/bench.
         tokenizer_path: only needed when params.json has no vocab_size.
         compare: "hf" to interleave Hugging Face transformers' generate on the same weights (world size 1).
-        quantize: "int8" for weight-only int8 linear layers.
+        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see quantize.py.
         dtype: compute dtype of both engines.
         json: where to write the results.
         repeats: timed repetitions of each case (medians are reported).
@@ -258,6 +254,7 @@ def main(
     """
     if compare not in (None, "hf"):
         raise ValueError(f"--compare {compare!r} is not supported; use --compare hf or leave it out")
+    check_quantize(quantize)
     if repeats < 1 or new_tokens < 1:
         raise ValueError(f"repeats and new_tokens must be at least 1, found {repeats} and {new_tokens}")
     # fire reads "--batch_sizes 1" as an int and "--batch_sizes 1,8" as a tuple

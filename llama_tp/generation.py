@@ -15,6 +15,7 @@ from .args import ModelArgs
 from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
 from .checkpoint import load_model
 from .model import Transformer
+from .quantize import check_quantize, quantize_model
 from .sampling import next_token
 from .tokenizer import load_tokenizer
 
@@ -44,11 +45,14 @@ class Llama:
         model_parallel_size: Optional[int] = None,
         seed: int = 1,
         dtype: "str | torch.dtype | None" = None,
+        quantize: Optional[str] = None,
     ) -> "Llama":
         """Join the process group, load this rank's slice of the checkpoint, and return a generator.
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
+        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
         """
+        check_quantize(quantize)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
@@ -62,7 +66,7 @@ class Llama:
 
         start = time.perf_counter()
         dtype = parallel.resolve_dtype(dtype, placement.device)
-        model = load_model(ckpt_dir, args, placement, dtype)
+        model = quantize_model(load_model(ckpt_dir, args, placement, dtype), quantize)
         model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
         parallel.print0(f"Loaded in {time.perf_counter() - start:.2f} seconds")
         return Llama(model, tokenizer)

@@ -11,12 +11,13 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Callable, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
 from fairscale.nn.model_parallel import layers as fairscale_layers
+from fairscale.nn.model_parallel import mappings as fairscale_mappings
 
 # Llama 2 checkpoints split the token embedding along the model dimension (fairscale's
 # ParallelEmbedding), Llama 3 along the vocabulary (VocabParallelEmbedding).
@@ -180,3 +181,14 @@ def _quiet() -> Iterator[None]:
     """fairscale prints three lines per rank on initialisation; keep job output to rank 0."""
     with contextlib.redirect_stdout(io.StringIO()):
         yield
+
+
+def communication_after(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a parallel linear layer does with its local product in inference: all-reduce (row
+    parallel), all-gather (column parallel gathering its output) or nothing; for layers that
+    replace one's matrix product (quantized weights) but must talk to the other ranks the same way."""
+    if isinstance(layer, fairscale_layers.RowParallelLinear):
+        return fairscale_mappings.reduce_from_model_parallel_region
+    if isinstance(layer, fairscale_layers.ColumnParallelLinear):
+        return fairscale_mappings.gather_from_model_parallel_region if layer.gather_output else _keep
+    raise TypeError(f"{type(layer).__name__} is not one of fairscale's parallel linear layers")
