@@ -227,7 +227,7 @@ def main(
     compare: Optional[str] = None,
     quantize: Optional[str] = None,
     dtype: str = "fp32",
-    json: str = "bench.json",
+    json_path: str = "bench.json",
     repeats: int = 3,
     load_repeats: int = 3,
     new_tokens: int = 128,
@@ -244,7 +244,7 @@ def main(
         compare: "hf" to interleave Hugging Face transformers' generate on the same weights (world size 1).
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see quantize.py.
         dtype: compute dtype of both engines.
-        json: where to write the results.
+        json_path: where to write the results.
         repeats: timed repetitions of each case (medians are reported).
         load_repeats: fresh-process loads of each loader (world size 1; 0 skips the comparison).
         new_tokens: tokens generated per decode case (greedy, no early stop).
@@ -300,25 +300,16 @@ def main(
 
     hf_model = None
     if compare == "hf":
-        from .bench_hf import build_hf_model, hf_generate
+        import transformers
 
-        report["machine"]["transformers"] = __import__("transformers").__version__
+        from .bench_hf import build_hf_model
+
+        report["machine"]["transformers"] = transformers.__version__
         hf_model = build_hf_model(full_weights(ckpt_dir), args, max_seq_len, torch_dtype)
 
     prompts = torch.randint(1, args.vocab_size, (max(batch_sizes), max_seq_len),
                             generator=torch.Generator().manual_seed(PROMPT_SEED))
-    # name -> (batch, prompt length, tokens generated, tokens counted). Prefill is timed to the
-    # first token and counts prompt tokens; decode counts generated ones.
-    shapes = {f"prefill_{length}": (1, length, 1, length) for length in prefill_lengths}
-    shapes |= {f"decode_batch_{batch}": (batch, DECODE_PROMPT_LEN, new_tokens, batch * new_tokens)
-               for batch in batch_sizes}
-    cases: dict[str, tuple[int, dict[str, Callable[[], object]]]] = {}
-    for name, (batch, length, generated, counted) in shapes.items():
-        rows = prompts[:batch, :length]
-        engines = {"llama_tp": partial(llama.generate, rows.tolist(), generated, temperature=0)}
-        if hf_model is not None:
-            engines["hf"] = partial(hf_generate, hf_model, rows, generated)
-        cases[name] = (counted, engines)
+    cases = timing_cases(llama, hf_model, prompts, prefill_lengths, batch_sizes, new_tokens)
     parallel.print0("timing (tokens per second, medians of interleaved runs):")
     report["cases"] = interleaved(cases, repeats)
     report["roofline"]["decode_batch_1_fraction"] = (
@@ -331,9 +322,32 @@ def main(
         parallel.broadcast_object(peak_rss_bytes(), src=rank) for rank in range(placement.world_size)
     ]
     if placement.is_main:
-        Path(json).write_text(__import__("json").dumps(report, indent=2))
+        Path(json_path).write_text(json.dumps(report, indent=2))
         print_table(report)
-        print(f"wrote {json}")
+        print(f"wrote {json_path}")
+
+
+def timing_cases(llama: Llama, hf_model: Optional[torch.nn.Module], prompts: torch.Tensor,
+                 prefill_lengths: tuple[int, ...], batch_sizes: tuple[int, ...],
+                 new_tokens: int) -> dict[str, tuple[int, dict[str, Callable[[], object]]]]:
+    """Each case's token count and, per engine, the call that does its work.
+
+    Prefill is timed to the first token and counts prompt tokens; decode counts generated ones.
+    """
+    from .bench_hf import hf_generate
+
+    # name -> (batch, prompt length, tokens generated, tokens counted)
+    shapes = {f"prefill_{length}": (1, length, 1, length) for length in prefill_lengths}
+    shapes |= {f"decode_batch_{batch}": (batch, DECODE_PROMPT_LEN, new_tokens, batch * new_tokens)
+               for batch in batch_sizes}
+    cases = {}
+    for name, (batch, length, generated, counted) in shapes.items():
+        rows = prompts[:batch, :length]
+        engines = {"llama_tp": partial(llama.generate, rows.tolist(), generated, temperature=0)}
+        if hf_model is not None:
+            engines["hf"] = partial(hf_generate, hf_model, rows, generated)
+        cases[name] = (counted, engines)
+    return cases
 
 
 def greedy_agreement(llama: Llama, hf_model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> float:

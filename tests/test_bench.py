@@ -42,7 +42,7 @@ def test_bench_writes_json(tiny_ckpt, tmp_path):
     out = tmp_path / "bench.json"
     command = [
         sys.executable, "-m", "llama_tp.bench", "--ckpt_dir", str(tiny_ckpt), "--compare", "hf",
-        "--json", str(out), "--repeats", "1", "--load_repeats", "1", "--new_tokens", "4",
+        "--json_path", str(out), "--repeats", "1", "--load_repeats", "1", "--new_tokens", "4",
         "--batch_sizes", "1,2", "--prefill_lengths", "8", "--threads", "1",
     ]
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
@@ -69,4 +69,4 @@ def test_bench_rejects_unknown_comparison(tiny_ckpt, tmp_path):
     from llama_tp.bench import main
 
     with pytest.raises(ValueError, match="--compare 'vllm'"):
-        main(ckpt_dir=str(tiny_ckpt), compare="vllm", json=str(tmp_path / "x.json"))
+        main(ckpt_dir=str(tiny_ckpt), compare="vllm", json_path=str(tmp_path / "x.json"))
