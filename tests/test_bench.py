@@ -1,9 +1,6 @@
 """The benchmark runs on a tiny model and writes well-formed JSON; its transformers copy is the same model."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,11 +8,10 @@ import torch
 
 from llama_tp import parallel
 from llama_tp.args import ModelArgs
+from llama_tp.bench import main
 from llama_tp.bench_hf import build_hf_model
 from llama_tp.checkpoint import load_model
 from tiny_checkpoint import TINY_LLAMA3, full_weights, write_checkpoint
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +34,11 @@ def test_hf_copy_gives_our_logits(tiny_ckpt):
     torch.testing.assert_close(ours.forward(tokens, 0), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_bench_writes_json(tiny_ckpt, tmp_path):
+def test_bench_writes_json(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    command = [
-        sys.executable, "-m", "llama_tp.bench", "--ckpt_dir", str(tiny_ckpt), "--compare", "hf",
-        "--json_path", str(out), "--repeats", "1", "--load_repeats", "1", "--new_tokens", "4",
-        "--batch_sizes", "1,2", "--prefill_lengths", "8", "--threads", "1",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    result = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    main(ckpt_dir=str(tiny_ckpt), compare="hf", json_path=str(out), repeats=1, load_repeats=1,
+         new_tokens=4, batch_sizes=(1, 2), prefill_lengths=8)
+    stdout = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert set(report["cases"]) == {"prefill_8", "decode_batch_1", "decode_batch_2"}
     for case in report["cases"].values():
@@ -62,11 +53,9 @@ def test_bench_writes_json(tiny_ckpt, tmp_path):
     assert roofline["copy_bandwidth_bytes_per_s"] > 0 and 0 < roofline["decode_batch_1_fraction"]
     assert report["load"]["llama_tp"]["seconds"] > 0 and report["load"]["meta_reference"]["seconds"] > 0
     assert len(report["peak_rss_bytes_per_rank"]) == 1
-    assert "decode_batch_2" in result.stdout and "roofline" in result.stdout
+    assert "decode_batch_2" in stdout and "roofline" in stdout
 
 
 def test_bench_rejects_unknown_comparison(tiny_ckpt, tmp_path):
-    from llama_tp.bench import main
-
     with pytest.raises(ValueError, match="--compare 'vllm'"):
         main(ckpt_dir=str(tiny_ckpt), compare="vllm", json_path=str(tmp_path / "x.json"))
