@@ -366,9 +366,8 @@ def print_table(report: dict) -> None:
     print(f"{'case':<18}{'llama_tp tok/s':>16}{'hf tok/s':>12}{'ratio':>8}")
     for name, result in report["cases"].items():
         speeds = result["tokens_per_s"]
-        hf = speeds.get("hf")
-        print(f"{name:<18}{speeds['llama_tp']:>16.1f}{hf if hf is None else f'{hf:.1f}':>12}"
-              f"{result.get('ratio_vs_hf', float('nan')):>8.2f}")
+        hf = f"{speeds['hf']:.1f}" if "hf" in speeds else "-"
+        print(f"{name:<18}{speeds['llama_tp']:>16.1f}{hf:>12}{result.get('ratio_vs_hf', float('nan')):>8.2f}")
     roofline = report["roofline"]
     print(f"roofline: {roofline['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copy, "
           f"{roofline['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token -> "
