@@ -5,6 +5,7 @@ torchrun environment. NCCL and `cuda:LOCAL_RANK` when CUDA is present, gloo and 
 """
 
 import contextlib
+import functools
 import io
 import os
 import platform
@@ -221,16 +222,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """
     if model_parallel_size() == 1:
         return x
-    global _shared_sum
-    if _shared_sum is None:
-        _shared_sum = _SharedMemorySum.create() if _all_ranks_share_memory() else False
-    if _shared_sum and x.dtype == torch.float32 and x.numel() <= _SharedMemorySum.CAPACITY:
-        return _shared_sum(x)
+    shared_sum = _shared_sum()
+    if shared_sum is not None and x.dtype == torch.float32 and x.numel() <= _SharedMemorySum.CAPACITY:
+        return shared_sum(x)
     dist.all_reduce(x, group=fairscale_mp.get_model_parallel_group())
     return x
 
 
-_shared_sum: "Optional[_SharedMemorySum] | bool" = None  # made on the first all_reduce, by every rank at once
+@functools.cache
+def _shared_sum() -> "Optional[_SharedMemorySum]":
+    """Made on the first all_reduce, which every rank reaches together."""
+    return _SharedMemorySum.create() if _all_ranks_share_memory() else None
 
 
 def _all_ranks_share_memory() -> bool:

@@ -25,7 +25,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         results.append(parallel.all_reduce(x))
     big = torch.ones(parallel._SharedMemorySum.CAPACITY + 1) * (rank + 1)  # too big: through gloo
     results.append(parallel.all_reduce(big)[:4])
-    assert isinstance(parallel._shared_sum, parallel._SharedMemorySum)
+    assert isinstance(parallel._shared_sum(), parallel._SharedMemorySum)
     torch.save(results, f"{out}.{rank}")
 
 
