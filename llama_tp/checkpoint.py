@@ -7,8 +7,10 @@ reading them memory-mapped so that no rank ever holds the whole model.
 
 import ctypes
 import mmap
+import ctypes.util
 import os
 import pickle
+import platform
 import sys
 import zipfile
 from pathlib import Path
@@ -112,6 +114,8 @@ def load_into(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.de
                 f"model needs {list(target.shape)}; check params.json and the number of processes"
             )
         state[name] = tensor.to(device=device, dtype=dtype)
+        if state[name].data_ptr() != tensor.data_ptr():
+            release_pages(tensor)
     model.load_state_dict(state, strict=True, assign=True)
 
 
@@ -197,3 +201,36 @@ def _listing(names: list[str], limit: int = 5) -> str:
         return "none"
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# --- Loading speed (issue 6): keep peak memory near the converted weights' size. ---
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Drop a memory-mapped checkpoint tensor's pages from this process once it has been converted.
+
+    Otherwise the mapped shard stays resident beside its converted copy until loading ends (1.5x
+    the fp32 weights for a bf16 checkpoint). The mapping is private and never written, so a later
+    read simply pages the data in from the file again: the tensor stays valid.
+    """
+    if not _libc or tensor.device.type != "cpu":
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // page) * page, end // page * page  # whole pages only: neighbours share edges
+    if last > first:
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def _load_libc() -> "Optional[ctypes.CDLL]":
+    if platform.system() != "Linux":
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
+_libc = _load_libc()

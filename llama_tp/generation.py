@@ -16,6 +16,7 @@ from .batch import NO_TOKEN, Batch, Generated
 from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
 from .checkpoint import load_model
 from .model import Transformer
+from .quantize import check_quantize, quantize_model
 from .sampling import SamplingOptions, choose_next, top_candidates
 from .streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
 from .tokenizer import load_tokenizer
@@ -45,13 +46,16 @@ class Llama:
         model_parallel_size: Optional[int] = None,
         seed: int = 1,
         dtype: "str | torch.dtype | None" = None,
+        quantize: Optional[str] = None,
     ) -> "Llama":
         """Join the process group, load this rank's slice of the checkpoint, and return a generator.
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
+        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
+        check_quantize(quantize)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
@@ -70,7 +74,7 @@ class Llama:
             from .plan import plan, report
 
             parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype)))
-            model = load_model(ckpt_dir, args, placement, dtype)
+            model = quantize_model(load_model(ckpt_dir, args, placement, dtype), quantize)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         parallel.print0(f"Loaded in {time.perf_counter() - start:.2f} seconds")
@@ -141,7 +145,7 @@ class Llama:
             logits = self.model.forward(batch.tokens[:, :-1], 0)
             batch.token_logprobs[:, 1:] = _logprobs_of(logits, batch.tokens[:, 1:])
         for cur_pos in range(min_len, batch.total_len):
-            logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos)
+            logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs)
             batch.tokens[:, cur_pos] = self._next_tokens(batch, logits[:, -1], cur_pos, options, stop_tokens, generator)
             if logprobs:
                 batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _logprobs_of(

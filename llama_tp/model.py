@@ -22,8 +22,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # normalise in fp32 whatever the weights' dtype, as the reference does
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in fp32 whatever the weights' dtype, as the reference does (free in fp32).
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return normed.type_as(x) * self.weight
 
 
@@ -54,12 +54,10 @@ def rotary_table(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (2i, 2i+1) of x [bsz, seqlen, heads, head_dim] by the table's angles."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # bsz, seqlen, heads, head_dim // 2, 2
-    cos = table[None, :, None, :, 0]  # 1, seqlen, 1, head_dim // 2
-    sin = table[None, :, None, :, 1]
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([real * cos - imag * sin, imag * cos + real * sin], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    # A pair is a complex number and the rotation one complex product: one kernel, no temporaries.
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # bsz, seqlen, heads, head_dim // 2
+    turns = torch.view_as_complex(table)[None, :, None, :]  # 1, seqlen, 1, head_dim // 2: cos + i sin
+    return torch.view_as_real(pairs * turns).flatten(-2).type_as(x)
 
 
 class KVCache(nn.Module):
@@ -109,8 +107,11 @@ class Attention(nn.Module):
         # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         keys, values = self.cache.update(start_pos, k, v)
+        # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the masked
+        # half), and a single new token sees everything cached.
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.n_local_heads != self.n_local_kv_heads
+            q, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1,
+            enable_gqa=self.n_local_heads != self.n_local_kv_heads,
         )
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
         return self.wo(out)
@@ -166,8 +167,12 @@ class Transformer(nn.Module):
                                       attention.head_dim, device, dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen] placed at start_pos."""
+    def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+        """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen] placed at start_pos.
+
+        last_only: only the last position's logits, [bsz, 1, vocab]: all that picking the next
+        token needs, and it spares a prompt's worth of the largest matrix product.
+        """
         bsz, seqlen = tokens.shape
         if bsz > self.max_batch_size or start_pos + seqlen > self.max_seq_len:
             raise ValueError(
@@ -177,10 +182,12 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         rotary = self.rotary[start_pos : start_pos + seqlen]
         mask = None
-        if seqlen > 1:
+        if seqlen > 1 and start_pos > 0:
             # Query i (at position start_pos + i) sees every cached position and itself.
             positions = torch.arange(start_pos + seqlen, device=tokens.device)
             mask = positions[None, :] <= (positions[start_pos:, None])  # seqlen, start_pos + seqlen
         for layer in self.layers:
             h = layer(h, start_pos, rotary, mask)
+        if last_only:
+            h = h[:, -1:]  # bsz, 1, dim
         return self.output(self.norm(h)).float()

@@ -1,0 +1,61 @@
+"""The benchmark runs on a tiny model and writes well-formed JSON; its transformers copy is the same model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_tp import parallel
+from llama_tp.args import ModelArgs
+from llama_tp.bench import main
+from llama_tp.bench_hf import build_hf_model
+from llama_tp.checkpoint import load_model
+from tiny_checkpoint import TINY_LLAMA3, full_weights, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    weights = full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"])
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), TINY_LLAMA3, weights, n_shards=1, layout="vocab")
+
+
+def test_hf_copy_gives_our_logits(tiny_ckpt):
+    """Meta -> transformers conversion (rotary permutation, Llama 3.1 rope scaling): same logits."""
+    args = ModelArgs.from_dict(TINY_LLAMA3)
+    placement = parallel.init()
+    ours = load_model(tiny_ckpt, args, placement, torch.float32)
+    ours.setup_caches(2, 32, placement.device, torch.float32)
+    weights = torch.load(tiny_ckpt / "consolidated.00.pth", weights_only=True)
+    hf = build_hf_model(weights, args, 32, torch.float32)
+    tokens = torch.randint(0, args.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = hf(tokens).logits
+    torch.testing.assert_close(ours.forward(tokens, 0), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bench_writes_json(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    main(ckpt_dir=str(tiny_ckpt), compare="hf", json_path=str(out), repeats=1, load_repeats=0,
+         new_tokens=4, batch_sizes=(1, 2), prefill_lengths=8)
+    stdout = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert set(report["cases"]) == {"prefill_8", "decode_batch_1", "decode_batch_2"}
+    for case in report["cases"].values():
+        assert set(case["tokens_per_s"]) == {"llama_tp", "hf"}
+        assert all(speed > 0 for speed in case["tokens_per_s"].values())
+        assert case["ratio_vs_hf"] == pytest.approx(case["tokens_per_s"]["llama_tp"] / case["tokens_per_s"]["hf"])
+    assert report["greedy_agreement_with_hf"] == 1.0
+    roofline = report["roofline"]
+    assert roofline["weight_bytes_per_token"] == 4 * sum(  # fp32, everything but the embedding
+        t.numel() for n, t in full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"]).items() if not n.startswith("tok_")
+    )
+    assert roofline["copy_bandwidth_bytes_per_s"] > 0 and 0 < roofline["decode_batch_1_fraction"]
+    assert "load" not in report and report["load_seconds_in_process"] > 0  # fresh-process loads: too slow here
+    assert len(report["peak_rss_bytes_per_rank"]) == 1
+    assert "decode_batch_2" in stdout and "roofline" in stdout
+
+
+def test_bench_rejects_unknown_comparison(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="--compare 'vllm'"):
+        main(ckpt_dir=str(tiny_ckpt), compare="vllm", json_path=str(tmp_path / "x.json"))

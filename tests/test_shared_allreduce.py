@@ -1,0 +1,40 @@
+"""parallel.all_reduce through shared memory: the exact sum, the same bits on every rank, call after call."""
+
+import os
+import socket
+
+import torch
+import torch.multiprocessing as mp
+
+from llama_tp import parallel
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+    parallel.init()
+    results = []
+    for call in range(5):  # both parities of the double buffer, several times
+        x = torch.full((3, 1, 7), float(rank + 1)) * (call + 1) + torch.arange(7) / 3
+        results.append(parallel.all_reduce(x))
+    big = torch.ones(parallel._SharedMemorySum.CAPACITY + 1) * (rank + 1)  # too big: through gloo
+    results.append(parallel.all_reduce(big)[:4])
+    assert isinstance(parallel._shared_sum(), parallel._SharedMemorySum)
+    torch.save(results, f"{out}.{rank}")
+
+
+def test_shared_memory_all_reduce(tmp_path):
+    out = str(tmp_path / "sums")
+    mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    for call, (a, b) in enumerate(zip(*ranks[:2])):
+        assert torch.equal(a, b)  # the same bits on both ranks
+        if call < 5:
+            torch.testing.assert_close(a, 3.0 * (call + 1) + 2 * torch.arange(7).expand(3, 1, 7) / 3)
+    assert ranks[0][5].tolist() == [3.0] * 4
