@@ -5,7 +5,7 @@ roofline, optionally interleaved with Hugging Face transformers on the same weig
     torchrun --nproc_per_node 2 -m llama_tp.bench --ckpt_dir DIR
 
 Works on token ids (random, seeded), so no tokenizer is needed unless params.json leaves
-vocab_size to it. Without --ckpt_dir it benchmarks random weights shaped like the demo model.
+vocab_size to it. Without --ckpt_dir it benchmarks the demo model (SmolLM2-135M-Instruct).
 """
 
 import json
@@ -21,20 +21,14 @@ from typing import Callable, Optional
 
 import torch
 
-from . import parallel
+from . import demo, parallel
 from .args import ModelArgs
-from .checkpoint import load_model, load_shard, shard_paths, split_dim
+from .checkpoint import load_model, load_shard, shard_paths
 from .cli import run
 from .generation import Llama
 from .quantize import check_quantize, quantize_model
 from .tokenizer import load_tokenizer
 
-# SmolLM2-135M-Instruct in Meta's terms: 30 layers, 9 query and 3 KV heads, SwiGLU hidden 1536.
-DEMO_SHAPE = {
-    "dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "vocab_size": 49152,
-    "multiple_of": 256, "norm_eps": 1e-5, "rope_theta": 100000.0,
-}
-RANDOM_CKPT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama_tp" / "bench"
 PROMPT_SEED = 1234
 DECODE_PROMPT_LEN = 16  # short, so the decode figures are decode and not prefill
 
@@ -46,41 +40,6 @@ class TokenIds:
         self.n_words = vocab_size
         self.bos_id, self.eos_id, self.pad_id = 0, -1, -1
         self.stop_tokens: set[int] = set()
-
-
-def write_random_checkpoint(directory: Path, params: dict, n_shards: int = 1, seed: int = 0) -> Path:
-    """A Meta-layout checkpoint of random bf16 weights (Llama 3's vocab-split embedding), made once."""
-    directory = Path(directory)
-    if (directory / "params.json").is_file() and len(list(directory.glob("consolidated.*.pth"))) == n_shards:
-        return directory
-    args = ModelArgs.from_dict(params)
-    generator = torch.Generator().manual_seed(seed)
-    kv_dim, hidden = args.kv_heads * args.head_dim, args.ffn_hidden_dim
-    shapes = {"tok_embeddings": (args.vocab_size, args.dim), "norm": (args.dim,), "output": (args.vocab_size, args.dim)}
-    for i in range(args.n_layers):
-        shapes |= {
-            f"layers.{i}.attention.wq": (args.dim, args.dim), f"layers.{i}.attention.wk": (kv_dim, args.dim),
-            f"layers.{i}.attention.wv": (kv_dim, args.dim), f"layers.{i}.attention.wo": (args.dim, args.dim),
-            f"layers.{i}.feed_forward.w1": (hidden, args.dim), f"layers.{i}.feed_forward.w2": (args.dim, hidden),
-            f"layers.{i}.feed_forward.w3": (hidden, args.dim),
-            f"layers.{i}.attention_norm": (args.dim,), f"layers.{i}.ffn_norm": (args.dim,),
-        }
-    weights = {}
-    for name, shape in shapes.items():
-        if len(shape) == 1:  # norm gains near 1
-            tensor = 1 + 0.1 * torch.randn(shape, generator=generator)
-        else:  # unit-variance activations layer after layer
-            tensor = torch.randn(shape, generator=generator) / (1.0 if name == "tok_embeddings" else shape[1] ** 0.5)
-        weights[f"{name}.weight"] = tensor.to(torch.bfloat16)
-    directory.mkdir(parents=True, exist_ok=True)
-    for rank in range(n_shards):
-        shard = {}
-        for name, tensor in weights.items():
-            dim = split_dim(name, "vocab")
-            shard[name] = tensor if dim is None else tensor.chunk(n_shards, dim=dim)[rank].clone()
-        torch.save(shard, directory / f"consolidated.{rank:02d}.pth")
-    (directory / "params.json").write_text(json.dumps(params))  # last: marks the folder complete
-    return directory
 
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
@@ -238,8 +197,7 @@ def main(
     """Measure loading, prefill and decode, print a table and write it as JSON.
 
     Args:
-        ckpt_dir: Meta-layout checkpoint folder; default: random weights shaped like the demo model,
-            written once under ~/.cache/llama_tp/bench.
+        ckpt_dir: Meta-layout checkpoint folder; default: the demo model (SmolLM2-135M-Instruct).
         tokenizer_path: only needed when params.json has no vocab_size.
         compare: "hf" to interleave Hugging Face transformers' generate on the same weights (world size 1).
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see quantize.py.
@@ -264,9 +222,7 @@ def main(
         torch.set_num_threads(threads)
     placement = parallel.init()
     if ckpt_dir is None:
-        ckpt_dir = write_random_checkpoint(RANDOM_CKPT_CACHE / f"demo-shape-random-{placement.world_size}", DEMO_SHAPE,
-                                           n_shards=placement.world_size) if placement.is_main else None
-        ckpt_dir = parallel.broadcast_object(ckpt_dir)
+        ckpt_dir, _ = demo.model_paths(None, None)
     ckpt_dir = Path(ckpt_dir)
     if compare and placement.world_size != 1:
         raise ValueError(f"--compare hf runs at world size 1, not {placement.world_size}; drop --compare or torchrun")
