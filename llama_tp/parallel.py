@@ -27,6 +27,8 @@ from fairscale.nn.model_parallel import initialize as fairscale_mp
 from fairscale.nn.model_parallel import layers as fairscale_layers
 from fairscale.nn.model_parallel import mappings as fairscale_mappings
 
+from .shared_memory import SharedMemorySum, new_buffer_path
+
 # Llama 2 checkpoints split the token embedding along the model dimension (fairscale's
 # ParallelEmbedding), Llama 3 along the vocabulary (VocabParallelEmbedding).
 EmbeddingLayout = Literal["dim", "vocab"]
@@ -372,16 +374,16 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if model_parallel_size() == 1:
         return x
     shared_sum = _shared_sum()
-    if shared_sum is not None and x.dtype == torch.float32 and x.numel() <= _SharedMemorySum.CAPACITY:
+    if shared_sum is not None and x.dtype == torch.float32 and x.numel() <= SharedMemorySum.CAPACITY:
         return shared_sum(x)
     dist.all_reduce(x, group=fairscale_mp.get_model_parallel_group())
     return x
 
 
 @functools.cache
-def _shared_sum() -> "Optional[_SharedMemorySum]":
+def _shared_sum() -> Optional[SharedMemorySum]:
     """Made on the first all_reduce, which every rank reaches together."""
-    return _SharedMemorySum.create() if _all_ranks_share_memory() else None
+    return _create_shared_sum() if _all_ranks_share_memory() else None
 
 
 def _all_ranks_share_memory() -> bool:
@@ -390,57 +392,14 @@ def _all_ranks_share_memory() -> bool:
     return x86 and not accelerator_available() and local == dist.get_world_size() == model_parallel_size()
 
 
-class _SharedMemorySum:
-    """All-reduce of float32 tensors between processes of one host through a shared buffer.
-
-    Each call has a sequence number: a rank writes its tensor into its slot of the buffer for that
-    number's parity, publishes the number in its flag, waits until every flag reaches it, and sums
-    the slots in rank order (so every rank gets the same bits). A rank can only reach the next call
-    of the same parity once every rank has published the call in between, that is, has finished
-    reading this one: two buffers are enough. Used on x86 only, whose total store order shows the
-    other ranks a rank's data before its flag, and its flag before they read the data.
-    """
-
-    CAPACITY = 2**18  # floats per slot: a decode step's activations; prompts beyond go through gloo
-
-    def __init__(self, path: str, rank: int, world_size: int):
-        flags_bytes = 64 * world_size  # one cache line per rank's flag
-        total = flags_bytes + 2 * world_size * self.CAPACITY * 4
-        buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        self.flags = buffer[:flags_bytes].view(torch.int64).view(world_size, 8)[:, 0]
-        self.slots = buffer[flags_bytes:].view(torch.float32).view(2, world_size, self.CAPACITY)
-        self.rank, self.calls = rank, 0
-
-    @classmethod
-    def create(cls) -> "_SharedMemorySum":
-        """Every rank calls this together; rank 0 names the buffer, all map it, then it is unlinked."""
-        rank, world_size = model_parallel_rank(), model_parallel_size()
-        path = None
-        if rank == 0:
-            handle = tempfile.NamedTemporaryFile(prefix="llama_tp_allreduce_", dir=_shm_dir(), delete=False)
-            path = handle.name
-            handle.close()
-        holder = [path]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(fairscale_mp.get_model_parallel_group(), 0),
-                                   group=fairscale_mp.get_model_parallel_group())
-        shared = cls(holder[0], rank, world_size)
-        dist.barrier(group=fairscale_mp.get_model_parallel_group())
-        if rank == 0:
-            os.unlink(holder[0])  # the mappings keep it alive; nothing is left behind on exit
-        return shared
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        slots = self.slots[self.calls % 2, :, : x.numel()]  # world_size, numel
-        slots[self.rank].copy_(x.reshape(-1))
-        self.flags[self.rank] = self.calls
-        deadline = time.monotonic() + collective_timeout().total_seconds()
-        while int(self.flags.min()) < self.calls:
-            os.sched_yield()  # the other ranks may need this core to get here
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank} waited {collective_timeout()} for the other ranks' sums")
-        return slots.sum(dim=0).view_as(x)
-
-
-def _shm_dir() -> Optional[str]:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+def _create_shared_sum() -> SharedMemorySum:
+    """Every rank calls this together; rank 0 names the buffer, all map it, then it is unlinked."""
+    group = fairscale_mp.get_model_parallel_group()
+    rank = model_parallel_rank()
+    holder = [new_buffer_path() if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    shared = SharedMemorySum(holder[0], rank, model_parallel_size(), collective_timeout().total_seconds())
+    dist.barrier(group=group)
+    if rank == 0:
+        os.unlink(holder[0])  # the mappings keep it alive; nothing is left behind on exit
+    return shared

@@ -7,6 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 from llama_tp import parallel
+from llama_tp.shared_memory import SharedMemorySum
 
 
 def _free_port() -> int:
@@ -23,9 +24,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     for call in range(5):  # both parities of the double buffer, several times
         x = torch.full((3, 1, 7), float(rank + 1)) * (call + 1) + torch.arange(7) / 3
         results.append(parallel.all_reduce(x))
-    big = torch.ones(parallel._SharedMemorySum.CAPACITY + 1) * (rank + 1)  # too big: through gloo
+    big = torch.ones(SharedMemorySum.CAPACITY + 1) * (rank + 1)  # too big: through gloo
     results.append(parallel.all_reduce(big)[:4])
-    assert isinstance(parallel._shared_sum(), parallel._SharedMemorySum)
+    assert isinstance(parallel._shared_sum(), SharedMemorySum)
     torch.save(results, f"{out}.{rank}")
 
 
