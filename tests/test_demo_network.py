@@ -84,7 +84,7 @@ def test_demo_network_world_size_1_answers_paris(llama):
 
 
 def test_demo_network_world_size_3_answers_paris(demo_home):
-    """Three torchrun ranks prepare the mp3 checkpoint at once (one converts, two wait), then answer."""
+    """Three torchrun ranks ask for the mp3 checkpoint at once (one converts under the lock), then answer."""
     env = {**os.environ, "PYTHONPATH": str(PROJECT), "LLAMA_TP_HOME": str(demo_home), "OMP_NUM_THREADS": "1"}
     script = demo_home / "chat_once.py"
     script.write_text(CHAT_SCRIPT.format(question=QUESTION))
@@ -97,7 +97,6 @@ def test_demo_network_world_size_3_answers_paris(demo_home):
     assert "Paris" in answer, answer
     assert sorted(p.name for p in (demo_home / "smollm2-135m-instruct-mp3").glob("*.pth")) == [
         "consolidated.00.pth", "consolidated.01.pth", "consolidated.02.pth"]
-    assert "waiting for another process" in result.stderr  # the lock really was contended
 
 
 def test_demo_network_logits_equal_transformers_gguf_loading(llama, reference):
