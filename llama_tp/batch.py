@@ -69,9 +69,14 @@ class Batch:
         at_stop_token = ~self.is_prompt[:, cur_pos] & torch.isin(sampled, stop_tokens)
         self.ends = torch.where(at_stop_token, torch.clamp(self.ends, max=cur_pos), self.ends)
         if stop:
+            # A stop string that ended earlier already ended its row, so only one ending at this
+            # token can be new: decode just enough tail to hold it (up to 4 byte tokens a
+            # character) instead of the whole row at every step.
+            window = 4 * max(map(len, stop)) + 2
             for row, end in enumerate(self.ends.tolist()):
                 if self.lengths[row] <= cur_pos < end:
-                    text = tokenizer.decode(self.tokens[row, self.lengths[row] : cur_pos + 1].tolist())
+                    first = max(self.lengths[row], cur_pos + 1 - window)
+                    text = tokenizer.decode(self.tokens[row, first : cur_pos + 1].tolist())
                     if any(s in text for s in stop):
                         self.ends[row] = cur_pos + 1
 

@@ -40,6 +40,26 @@ def check_dialog(dialog: Dialog, roles: tuple[str, ...] = ("system", "user", "as
             raise ValueError(f"message {index} content must be a string, found {message['content']!r}")
 
 
+def check_turns(turns: list[Message], offset: int) -> None:
+    """Raise ValueError unless turns alternate user, assistant, ... and end with the user.
+
+    offset: how many messages (a system message) precede turns in the dialog, for the message numbers.
+    """
+    if not turns:
+        raise ValueError(f"message {offset - 1} is a system message with no user message after it")
+    for index, message in enumerate(turns):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            raise ValueError(
+                f"message {index + offset} has role {message['role']!r} where {expected!r} was "
+                "expected: after an optional system message, turns alternate user, assistant, ..."
+            )
+    if turns[-1]["role"] != "user":
+        raise ValueError(
+            f"message {len(turns) - 1 + offset} is from the assistant; a dialog must end with a user message"
+        )
+
+
 class Llama2ChatFormat:
     """Meta's Llama 2 chat prompt: [INST] turns, the system prompt folded into the first one."""
 
@@ -61,15 +81,7 @@ class Llama2ChatFormat:
             turns, offset = [first] + dialog[2:], 1
         else:
             turns, offset = list(dialog), 0
-        for index, message in enumerate(turns):
-            expected = "user" if index % 2 == 0 else "assistant"
-            if message["role"] != expected:
-                raise ValueError(
-                    f"message {index + offset} has role {message['role']!r} where {expected!r} was "
-                    "expected: after an optional system message, turns alternate user, assistant, ..."
-                )
-        if turns[-1]["role"] != "user":
-            raise ValueError(f"message {len(dialog) - 1} is from the assistant; a dialog must end with a user message")
+        check_turns(turns, offset)
         tokens: list[int] = []
         for prompt, answer in zip(turns[::2], turns[1::2]):
             text = f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} "
@@ -195,15 +207,7 @@ class ChatMLFormat:
     def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
         check_dialog(dialog)
         offset = 1 if dialog[0]["role"] == "system" else 0
-        for index, message in enumerate(dialog[offset:]):
-            expected = "user" if index % 2 == 0 else "assistant"
-            if message["role"] != expected:
-                raise ValueError(
-                    f"message {index + offset} has role {message['role']!r} where {expected!r} was "
-                    "expected: after an optional system message, turns alternate user, assistant, ..."
-                )
-        if dialog[-1]["role"] != "user":
-            raise ValueError("the dialog must end with a user message")
+        check_turns(dialog[offset:], offset)
         if offset == 0 and self.default_system_prompt is not None:
             dialog = [{"role": "system", "content": self.default_system_prompt}] + dialog
         newline = self.tokenizer.encode("\n", bos=False, eos=False)

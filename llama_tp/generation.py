@@ -115,29 +115,28 @@ class Llama:
 
     def _generate(self, prompt_tokens: list[list[int]], max_gen_len: int, options: SamplingOptions,
                   stop: tuple[str, ...], logprobs: bool = False, echo: bool = False,
-                  show_top: int = 0) -> Generated:
+                  show_top: int = 0, stop_tokens: Optional[set[int]] = None) -> Generated:
         """generate's work, in batches of max_batch_size, optionally keeping each step's top candidates."""
         size = self.model.max_batch_size
         result = Generated([], [], [])
         generator = options.generator(self.model.rotary.device)  # one per call: batches continue it
         for first in range(0, len(prompt_tokens), size):
-            steps = self._decode(prompt_tokens[first : first + size], max_gen_len, options, stop,
-                                 generator, logprobs, show_top)
-            for batch in steps:
-                pass
+            *_, batch = self._decode(prompt_tokens[first : first + size], max_gen_len, options, stop,
+                                     generator, logprobs, show_top, stop_tokens)  # run every step; keep the last state
             batch.collect(result, echo)
         return result
 
     @torch.inference_mode()
     def _decode(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions,
                 stop: tuple[str, ...], generator: Optional[torch.Generator], logprobs: bool = False,
-                show_top: int = 0) -> Iterator[Batch]:
+                show_top: int = 0, stop_tokens: Optional[set[int]] = None) -> Iterator[Batch]:
         """Meta's schedule: decode from the shortest prompt; longer prompts feed their own tokens.
 
+        Rows end at stop_tokens (by default the tokenizer's; a chat format may add its end of turn).
         Yields the batch before the first step and after every step, for streaming.
         """
         batch = Batch.start(prompts, max_gen_len, self.model.max_seq_len, self.model.rotary.device, show_top)
-        stop_tokens = torch.tensor(sorted(self.tokenizer.stop_tokens), device=batch.tokens.device)
+        stop_tokens = torch.tensor(sorted(stop_tokens or self.tokenizer.stop_tokens), device=batch.tokens.device)
         yield batch
         prev_pos = 0
         min_len = min(batch.lengths)
@@ -245,7 +244,9 @@ class Llama:
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
         safe_tokens = [prompt_tokens[row] for row in safe]
         self._check_generate_args(safe_tokens, max_gen_len, options)
-        generated = self._generate(safe_tokens, max_gen_len, options, stop, logprobs) if safe else Generated([], [], [])
+        generated = self._generate(
+            safe_tokens, max_gen_len, options, stop, logprobs, stop_tokens=self.formatter.stop_tokens
+        ) if safe else Generated([], [], [])
         results: list[ChatPrediction] = [
             {"generation": {"role": "assistant", "content": UNSAFE_ERROR}} for _ in dialogs
         ]
@@ -300,10 +301,10 @@ class Llama:
         if self.formatter.is_unsafe(dialog):
             options.check()
             return TextStream(_refusal)
-        return self._stream(prompt_tokens, max_gen_len, options, stop)
+        return self._stream(prompt_tokens, max_gen_len, options, stop, self.formatter.stop_tokens)
 
     def _stream(self, prompt_tokens: list[int], max_gen_len: Optional[int], options: SamplingOptions,
-                stop: Optional[list[str]]) -> TextStream:
+                stop: Optional[list[str]], stop_tokens: Optional[set[int]] = None) -> TextStream:
         """Check the arguments now, then generate lazily, one piece per step that completes text."""
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
@@ -313,7 +314,8 @@ class Llama:
         def run(stream: TextStream) -> Iterator[str]:
             decoder = IncrementalDecoder(self.tokenizer, stop)
             generator = options.generator(self.model.rotary.device)
-            for batch in self._decode([prompt_tokens], max_gen_len, options, stop, generator):
+            for batch in self._decode([prompt_tokens], max_gen_len, options, stop, generator,
+                                      stop_tokens=stop_tokens):
                 piece = decoder.push(batch.generated(0))
                 if piece:
                     yield piece
