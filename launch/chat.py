@@ -134,6 +134,9 @@ def main(
     stop: Optional[list[str]] = None,
     min_gen_len: int = 0,
     seed: Optional[int] = None,
+    dtype: Optional[str] = None,
+    quantize: Optional[str] = None,
+    compile: bool = False,
 ):
     """Chat in the terminal (or from a pipe) with a chat model.
 
@@ -152,6 +155,10 @@ def main(
         stop: strings that end a reply, e.g. '["User:"]'; the reply is cut before them.
         min_gen_len: the end-of-turn token is impossible before this many tokens.
         seed: seed for sampling (default: the seed Llama.build sets).
+        dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
+        quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
+        compile: compile the decoding step: faster steps once the first reply has waited
+            for the compiler (6-10 s on a CPU), so worth it for long jobs.
     """
     room = max_gen_len or max_seq_len // 4
     if room >= max_seq_len:
@@ -163,7 +170,8 @@ def main(
     SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed).check()
     check_stop(stop)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1)
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1,
+                            dtype=dtype, quantize=quantize, compile=compile)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     keyboard = Keyboard(sys.stdin.fileno()) if global_rank() == 0 else None

@@ -50,6 +50,9 @@ def main(
     min_gen_len: int = 0,
     seed: Optional[int] = None,
     stream: bool = False,
+    dtype: Optional[str] = None,
+    quantize: Optional[str] = None,
+    compile: bool = False,
 ):
     """Print each dialog and the model's reply.
 
@@ -71,10 +74,15 @@ def main(
         min_gen_len: the end-of-turn token is impossible before this many tokens.
         seed: seed for this run's sampling (default: the seed Llama.build sets).
         stream: print each reply as it is generated (dialogs then run one at a time).
+        dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
+        quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
+        compile: compile the decoding step: faster steps once the first reply has waited
+            for the compiler (6-10 s on a CPU), so worth it for long jobs.
     """
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size)
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
+                            dtype=dtype, quantize=quantize, compile=compile)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     results = [] if stream else generator.chat_completion(dialogs, token_ids=True, **options)

@@ -47,6 +47,9 @@ def main(
     seed: Optional[int] = None,
     stream: bool = False,
     show_top: int = 0,
+    dtype: Optional[str] = None,
+    quantize: Optional[str] = None,
+    compile: bool = False,
 ):
     """Print a completion of each prompt.
 
@@ -68,12 +71,17 @@ def main(
         seed: seed for this run's sampling (default: the seed Llama.build sets).
         stream: print each completion as it is generated (prompts then run one at a time).
         show_top: for each token of the first completion, print the N most likely candidates.
+        dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
+        quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
+        compile: compile the decoding step: faster steps once the first reply has waited
+            for the compiler (6-10 s on a CPU), so worth it for long jobs.
     """
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     if stream and show_top:
         raise ValueError("--show_top lists candidates after generation; run it without --stream")
     prompts = load_prompts(prompts_file, "text") if prompts_file else EXAMPLE_PROMPTS
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size)
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
+                            dtype=dtype, quantize=quantize, compile=compile)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     records = []

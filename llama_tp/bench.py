@@ -25,7 +25,7 @@ from . import demo, parallel
 from .args import ModelArgs
 from .checkpoint import load_model, load_shard, shard_paths
 from .cli import run
-from .generation import Llama
+from .generation import Llama, compile_decoding
 from .quantize import check_quantize, quantize_model
 from .tokenizer import load_tokenizer
 
@@ -193,6 +193,7 @@ def main(
     batch_sizes: tuple[int, ...] = (1, 8),
     prefill_lengths: tuple[int, ...] = (128, 512),
     threads: Optional[int] = None,
+    compile: bool = False,
 ):
     """Measure loading, prefill and decode, print a table and write it as JSON.
 
@@ -209,6 +210,7 @@ def main(
         batch_sizes: decode batch sizes.
         prefill_lengths: prompt lengths of the prefill cases (batch 1).
         threads: torch threads per process; default: torch's choice.
+        compile: compile decoding steps, as Llama.build(compile=True) does.
     """
     if compare not in (None, "hf"):
         raise ValueError(f"--compare {compare!r} is not supported; use --compare hf or leave it out")
@@ -232,7 +234,7 @@ def main(
     max_seq_len = max(max(prefill_lengths) + 1, DECODE_PROMPT_LEN + new_tokens)
     report: dict = {
         "command": {"ckpt_dir": str(ckpt_dir), "compare": compare, "quantize": quantize, "dtype": dtype,
-                    "repeats": repeats, "new_tokens": new_tokens},
+                    "repeats": repeats, "new_tokens": new_tokens, "compile": compile},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "world_size": placement.world_size, "load_average": os.getloadavg(),
                     "torch": torch.__version__},
@@ -245,6 +247,8 @@ def main(
     model = load_ours(ckpt_dir, args, placement, torch_dtype, quantize)
     report["load_seconds_in_process"] = time.perf_counter() - start
     model.setup_caches(max(batch_sizes), max_seq_len, placement.device, torch_dtype)
+    if compile:
+        compile_decoding(model, placement.device)
     llama = Llama(model, TokenIds(args.vocab_size))
 
     bandwidth = copy_bandwidth()

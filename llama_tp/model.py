@@ -54,10 +54,12 @@ def rotary_table(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (2i, 2i+1) of x [bsz, seqlen, heads, head_dim] by the table's angles."""
-    # A pair is a complex number and the rotation one complex product: one kernel, no temporaries.
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # bsz, seqlen, heads, head_dim // 2
-    turns = torch.view_as_complex(table)[None, :, None, :]  # 1, seqlen, 1, head_dim // 2: cos + i sin
-    return torch.view_as_real(pairs * turns).flatten(-2).type_as(x)
+    # Real arithmetic rather than complex numbers: torch.compile fuses it into one kernel.
+    pairs = x.float().unflatten(-1, (-1, 2))  # bsz, seqlen, heads, head_dim // 2, 2
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]  # 1, seqlen, 1, head_dim // 2
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
 
 
 class KVCache(nn.Module):
@@ -69,13 +71,21 @@ class KVCache(nn.Module):
         shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        for buffer in (self.k, self.v):
+            # A compiled step (CUDA graphs above all) then writes the cache in place, never a copy.
+            torch._dynamo.mark_static_address(buffer)
+        self.register_buffer("rows", torch.arange(max_batch_size, device=device), persistent=False)
+        self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [bsz, heads, seqlen, head_dim] at start_pos; return everything up to their end."""
-        bsz, _, seqlen, _ = k.shape
-        end = start_pos + seqlen
-        self.k[:bsz, :, start_pos:end] = k
-        self.v[:bsz, :, start_pos:end] = v
+    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [bsz, heads, seqlen, head_dim] at positions [seqlen]; return the first end positions."""
+        bsz = k.shape[0]
+        # Indexing the whole buffer, not a slice of it: compiled, a write into a slice copies the
+        # whole cache every step.
+        where = (self.rows[:bsz, None, None], self.heads[None, :, None], positions[None, None, :])
+        self.k.index_put_(where, k)
+        self.v.index_put_(where, v)
         return self.k[:bsz, :, :end], self.v[:bsz, :, :end]
 
 
@@ -97,7 +107,7 @@ class Attention(nn.Module):
         self.wo = row_parallel_linear(args.n_heads * self.head_dim, args.dim)
         self.cache: Optional[KVCache] = None
 
-    def forward(self, x: torch.Tensor, start_pos: int, rotary: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int, rotary: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
@@ -106,9 +116,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        keys, values = self.cache.update(start_pos, k, v)
+        keys, values = self.cache.update(positions, k, v, end)
         # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the masked
-        # half), and a single new token sees everything cached.
+        # half), and a single new token sees everything cached up to end.
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1,
             enable_gqa=self.n_local_heads != self.n_local_kv_heads,
@@ -138,9 +148,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, start_pos: int, rotary: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int, rotary: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), start_pos, rotary, mask)
+        """x [bsz, seqlen, dim] at positions [seqlen], attending to cache positions [0, end)."""
+        h = x + self.attention(self.attention_norm(x), positions, end, rotary, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -156,15 +167,28 @@ class Transformer(nn.Module):
         self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=True)
         self.max_batch_size = 0
         self.max_seq_len = 0
+        self.run_decode_layer = run_layer  # one new token per row: eager, or compile_decoding's
+        self.static_decode_shapes = False
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the KV caches and the rotary table for these runtime limits."""
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.register_buffer("rotary", rotary_table(self.args, max_seq_len).to(device), persistent=False)
+        self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
         for layer in self.layers:
             attention = layer.attention
             attention.cache = KVCache(max_batch_size, max_seq_len, attention.n_local_kv_heads,
                                       attention.head_dim, device, dtype)
+
+    def compile_decoding(self, static_shapes: bool, **compile_options) -> None:
+        """Run one-token steps through torch.compile, one layer at a time (every layer shares the
+        compiled code, so compiling costs one layer's time).
+
+        static_shapes: attend to the whole cache under a mask, so that every step has the same
+        shapes, as CUDA graphs need; otherwise only to the positions filled so far.
+        """
+        self.run_decode_layer = torch.compile(run_layer, **compile_options)
+        self.static_decode_shapes = static_shapes
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
@@ -174,20 +198,31 @@ class Transformer(nn.Module):
         token needs, and it spares a prompt's worth of the largest matrix product.
         """
         bsz, seqlen = tokens.shape
-        if bsz > self.max_batch_size or start_pos + seqlen > self.max_seq_len:
+        end = start_pos + seqlen
+        if bsz > self.max_batch_size or end > self.max_seq_len:
             raise ValueError(
-                f"a batch of {bsz} x {start_pos + seqlen} positions does not fit the caches "
+                f"a batch of {bsz} x {end} positions does not fit the caches "
                 f"({self.max_batch_size} x {self.max_seq_len}); raise max_batch_size/max_seq_len"
             )
         h = self.tok_embeddings(tokens)
-        rotary = self.rotary[start_pos : start_pos + seqlen]
-        mask = None
-        if seqlen > 1 and start_pos > 0:
+        positions, rotary = self.positions[start_pos:end], self.rotary[start_pos:end]
+        mask, run = None, run_layer
+        if seqlen == 1:
+            run = self.run_decode_layer
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are all consumed
+            if self.static_decode_shapes:
+                end, mask = self.max_seq_len, self.positions[None, :] <= start_pos  # 1, max_seq_len
+        elif start_pos > 0:
             # Query i (at position start_pos + i) sees every cached position and itself.
-            positions = torch.arange(start_pos + seqlen, device=tokens.device)
-            mask = positions[None, :] <= (positions[start_pos:, None])  # seqlen, start_pos + seqlen
+            mask = self.positions[None, :end] <= positions[:, None]  # seqlen, end
         for layer in self.layers:
-            h = layer(h, start_pos, rotary, mask)
+            h = run(layer, h, positions, end, rotary, mask)
         if last_only:
             h = h[:, -1:]  # bsz, 1, dim
         return self.output(self.norm(h)).float()
+
+
+def run_layer(layer: TransformerBlock, h: torch.Tensor, positions: torch.Tensor, end: int,
+              rotary: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """One layer's step, as a function of the layer: what compile_decoding compiles."""
+    return layer(h, positions, end, rotary, mask)

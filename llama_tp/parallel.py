@@ -99,6 +99,22 @@ def resolve_dtype(dtype: "str | torch.dtype | None", device: torch.device) -> to
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+@dataclass(frozen=True)
+class DecodeCompilation:
+    """How torch.compile runs one-token decoding steps on a device (see Transformer.compile_decoding)."""
+
+    options: dict[str, Any]  # torch.compile's keywords
+    static_shapes: bool  # every step the same shapes: attend to the whole cache under a mask
+
+
+def decode_compilation(device: torch.device) -> DecodeCompilation:
+    """CUDA graphs on GPUs (they replay a step without launching its kernels one by one, but need
+    the same shapes every step); on CPU, code generation for a step whose length may grow."""
+    if device.type == "cuda":
+        return DecodeCompilation({"mode": "reduce-overhead"}, static_shapes=True)
+    return DecodeCompilation({"dynamic": True}, static_shapes=False)
+
+
 def init(model_parallel_size: Optional[int] = None) -> Placement:
     """Join (or start) the process group and fairscale's model-parallel group; idempotent."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -316,7 +332,9 @@ class _RowParallelLinear(fairscale_layers.RowParallelLinear):
     """fairscale's layer, summing partial products through all_reduce below (shared memory on CPU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(torch.nn.functional.linear(x, self.weight))
+        y = torch.nn.functional.linear(x, self.weight)
+        # Fixed at build time, so a compiled step has no break where there is nothing to sum.
+        return all_reduce(y) if self.input_size_per_partition < self.in_features else y
 
 
 def parallel_embedding(vocab_size: int, dim: int, layout: EmbeddingLayout) -> torch.nn.Module:
@@ -358,12 +376,13 @@ def communication_after(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
     parallel), all-gather (column parallel gathering its output) or nothing; for layers that
     replace one's matrix product (quantized weights) but must talk to the other ranks the same way."""
     if isinstance(layer, fairscale_layers.RowParallelLinear):
-        return all_reduce
+        return all_reduce if model_parallel_size() > 1 else _keep
     if isinstance(layer, fairscale_layers.ColumnParallelLinear):
         return fairscale_mappings.gather_from_model_parallel_region if layer.gather_output else _keep
     raise TypeError(f"{type(layer).__name__} is not one of fairscale's parallel linear layers")
 
 
+@torch.compiler.disable  # host-side waiting and a Python counter: nothing for a compiler
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the model-parallel ranks, identical on every rank.
 

@@ -88,3 +88,8 @@ def test_limits_must_be_positive(checkpoint, tokenizer_path, limits):
 def test_model_parallel_size_must_match_the_world(checkpoint, tokenizer_path):
     with pytest.raises(ValueError, match="model_parallel_size 2 differs from the world size 1"):
         build(checkpoint, tokenizer_path, model_parallel_size=2)
+
+
+def test_compile_must_be_a_bool(checkpoint, tokenizer_path):
+    with pytest.raises(ValueError, match="compile must be True or False, found 'yes'"):
+        build(checkpoint, tokenizer_path, compile="yes")

@@ -1,0 +1,71 @@
+"""A compiled decoding step computes what the eager one does, and its shapes suit CUDA graphs."""
+
+import pytest
+import torch
+
+from distributed import run_world
+from llama_tp import Llama
+
+PROMPTS = [[1, 450, 4996, 17354, 1701], [1, 306, 4658], [1, 18637, 29892, 3186, 29991, 910, 338]]
+
+
+def build(folder: str, tokenizer_path: str, compile: bool) -> Llama:
+    return Llama.build(folder, tokenizer_path, max_seq_len=32, max_batch_size=3, compile=compile)
+
+
+def step_logits(llama: Llama) -> list[torch.Tensor]:
+    """A prompt, then one-token steps at batch 3 and, on a fresh cache, at batch 1."""
+    tokens = torch.randint(0, 32000, (3, 12), generator=torch.Generator().manual_seed(3))
+    logits = [llama.model.forward(tokens[:, :5], 0)]
+    logits += [llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(5, 12)]
+    logits += [llama.model.forward(tokens[:1, :3], 0)]
+    logits += [llama.model.forward(tokens[:1, pos : pos + 1], pos) for pos in range(3, 8)]
+    return logits
+
+
+def generations(folder: str, tokenizer_path: str, compile: bool) -> tuple:
+    """On each rank: step logits, greedy tokens with log probabilities, and seeded samples."""
+    llama = build(folder, tokenizer_path, compile)
+    greedy = llama.generate(PROMPTS, max_gen_len=8, temperature=0, logprobs=True)
+    sampled, _ = llama.generate(PROMPTS, max_gen_len=8, temperature=0.8, seed=7)
+    return step_logits(llama), greedy, sampled
+
+
+def assert_same(results: tuple, expected: tuple) -> None:
+    logits, (tokens, logprobs), sampled = results
+    expected_logits, (expected_tokens, expected_logprobs), expected_sampled = expected
+    for got, want in zip(logits, expected_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert tokens == expected_tokens and sampled == expected_sampled
+    for row, expected_row in zip(logprobs, expected_logprobs):
+        assert row == pytest.approx(expected_row, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def eager(checkpoints, tokenizer_path):
+    return generations(str(checkpoints["llama3", 1]), tokenizer_path, compile=False)
+
+
+def test_compiled_decoding_equals_eager(checkpoints, tokenizer_path, eager):
+    torch._dynamo.reset()
+    assert_same(generations(str(checkpoints["llama3", 1]), tokenizer_path, compile=True), eager)
+
+
+def test_compiled_decoding_over_two_processes_equals_one_eager_process(checkpoints, tokenizer_path, eager):
+    per_rank = run_world(2, generations, str(checkpoints["llama3", 2]), tokenizer_path, True)
+    for results in per_rank:
+        assert_same(results, eager)
+
+
+def test_static_shapes_compile_one_step_for_every_position(checkpoints, tokenizer_path, eager):
+    """The CUDA-graph layout (the whole cache under a mask) gives the same logits, and every
+    one-token step at a batch size reuses one compiled graph: nothing depends on the position."""
+    torch._dynamo.reset()
+    llama = build(str(checkpoints["llama3", 1]), tokenizer_path, compile=False)
+    llama.model.compile_decoding(static_shapes=True, dynamic=False)
+    torch._dynamo.utils.counters.clear()
+    logits = step_logits(llama)
+    for got, want in zip(logits, eager[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # One graph for batch 3 and one for batch 1, however many positions were stepped through.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
