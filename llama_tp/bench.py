@@ -251,11 +251,16 @@ def main(
         compile_decoding(model, placement.device)
     llama = Llama(model, TokenIds(args.vocab_size))
 
+    # Every rank copies at once, as every rank reads its weights at once when decoding; the
+    # slowest rank's weights over its share of the bandwidth bound the job.
+    parallel.broadcast_object(None)  # start together
     bandwidth = copy_bandwidth()
-    weight_bytes = weight_bytes_per_token(model) * placement.world_size
+    per_rank = [parallel.broadcast_object((bandwidth, weight_bytes_per_token(model)), src=rank)
+                for rank in range(placement.world_size)]
     report["roofline"] = {
-        "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_token": weight_bytes,
-        "decode_tokens_per_s": bandwidth / weight_bytes,
+        "copy_bandwidth_bytes_per_s": sum(b for b, _ in per_rank),
+        "weight_bytes_per_token": sum(w for _, w in per_rank),
+        "decode_tokens_per_s": min(b / w for b, w in per_rank),
     }
 
     hf_model = None

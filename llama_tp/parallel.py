@@ -317,7 +317,7 @@ class _ColumnParallelLinear(fairscale_layers.ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.nn.functional.linear(x, self.weight)
-        return fairscale_mappings.gather_from_model_parallel_region(y) if self.gather_output else y
+        return all_gather_last_dim(y) if self.gather_output else y
 
 
 def row_parallel_linear(in_features: int, out_features: int) -> torch.nn.Module:
@@ -340,8 +340,25 @@ class _RowParallelLinear(fairscale_layers.RowParallelLinear):
 def parallel_embedding(vocab_size: int, dim: int, layout: EmbeddingLayout) -> torch.nn.Module:
     with _skip_weight_init():
         if layout == "dim":
-            return fairscale_layers.ParallelEmbedding(vocab_size, dim, init_method=_keep)
-        return fairscale_layers.VocabParallelEmbedding(vocab_size, dim, init_method=_keep)
+            return _ParallelEmbedding(vocab_size, dim, init_method=_keep)
+        return _VocabParallelEmbedding(vocab_size, dim, init_method=_keep)
+
+
+class _ParallelEmbedding(fairscale_layers.ParallelEmbedding):
+    """fairscale's layer (each rank holds some of the model dimension), gathering through all_gather_last_dim."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(torch.nn.functional.embedding(tokens, self.weight))
+
+
+class _VocabParallelEmbedding(fairscale_layers.VocabParallelEmbedding):
+    """fairscale's layer (each rank holds some of the vocabulary), summing through all_reduce."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        elsewhere = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
+        local = torch.where(elsewhere, 0, tokens - self.vocab_start_index)
+        rows = torch.nn.functional.embedding(local, self.weight).masked_fill(elsewhere[..., None], 0.0)
+        return all_reduce(rows)
 
 
 def _keep(weight: torch.Tensor) -> torch.Tensor:
@@ -378,11 +395,10 @@ def communication_after(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
     if isinstance(layer, fairscale_layers.RowParallelLinear):
         return all_reduce if model_parallel_size() > 1 else _keep
     if isinstance(layer, fairscale_layers.ColumnParallelLinear):
-        return fairscale_mappings.gather_from_model_parallel_region if layer.gather_output else _keep
+        return all_gather_last_dim if layer.gather_output else _keep
     raise TypeError(f"{type(layer).__name__} is not one of fairscale's parallel linear layers")
 
 
-@torch.compiler.disable  # host-side waiting and a Python counter: nothing for a compiler
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the model-parallel ranks, identical on every rank.
 
@@ -390,13 +406,50 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     250 us per call, and decoding one token makes two calls per layer. Elsewhere (NCCL, several
     hosts, tensors too large for the shared buffer) through torch.distributed.
     """
-    if model_parallel_size() == 1:
-        return x
-    shared_sum = _shared_sum()
-    if shared_sum is not None and x.dtype == torch.float32 and x.numel() <= SharedMemorySum.CAPACITY:
-        return shared_sum(x)
-    dist.all_reduce(x, group=fairscale_mp.get_model_parallel_group())
-    return x
+    return x if model_parallel_size() == 1 else torch.ops.llama_tp.all_reduce(x)
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Every model-parallel rank's x [..., n] side by side in rank order: [..., world_size * n]."""
+    return x if model_parallel_size() == 1 else torch.ops.llama_tp.all_gather_last_dim(x)
+
+
+# Registered as operators, opaque to torch.compile: a compiled step calls them without breaking
+# its graph around host-side waiting it cannot trace.
+@torch.library.custom_op("llama_tp::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor) -> torch.Tensor:
+    shared = _shared_memory_for(x)
+    if shared is not None:
+        return shared(x)
+    total = x.clone()
+    dist.all_reduce(total, group=fairscale_mp.get_model_parallel_group())
+    return total
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("llama_tp::all_gather_last_dim", mutates_args=())
+def _all_gather_op(x: torch.Tensor) -> torch.Tensor:
+    shared = _shared_memory_for(x)
+    if shared is not None:
+        return shared.gather(x)
+    return fairscale_mappings.gather_from_model_parallel_region(x).contiguous()
+
+
+@_all_gather_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * model_parallel_size())
+
+
+def _shared_memory_for(x: torch.Tensor) -> Optional[SharedMemorySum]:
+    """The shared buffer, if the ranks have one and x fits it."""
+    shared = _shared_sum()
+    if shared is not None and x.dtype == torch.float32 and x.numel() <= SharedMemorySum.CAPACITY:
+        return shared
+    return None
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""An all-reduce of float32 tensors between the processes of one x86 host, through shared memory.
+"""All-reduce and all-gather of float32 tensors between the processes of one x86 host, through shared memory.
 
 gloo's loopback TCP takes about 250 us per all-reduce, and decoding one token makes two per
 layer; a sum through a shared buffer takes tens of microseconds. parallel.all_reduce decides
@@ -13,11 +13,11 @@ import torch
 
 
 class SharedMemorySum:
-    """All-reduce of float32 tensors between processes of one host through a shared buffer.
+    """All-reduce (and all-gather) of float32 tensors between processes of one host through a shared buffer.
 
     Each call has a sequence number: a rank writes its tensor into its slot of the buffer for that
     number's parity, publishes the number in its flag, waits until every flag reaches it, and sums
-    the slots in rank order (so every rank gets the same bits). A rank can only reach the next call
+    (or concatenates) the slots in rank order (so every rank gets the same bits). A rank can only reach the next call
     of the same parity once every rank has published the call in between, that is, has finished
     reading this one: two buffers are enough. Used on x86 only, whose total store order shows the
     other ranks a rank's data before its flag, and its flag before they read the data.
@@ -34,6 +34,16 @@ class SharedMemorySum:
         self.rank, self.calls, self.timeout_seconds = rank, 0, timeout_seconds
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x."""
+        return self._exchange(x).sum(dim=0).view_as(x)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x [..., n] side by side in rank order: [..., world_size * n]."""
+        slots = self._exchange(x)  # world_size, numel
+        return torch.cat([slot.view_as(x) for slot in slots], dim=-1)
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Publish x and wait for every rank's: [world_size, x.numel()], valid until the call after next."""
         self.calls += 1
         slots = self.slots[self.calls % 2, :, : x.numel()]  # world_size, numel
         slots[self.rank].copy_(x.reshape(-1))
@@ -42,8 +52,8 @@ class SharedMemorySum:
         while int(self.flags.min()) < self.calls:
             os.sched_yield()  # the other ranks may need this core to get here
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank} waited {self.timeout_seconds:g} s for the other ranks' sums")
-        return slots.sum(dim=0).view_as(x)
+                raise RuntimeError(f"rank {self.rank} waited {self.timeout_seconds:g} s for the other ranks' tensors")
+        return slots
 
 
 def new_buffer_path() -> str:

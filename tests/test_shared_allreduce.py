@@ -1,4 +1,5 @@
-"""parallel.all_reduce through shared memory: the exact sum, the same bits on every rank, call after call."""
+"""parallel.all_reduce and all_gather_last_dim through shared memory: the exact sum or concatenation,
+the same bits on every rank, call after call."""
 
 import os
 import socket
@@ -26,6 +27,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         results.append(parallel.all_reduce(x))
     big = torch.ones(SharedMemorySum.CAPACITY + 1) * (rank + 1)  # too big: through gloo
     results.append(parallel.all_reduce(big)[:4])
+    for call in range(3):  # gathers interleaved with sums share the call sequence
+        results.append(parallel.all_gather_last_dim(torch.full((2, 1, 3), 10.0 * rank + call)))
+        results.append(parallel.all_reduce(torch.ones(4)))
+    results.append(parallel.all_gather_last_dim(big)[SharedMemorySum.CAPACITY - 1 : SharedMemorySum.CAPACITY + 3])
     assert isinstance(parallel._shared_sum(), SharedMemorySum)
     torch.save(results, f"{out}.{rank}")
 
@@ -39,3 +44,8 @@ def test_shared_memory_all_reduce(tmp_path):
         if call < 5:
             torch.testing.assert_close(a, 3.0 * (call + 1) + 2 * torch.arange(7).expand(3, 1, 7) / 3)
     assert ranks[0][5].tolist() == [3.0] * 4
+    for call in range(3):
+        gathered, summed = ranks[0][6 + 2 * call], ranks[0][7 + 2 * call]
+        assert gathered.shape == (2, 1, 6) and summed.tolist() == [2.0] * 4
+        assert gathered[0, 0].tolist() == [float(call)] * 3 + [10.0 + call] * 3
+    assert ranks[0][12].tolist() == [1.0, 1.0, 2.0, 2.0]  # too big: through gloo, in rank order
