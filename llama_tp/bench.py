@@ -63,6 +63,23 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     )
 
 
+def roofline(model: torch.nn.Module, world_size: int) -> dict:
+    """Decode tokens per second that memory bandwidth allows: weight bytes per token over copy bandwidth.
+
+    Every rank copies at once, as every rank reads its weights at once when decoding; the slowest
+    rank's weights over its share of the bandwidth bound the job.
+    """
+    parallel.broadcast_object(None)  # start together
+    bandwidth = copy_bandwidth()
+    per_rank = [parallel.broadcast_object((bandwidth, weight_bytes_per_token(model)), src=rank)
+                for rank in range(world_size)]
+    return {
+        "copy_bandwidth_bytes_per_s": sum(b for b, _ in per_rank),
+        "weight_bytes_per_token": sum(w for _, w in per_rank),
+        "decode_tokens_per_s": min(b / w for b, w in per_rank),
+    }
+
+
 def peak_rss_bytes() -> int:
     """The most resident memory this process has held so far."""
     scale = 1 if platform.system() == "Darwin" else 1024  # macOS reports bytes, Linux kilobytes
@@ -251,18 +268,7 @@ def main(
         compile_decoding(model, placement.device)
     llama = Llama(model, TokenIds(args.vocab_size))
 
-    # Every rank copies at once, as every rank reads its weights at once when decoding; the
-    # slowest rank's weights over its share of the bandwidth bound the job.
-    parallel.broadcast_object(None)  # start together
-    bandwidth = copy_bandwidth()
-    per_rank = [parallel.broadcast_object((bandwidth, weight_bytes_per_token(model)), src=rank)
-                for rank in range(placement.world_size)]
-    report["roofline"] = {
-        "copy_bandwidth_bytes_per_s": sum(b for b, _ in per_rank),
-        "weight_bytes_per_token": sum(w for _, w in per_rank),
-        "decode_tokens_per_s": min(b / w for b, w in per_rank),
-    }
-
+    rooflines = [roofline(model, placement.world_size)]
     hf_model = None
     if compare == "hf":
         import transformers
@@ -277,6 +283,14 @@ def main(
     cases = timing_cases(llama, hf_model, prompts, prefill_lengths, batch_sizes, new_tokens)
     parallel.print0("timing (tokens per second, medians of interleaved runs):")
     report["cases"] = interleaved(cases, repeats)
+    # Bandwidth drifts on a shared machine: measured before and after the timing, averaged.
+    rooflines.append(roofline(model, placement.world_size))
+    report["roofline"] = {
+        "copy_bandwidth_bytes_per_s": statistics.mean(r["copy_bandwidth_bytes_per_s"] for r in rooflines),
+        "weight_bytes_per_token": rooflines[0]["weight_bytes_per_token"],
+        "decode_tokens_per_s": statistics.mean(r["decode_tokens_per_s"] for r in rooflines),
+        "samples": rooflines,
+    }
     report["roofline"]["decode_batch_1_fraction"] = (
         report["cases"]["decode_batch_1"]["tokens_per_s"]["llama_tp"] / report["roofline"]["decode_tokens_per_s"]
         if "decode_batch_1" in report["cases"] else None

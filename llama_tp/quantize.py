@@ -2,12 +2,13 @@
 
 Each weight row becomes int8 values and one scale (the row's largest magnitude / 127).
 - "int8": weight-only. Activations stay in the compute dtype, so the only error is the rounding
-  of the weights; the product converts the int8 weight on the fly, which on CPU is no faster than
-  fp32 (PyTorch has no fast weight-only int8 CPU kernel: _weight_int8pack_mm and compiled
-  dequantize-matmul both measured 4-8x slower than fp32 here). Portable: any device and dtype.
+  of the weights; the product converts the int8 weight on the fly, which on CPU is about half as
+  fast as fp32 (PyTorch has no fast weight-only int8 CPU kernel: _weight_int8pack_mm measured 3x
+  slower still). It saves memory, not time, there. Portable: any device and dtype.
 - "int8_dynamic": the same weights, multiplied by fbgemm's int8 kernel, which also rounds each
-  input row to int8 on the fly (dynamic quantization). About 2.7x faster than fp32 at batch 1 and
-  3.6x at batch 8 on this machine's CPU; slightly less accurate. CPU and fp32 only.
+  input row to int8 on the fly (dynamic quantization). On the demo model and this machine's CPU,
+  1.5x transformers' fp32 decoding at batch 1 and 2.2x at batch 8; less accurate (greedy answers
+  drift from fp32's sooner than int8's do). CPU and fp32 only.
 """
 
 import warnings

@@ -59,3 +59,26 @@ def test_bench_writes_json(tiny_ckpt, tmp_path, capsys):
 def test_bench_rejects_unknown_comparison(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match="--compare 'vllm'"):
         main(ckpt_dir=str(tiny_ckpt), compare="vllm", json_path=str(tmp_path / "x.json"))
+
+
+def _bench_on_rank(ckpt_dir: str, json_path: str) -> list:
+    main(ckpt_dir=ckpt_dir, json_path=json_path, repeats=1, load_repeats=0, new_tokens=4,
+         batch_sizes=1, prefill_lengths=8, compile=True)
+    return [parallel.model_parallel_rank()]
+
+
+def test_bench_at_world_size_2_with_compiled_decoding(tmp_path):
+    """Under two processes: one report (rank 0's), every rank's memory, a roofline over both ranks."""
+    from distributed import run_world
+
+    weights = full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"])
+    ckpt = write_checkpoint(tmp_path / "mp2", TINY_LLAMA3, weights, n_shards=2, layout="vocab")
+    out = tmp_path / "bench.json"
+    assert run_world(2, _bench_on_rank, str(ckpt), str(out)) == [[0], [1]]
+    report = json.loads(out.read_text())
+    assert report["machine"]["world_size"] == 2 and report["command"]["compile"] is True
+    assert len(report["peak_rss_bytes_per_rank"]) == 2
+    split = sum(t.numel() for n, t in weights.items() if not n.startswith("tok_") and "norm" not in n)
+    replicated = sum(t.numel() for n, t in weights.items() if "norm" in n)  # every rank reads its copy
+    assert report["roofline"]["weight_bytes_per_token"] == 4 * (split + 2 * replicated)
+    assert report["cases"]["decode_batch_1"]["tokens_per_s"]["llama_tp"] > 0
