@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -112,6 +113,11 @@ def decode_compilation(device: torch.device) -> DecodeCompilation:
     the same shapes every step); on CPU, code generation for a step whose length may grow."""
     if device.type == "cuda":
         return DecodeCompilation({"mode": "reduce-overhead"}, static_shapes=True)
+    if not (os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
+        raise ValueError(
+            "compile=True on CPU needs a C++ compiler for torch.compile's generated code, and none "
+            "was found (g++, c++, clang++ or $CXX); install one (e.g. apt install g++) or leave compile off"
+        )
     return DecodeCompilation({"dynamic": True}, static_shapes=False)
 
 

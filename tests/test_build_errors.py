@@ -93,3 +93,10 @@ def test_model_parallel_size_must_match_the_world(checkpoint, tokenizer_path):
 def test_compile_must_be_a_bool(checkpoint, tokenizer_path):
     with pytest.raises(ValueError, match="compile must be True or False, found 'yes'"):
         build(checkpoint, tokenizer_path, compile="yes")
+
+
+def test_compile_without_a_cpp_compiler_is_a_clear_error(checkpoint, tokenizer_path, monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(ValueError, match=r"needs a C\+\+ compiler.*apt install g\+\+"):
+        build(checkpoint, tokenizer_path, compile=True)
