@@ -86,11 +86,14 @@ class KVCache(nn.Module):
                end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [bsz, heads, seqlen, head_dim] at positions [seqlen]; return the first end positions."""
         bsz = k.shape[0]
-        # Indexing the whole buffer, not a slice of it: compiled, a write into a slice copies the
-        # whole cache every step.
-        where = (self.rows[:bsz, None, None], self.heads[None, :, None], positions[None, None, :])
-        self.k.index_put_(where, k)
-        self.v.index_put_(where, v)
+        if torch.compiler.is_compiling():
+            # Indexing the whole buffer: compiled, a write into a slice of it copies the whole cache.
+            where = (self.rows[:bsz, None, None], self.heads[None, :, None], positions[None, None, :])
+            self.k.index_put_(where, k)
+            self.v.index_put_(where, v)
+        else:  # eagerly the cheapest write (6 us against index_put_'s 21 for one token)
+            self.k[:bsz].index_copy_(2, positions, k)
+            self.v[:bsz].index_copy_(2, positions, v)
         return self.k[:bsz, :, :end], self.v[:bsz, :, :end]
 
 
