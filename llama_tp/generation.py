@@ -54,7 +54,7 @@ class Llama:
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
         compile: run decoding steps through torch.compile. Off by default: on this project's CPU
-            it decodes 5-10% faster but first spends 6-10 s compiling, which a job of a few
+            it decodes 10-20% faster but first spends 6-10 s compiling, which a job of a few
             hundred tokens never wins back.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
@@ -169,7 +169,8 @@ class Llama:
         """The token at cur_pos of every row, from the last logits [bsz, vocab], with all options applied."""
         history = batch.tokens[:, :cur_pos] if options.repetition_penalty != 1.0 else None
         suppress = None
-        if options.min_gen_len:
+        # Decided from the host-side lengths: no mask, and no device sync, once every row is past min_gen_len.
+        if any(cur_pos - length < options.min_gen_len for length in batch.lengths):
             too_early = cur_pos - batch.lengths_tensor < options.min_gen_len  # bsz
             suppress = torch.zeros_like(logits, dtype=torch.bool)
             suppress[:, stop_tokens] = too_early[:, None]

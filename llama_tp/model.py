@@ -217,8 +217,8 @@ class Transformer(nn.Module):
         mask, run = None, run_layer
         if seqlen == 1:
             run = self.run_decode_layer
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are all consumed
             if self.static_decode_shapes:
+                torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs: the last step's outputs are consumed
                 end, mask = self.max_seq_len, self.positions[None, :] <= start_pos  # 1, max_seq_len
         elif start_pos > 0:
             # Query i (at position start_pos + i) sees every cached position and itself.

@@ -353,9 +353,7 @@ class _RowParallelLinear(fairscale_layers.RowParallelLinear):
     """fairscale's layer, summing partial products through all_reduce below (shared memory on CPU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x, self.weight)
-        # Fixed at build time, so a compiled step has no break where there is nothing to sum.
-        return all_reduce(y) if self.input_size_per_partition < self.in_features else y
+        return all_reduce(torch.nn.functional.linear(x, self.weight))
 
 
 def parallel_embedding(vocab_size: int, dim: int, layout: EmbeddingLayout) -> torch.nn.Module:
@@ -414,7 +412,7 @@ def communication_after(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
     parallel), all-gather (column parallel gathering its output) or nothing; for layers that
     replace one's matrix product (quantized weights) but must talk to the other ranks the same way."""
     if isinstance(layer, fairscale_layers.RowParallelLinear):
-        return all_reduce if model_parallel_size() > 1 else _keep
+        return all_reduce
     if isinstance(layer, fairscale_layers.ColumnParallelLinear):
         return all_gather_last_dim if layer.gather_output else _keep
     raise TypeError(f"{type(layer).__name__} is not one of fairscale's parallel linear layers")

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed import run_world
 from llama_tp import parallel
 from llama_tp.args import ModelArgs
 from llama_tp.bench import main
@@ -69,8 +70,6 @@ def _bench_on_rank(ckpt_dir: str, json_path: str) -> list:
 
 def test_bench_at_world_size_2_with_compiled_decoding(tmp_path):
     """Under two processes: one report (rank 0's), every rank's memory, a roofline over both ranks."""
-    from distributed import run_world
-
     weights = full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"])
     ckpt = write_checkpoint(tmp_path / "mp2", TINY_LLAMA3, weights, n_shards=2, layout="vocab")
     out = tmp_path / "bench.json"
