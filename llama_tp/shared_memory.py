@@ -29,9 +29,13 @@ class SharedMemorySum:
         flags_bytes = 64 * world_size  # one cache line per rank's flag
         total = flags_bytes + 2 * world_size * self.CAPACITY * 4
         buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        self.flags = buffer[:flags_bytes].view(torch.int64).view(world_size, 8)[:, 0]
+        # Flags are read and written as Python ints through a memoryview: a tensor op per poll
+        # costs microseconds, and a decode step makes two exchanges per layer.
+        self.flags = memoryview(buffer[:flags_bytes].numpy()).cast("q")  # rank r's flag at [8 * r]
         self.slots = buffer[flags_bytes:].view(torch.float32).view(2, world_size, self.CAPACITY)
-        self.rank, self.calls, self.timeout_seconds = rank, 0, timeout_seconds
+        self.slot_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rank, self.world_size = rank, world_size
+        self.calls, self.timeout_seconds = 0, timeout_seconds
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x."""
@@ -45,15 +49,25 @@ class SharedMemorySum:
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Publish x and wait for every rank's: [world_size, x.numel()], valid until the call after next."""
         self.calls += 1
-        slots = self.slots[self.calls % 2, :, : x.numel()]  # world_size, numel
-        slots[self.rank].copy_(x.reshape(-1))
-        self.flags[self.rank] = self.calls
-        deadline = time.monotonic() + self.timeout_seconds
-        while int(self.flags.min()) < self.calls:
-            os.sched_yield()  # the other ranks may need this core to get here
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank} waited {self.timeout_seconds:g} s for the other ranks' tensors")
+        slots, mine = self._views(self.calls % 2, x.numel())
+        mine.copy_(x.reshape(-1))
+        self.flags[8 * self.rank] = self.calls
+        deadline = None
+        for rank in range(self.world_size):
+            while self.flags[8 * rank] < self.calls:
+                os.sched_yield()  # the other ranks may need this core to get here
+                deadline = deadline or time.monotonic() + self.timeout_seconds
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {self.rank} waited {self.timeout_seconds:g} s for the other ranks' tensors")
         return slots
+
+    def _views(self, parity: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's slot [world_size, numel] for this parity, and this rank's; made once per size."""
+        views = self.slot_views.get((parity, numel))
+        if views is None:
+            slots = self.slots[parity, :, :numel]
+            views = self.slot_views[parity, numel] = (slots, slots[self.rank])
+        return views
 
 
 def new_buffer_path() -> str:

@@ -4,6 +4,7 @@ the same bits on every rank, call after call."""
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -49,3 +50,11 @@ def test_shared_memory_all_reduce(tmp_path):
         assert gathered.shape == (2, 1, 6) and summed.tolist() == [2.0] * 4
         assert gathered[0, 0].tolist() == [float(call)] * 3 + [10.0 + call] * 3
     assert ranks[0][12].tolist() == [1.0, 1.0, 2.0, 2.0]  # too big: through gloo, in rank order
+
+
+def test_shared_memory_wait_for_a_missing_rank_times_out(tmp_path):
+    path = tmp_path / "buffer"
+    path.write_bytes(b"")
+    alone = SharedMemorySum(str(path), rank=0, world_size=2, timeout_seconds=0.2)
+    with pytest.raises(RuntimeError, match="rank 0 waited 0.2 s for the other ranks' tensors"):
+        alone(torch.ones(4))
