@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llama_tp import Llama
-from llama_tp.quantize import Int8Linear, quantize_int8
+from llama_tp.quantize import Int8Linear, int8_product, quantize_int8
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
 PROMPTS = [[1, 319, 2], [1, 450, 6593, 310], [1, 15043], [1, 29871, 13, 13, 29901], [1, 1724, 338, 263]]
@@ -23,6 +23,24 @@ def test_quantize_int8_rounds_each_row_to_its_own_grid():
     torch.testing.assert_close(scales.flatten(), torch.tensor([1.0 / 127, 1.0]))
     assert q.tolist() == [[64, -127, 32], [127, 3, 0]]
     assert (q * scales - weight).abs().max() <= scales.max() / 2
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 96), (3, 5, 96), (2, 7)])
+def test_int8_product_equals_the_dequantized_weights_product(shape):
+    """Activations split into two int8 terms keep about 15 bits: the integer product is the
+    dequantized weight's fp32 product to within 1/65024 of each row's largest activation per term."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator) * 3
+    x.view(-1)[5] = 50.0  # an outlier sets its row's grid
+    q, scales = quantize_int8(torch.randn(40, shape[-1], generator=generator))
+    expected = torch.nn.functional.linear(x, q.float()) * scales.flatten()
+    got = int8_product(x, q, scales.flatten())
+    assert got.shape == expected.shape and got.dtype == x.dtype
+    largest = x.abs().amax(dim=-1, keepdim=True)  # ..., 1
+    bound = largest / 65024 * (q.float().abs() * scales).sum(dim=1)  # every activation off by its bound
+    assert ((got - expected).abs() <= bound * 1.01 + 1e-6).all()
+    assert (got - expected).abs().max() > 0  # integer arithmetic, not a float product in disguise
+    assert int8_product(torch.zeros(shape), q, scales.flatten()).eq(0).all()
 
 
 def _build(ckpt, quantize):
