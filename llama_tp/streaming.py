@@ -45,24 +45,39 @@ def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
 
 
 class IncrementalDecoder:
-    """Decode a growing token list, handing out only the text that can no longer change."""
+    """Decode a growing token list, handing out only the text that can no longer change.
+
+    Each push decodes only the tokens since the last piece, after the last piece's tokens as
+    context (a token's text can depend on the one before: SentencePiece's leading space, a
+    character's bytes split over tokens), so a stream costs time linear in its length.
+    """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.emitted = ""
+        self.held = ""  # final text not shown yet: it may be the beginning of a stop string
+        self.stopped = False
+        self.context_start = self.new_start = 0  # tokens[context_start:new_start]: the last piece's
 
     def push(self, tokens: list[int]) -> str:
         """The new final text after tokens (all tokens generated so far, not just the new ones)."""
-        text = self.tokenizer.decode(tokens)
-        if text.endswith(INCOMPLETE):
+        if self.stopped:
             return ""
-        cut = find_stop(text, self.stop)
+        context = self.tokenizer.decode(tokens[self.context_start : self.new_start])
+        text = self.tokenizer.decode(tokens[self.context_start :])
+        if text.endswith(INCOMPLETE) or len(text) <= len(context):
+            return ""  # half a character, or tokens with no text: wait for more
+        if not text.startswith(context):  # a decoder that rewrites earlier text: decode it all
+            context, text = self.emitted + self.held, self.tokenizer.decode(tokens)
+        self.context_start, self.new_start = self.new_start, len(tokens)
+        # A stop string not yet seen can only begin in the held-back text or the new text.
+        pending = self.held + text[len(context) :]
+        cut = find_stop(pending, self.stop)
         # Past a whole stop string nothing more is shown; before it, a partial one may complete.
-        safe = cut if cut >= 0 else len(text) - stop_prefix_len(text, self.stop)
-        # Decoding more tokens only appends (past the held-back tail), so this is never negative.
-        assert text.startswith(self.emitted) and safe >= len(self.emitted), (text, self.emitted)
-        piece = text[len(self.emitted) : safe]
+        self.stopped = cut >= 0
+        safe = cut if self.stopped else len(pending) - stop_prefix_len(pending, self.stop)
+        piece, self.held = pending[:safe], pending[safe:]
         self.emitted += piece
         return piece
 

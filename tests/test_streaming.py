@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 
 from llama_tp import Llama
 from llama_tp.streaming import IncrementalDecoder, cut_at_stop
-from llama_tp.tokenizer import Tokenizer
+from llama_tp.tokenizer import Tokenizer, load_tokenizer
 from torchrun import one_thread  # noqa: F401  (a fixture)
-from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, successor_weights, write_checkpoint
+from tiny_checkpoint import LLAMA2_TOKENIZER, SHARED_DATA, TINY_LLAMA2, successor_weights, write_checkpoint
 
 # Byte-fallback tokens (the llama and the rare CJK character have no piece of their own),
 # SentencePiece's leading space, accents.
@@ -45,6 +45,33 @@ def test_incremental_decoder_holds_back_incomplete_characters(tokenizer):
     assert "".join(pieces) == FORCED_TEXT
     assert all("\ufffd" not in piece for piece in pieces)
     assert pieces.count("") >= 3  # the steps inside the llama's four bytes emitted nothing
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the tokens it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, tokens: list[int]) -> str:
+        self.decoded += len(tokens)
+        return self.tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize("tokenizer_file", ["llama2-tokenizer.model", "llama3-tokenizer.model"])
+def test_long_stream_decodes_each_token_a_bounded_number_of_times(tokenizer_file):
+    """A long stream's pieces are the whole text, and decoding them costs linear time: each push
+    decodes the new tokens and the last piece's, never the whole stream again."""
+    tokenizer = load_tokenizer(str(SHARED_DATA / tokenizer_file))
+    text = " ".join(f"{FORCED_TEXT} {n}, line\n\n" for n in range(300))
+    tokens = tokenizer.encode(text, bos=False, eos=False)
+    counting = CountingTokenizer(tokenizer)
+    decoder = IncrementalDecoder(counting, stop=["never appears"])
+    pieces = [decoder.push(tokens[:n]) for n in range(1, len(tokens) + 1)]
+    pieces.append(decoder.finish(tokenizer.decode(tokens)))
+    assert "".join(pieces) == tokenizer.decode(tokens) == text
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert len(tokens) > 4000 and counting.decoded < 8 * len(tokens)
 
 
 @settings(max_examples=60, deadline=None)
