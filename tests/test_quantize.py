@@ -5,6 +5,7 @@ import torch
 
 from llama_tp import Llama
 from llama_tp.quantize import Int8Linear, int8_product, quantize_int8
+from distributed import run_world
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
 PROMPTS = [[1, 319, 2], [1, 450, 6593, 310], [1, 15043], [1, 29871, 13, 13, 29901], [1, 1724, 338, 263]]
@@ -68,6 +69,24 @@ def test_int8_logits_close_and_greedy_unchanged(tiny_ckpt, quantize, tolerance):
         first_difference = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         if first_difference is not None:
             assert margins[row, first_difference - 1] < 2 * error, (row, first_difference)
+
+
+def _step_logits(folder: str, quantize) -> list[torch.Tensor]:
+    """A 24-row prompt (weights converted) and one-token steps (integer products) at batch 2."""
+    llama = Llama.build(folder, str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=2, quantize=quantize)
+    tokens = torch.randint(3, 32000, (2, 16), generator=torch.Generator().manual_seed(5))
+    logits = [llama.model.forward(tokens[:, :12], 0)]
+    return logits + [llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(12, 16)]
+
+
+def test_int8_over_two_processes_stays_close_to_fp32(checkpoints):
+    """Each rank rounds its own slice of every weight (a row-parallel slice gets its own scales):
+    both ranks agree exactly, and the logits stay as close to fp32 as one process's int8 does."""
+    expected = _step_logits(str(checkpoints["llama2", 1]), None)
+    ranks = run_world(2, _step_logits, str(checkpoints["llama2", 2]), "int8")
+    for got, other, want in zip(ranks[0], ranks[1], expected, strict=True):
+        assert torch.equal(got, other)
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
 def test_unknown_quantization_is_refused(tiny_ckpt):
