@@ -85,6 +85,8 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torc
     Each row of x is written as step * (high + low / 256) with int8 high and low: low holds
     high's rounding error, so the activations keep about 15 bits instead of int8's 8. Both terms
     go through one product, as rows of one matrix: a decoding step's few rows cost no more than one.
+    The int32 sums (127 * 127 per input at most) cannot overflow below 133,000 inputs, more than
+    any Llama layer has.
     """
     rows = x.reshape(-1, x.shape[-1]).float()
     largest = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True)
