@@ -169,8 +169,9 @@ class Llama:
         """The token at cur_pos of every row, from the last logits [bsz, vocab], with all options applied."""
         history = batch.tokens[:, :cur_pos] if options.repetition_penalty != 1.0 else None
         suppress = None
-        # Decided from the host-side lengths: no mask, and no device sync, once every row is past min_gen_len.
-        if any(cur_pos - length < options.min_gen_len for length in batch.lengths):
+        # Decided from the host-side lengths: no mask, and no device sync, once every row is past
+        # min_gen_len (or without one: a row still reading its prompt needs no mask either).
+        if options.min_gen_len and any(cur_pos - length < options.min_gen_len for length in batch.lengths):
             too_early = cur_pos - batch.lengths_tensor < options.min_gen_len  # bsz
             suppress = torch.zeros_like(logits, dtype=torch.bool)
             suppress[:, stop_tokens] = too_early[:, None]

@@ -218,7 +218,8 @@ class Transformer(nn.Module):
         if seqlen == 1:
             run = self.run_decode_layer
             if self.static_decode_shapes:
-                torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs: the last step's outputs are consumed
+                # CUDA graphs: the last step's outputs have been consumed, their memory may be reused.
+                torch.compiler.cudagraph_mark_step_begin()
                 end, mask = self.max_seq_len, self.positions[None, :] <= start_pos  # 1, max_seq_len
         elif start_pos > 0:
             # Query i (at position start_pos + i) sees every cached position and itself.

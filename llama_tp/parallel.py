@@ -333,7 +333,8 @@ WEIGHT_ROWS_PER_BLOCK = 1024
 
 
 def _is_few_rows_by_wide(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and 1 < x.shape[:-1].numel() <= 16 and weight.shape[0] > 4 * WEIGHT_ROWS_PER_BLOCK
+    few_rows = 1 < x.shape[:-1].numel() <= 16
+    return x.device.type == "cpu" and few_rows and weight.shape[0] > 4 * WEIGHT_ROWS_PER_BLOCK
 
 
 def _linear_in_blocks(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -364,7 +365,7 @@ def parallel_embedding(vocab_size: int, dim: int, layout: EmbeddingLayout) -> to
 
 
 class _ParallelEmbedding(fairscale_layers.ParallelEmbedding):
-    """fairscale's layer (each rank holds some of the model dimension), gathering through all_gather_last_dim."""
+    """fairscale's layer (each rank holds some of the model dimension), gathered by all_gather_last_dim."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return all_gather_last_dim(torch.nn.functional.embedding(tokens, self.weight))

@@ -17,10 +17,11 @@ class SharedMemorySum:
 
     Each call has a sequence number: a rank writes its tensor into its slot of the buffer for that
     number's parity, publishes the number in its flag, waits until every flag reaches it, and sums
-    (or concatenates) the slots in rank order (so every rank gets the same bits). A rank can only reach the next call
-    of the same parity once every rank has published the call in between, that is, has finished
-    reading this one: two buffers are enough. Used on x86 only, whose total store order shows the
-    other ranks a rank's data before its flag, and its flag before they read the data.
+    (or concatenates) the slots in rank order (so every rank gets the same bits). A rank can only
+    reach the next call of the same parity once every rank has published the call in between,
+    that is, has finished reading this one: two buffers are enough. Used on x86 only, whose total
+    store order shows the other ranks a rank's data before its flag, and its flag before they read
+    the data.
     """
 
     CAPACITY = 2**18  # floats per slot: a decode step's activations; prompts beyond go through gloo
@@ -58,7 +59,9 @@ class SharedMemorySum:
                 os.sched_yield()  # the other ranks may need this core to get here
                 deadline = deadline or time.monotonic() + self.timeout_seconds
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {self.rank} waited {self.timeout_seconds:g} s for the other ranks' tensors")
+                    raise RuntimeError(
+                        f"rank {self.rank} waited {self.timeout_seconds:g} s for the other ranks' tensors"
+                    )
         return slots
 
     def _views(self, parity: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:

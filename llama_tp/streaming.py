@@ -68,8 +68,8 @@ class IncrementalDecoder:
         text = self.tokenizer.decode(tokens[self.context_start :])
         if text.endswith(INCOMPLETE) or len(text) <= len(context):
             return ""  # half a character, or tokens with no text: wait for more
-        if not text.startswith(context):  # a decoder that rewrites earlier text: decode it all
-            context, text = self.emitted + self.held, self.tokenizer.decode(tokens)
+        # Our decoders only append: a window's text starts with its first tokens' text.
+        assert text.startswith(context), (context, text)
         self.context_start, self.new_start = self.new_start, len(tokens)
         # A stop string not yet seen can only begin in the held-back text or the new text.
         pending = self.held + text[len(context) :]
