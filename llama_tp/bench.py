@@ -26,7 +26,7 @@ from .args import ModelArgs
 from .checkpoint import load_model, load_shard, shard_paths
 from .cli import run
 from .generation import Llama, compile_decoding
-from .quantize import check_quantize, quantize_model
+from .quantize import check_quantize
 from .tokenizer import load_tokenizer
 
 PROMPT_SEED = 1234
@@ -111,7 +111,7 @@ def model_args(ckpt_dir: Path, tokenizer_path: Optional[str]) -> ModelArgs:
 def load_ours(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement, dtype: torch.dtype,
               quantize: Optional[str]) -> torch.nn.Module:
     """llama_tp's loader, as Llama.build runs it."""
-    return quantize_model(load_model(ckpt_dir, args, placement, dtype), quantize)
+    return load_model(ckpt_dir, args, placement, dtype, quantize)
 
 
 def load_meta_reference(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement,

@@ -6,12 +6,10 @@ reading them memory-mapped so that no rank ever holds the whole model.
 """
 
 import ctypes
-import mmap
 import ctypes.util
-import os
+import mmap
 import pickle
 import platform
-import sys
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -19,16 +17,16 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import matmul
 from .args import ModelArgs
 from .model import Transformer
 from .parallel import EmbeddingLayout, Placement, print0
-from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
+from .quantize import quantize_model
+from .sharding import COLUMN_PARALLEL, ROW_PARALLEL, assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
 
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
 TOLERATED_EXTRA_KEYS = ("rope.freqs",)
-# madvise(MADV_DONTNEED) lets a rank give back the pages of a shard it has copied from (Linux).
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-MADV_DONTNEED = 4
+LINEAR_WEIGHTS = tuple(f"{layer}.weight" for layer in COLUMN_PARALLEL + ROW_PARALLEL)  # name endings
 
 
 def shard_paths(ckpt_dir: Path) -> list[Path]:
@@ -94,8 +92,11 @@ def checkpoint_vocab_size(shard: dict[str, torch.Tensor], n_shards: int) -> int:
 
 
 def load_into(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device,
-              dtype: torch.dtype, source: Path) -> None:
-    """Move this rank's tensors into the model strictly: every key present, every shape right."""
+              dtype: torch.dtype, source: Path, pack_linear: bool = False) -> None:
+    """Move this rank's tensors into the model strictly: every key present, every shape right.
+
+    pack_linear: lay the linear layers' weights out for the device's fastest kernel (matmul.pack).
+    """
     expected = model.state_dict()
     missing = sorted(set(expected) - set(shard))
     unexpected = sorted(set(shard) - set(expected) - set(TOLERATED_EXTRA_KEYS))
@@ -114,27 +115,11 @@ def load_into(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.de
                 f"model needs {list(target.shape)}; check params.json and the number of processes"
             )
         state[name] = tensor.to(device=device, dtype=dtype)
-        if state[name].data_ptr() != tensor.data_ptr():
+        if pack_linear and name.endswith(LINEAR_WEIGHTS) and matmul.packable(state[name]):
+            state[name] = matmul.pack(state[name])
+        if state[name] is not tensor:  # converted or packed: the source is no longer used
             release_pages(tensor)
     model.load_state_dict(state, strict=True, assign=True)
-
-
-def drop_mapped_pages(tensor: torch.Tensor) -> None:
-    """Take a memory-mapped tensor's pages out of this process's resident memory.
-
-    Copying a slice along dimension 1 touches nearly every page of the source tensor, and each
-    touched page of a mapping stays resident until the file is unmapped: splitting one big shard
-    would then cost a rank most of the file. The pages are clean (the mapping is private and
-    never written), so the kernel reads them again if they are ever touched. Only for tensors
-    from load_shard: on anonymous memory MADV_DONTNEED would zero the data.
-    """
-    if _LIBC is None or tensor.device.type != "cpu":
-        return
-    storage = tensor.untyped_storage()
-    start = storage.data_ptr() - storage.data_ptr() % mmap.PAGESIZE  # madvise wants whole pages
-    end = storage.data_ptr() + storage.nbytes()
-    if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
-        raise OSError(ctypes.get_errno(), f"madvise failed on a mapped checkpoint tensor: {os.strerror(ctypes.get_errno())}")
 
 
 def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> tuple[list[Path], ModelArgs, EmbeddingLayout]:
@@ -170,12 +155,15 @@ def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, devi
     checkpoint's args (vocabulary filled in) and embedding layout."""
     paths, args, layout = open_checkpoint(ckpt_dir, args)
     state = assemble_slice(lambda s: load_shard(paths[s]), len(paths), args, layout, rank, world_size, device,
-                           dtype, describe=lambda s: str(paths[s]), release=drop_mapped_pages)
+                           dtype, describe=lambda s: str(paths[s]), release=release_pages)
     return state, args, layout
 
 
-def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype) -> Transformer:
-    """Build the model without initialising it and fill it with this rank's slice, whatever the shard count."""
+def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype,
+               quantize: Optional[str] = None) -> Transformer:
+    """Build the model without initialising it and fill it with this rank's slice, whatever the
+    shard count; linear layers quantized as asked (see quantize.py), or else laid out for the
+    device's fastest kernel."""
     n_shards = len(shard_paths(ckpt_dir))
     if n_shards != placement.world_size:
         processes = f"{placement.world_size} process" + "es" * (placement.world_size > 1)
@@ -183,8 +171,8 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
                f"{ckpt_dir} DST_DIR --mp {placement.world_size}` saves this work at every start")
     state, args, layout = load_slice(ckpt_dir, args, placement.rank, placement.world_size, placement.device, dtype)
     model = Transformer(args, placement.world_size, layout)
-    load_into(model, state, placement.device, dtype, Path(ckpt_dir))
-    return model
+    load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=quantize is None)
+    return quantize_model(model, quantize)
 
 
 def _shape(shard: dict[str, torch.Tensor], name: str, dims: int) -> tuple[int, ...]:
@@ -203,26 +191,27 @@ def _listing(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-# --- Loading speed (issue 6): keep peak memory near the converted weights' size. ---
-
-_MADV_DONTNEED = 4  # Linux
-
-
 def release_pages(tensor: torch.Tensor) -> None:
-    """Drop a memory-mapped checkpoint tensor's pages from this process once it has been converted.
+    """Drop a memory-mapped checkpoint tensor's pages from this process once it has been copied.
 
-    Otherwise the mapped shard stays resident beside its converted copy until loading ends (1.5x
-    the fp32 weights for a bf16 checkpoint). The mapping is private and never written, so a later
-    read simply pages the data in from the file again: the tensor stays valid.
+    Otherwise each touched page of the mapped shard stays resident beside its copy until loading
+    ends (splitting one big shard along dimension 1 touches nearly all of it). The mapping is
+    private and never written, so a later read simply pages the data in from the file again: the
+    tensor stays valid. Whole pages inside the tensor only, so that a neighbour's data is never
+    touched. (A source that is not mapped, a piece assembled from several shards, is a copy
+    nobody reads again: its pages are simply given back early.)
     """
-    if not _libc or tensor.device.type != "cpu":
+    if _libc is None or tensor.device.type != "cpu":
         return
     page = mmap.PAGESIZE
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // page) * page, end // page * page  # whole pages only: neighbours share edges
+    first, last = -(-start // page) * page, end // page * page
     if last > first:
         _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4  # Linux
 
 
 def _load_libc() -> "Optional[ctypes.CDLL]":

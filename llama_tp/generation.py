@@ -16,7 +16,7 @@ from .batch import NO_TOKEN, Batch, Generated
 from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
 from .checkpoint import load_model
 from .model import Transformer
-from .quantize import check_quantize, quantize_model
+from .quantize import check_quantize
 from .sampling import SamplingOptions, choose_next, top_candidates
 from .streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
 from .tokenizer import load_tokenizer
@@ -80,7 +80,7 @@ class Llama:
             from .plan import plan, report
 
             parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype)))
-            model = quantize_model(load_model(ckpt_dir, args, placement, dtype), quantize)
+            model = load_model(ckpt_dir, args, placement, dtype, quantize)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             if compile:
                 compile_decoding(model, placement.device)

@@ -28,6 +28,7 @@ from fairscale.nn.model_parallel import initialize as fairscale_mp
 from fairscale.nn.model_parallel import layers as fairscale_layers
 from fairscale.nn.model_parallel import mappings as fairscale_mappings
 
+from . import matmul
 from .shared_memory import SharedMemorySum, new_buffer_path
 
 # Llama 2 checkpoints split the token embedding along the model dimension (fairscale's
@@ -322,24 +323,8 @@ class _ColumnParallelLinear(fairscale_layers.ColumnParallelLinear):
     training and cost ~30 us per call: 5 of the ~80 ms of a one-thread decode step."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear_in_blocks(x, self.weight) if _is_few_rows_by_wide(x, self.weight) else (
-            torch.nn.functional.linear(x, self.weight))
+        y = matmul.linear(x, self.weight)
         return all_gather_last_dim(y) if self.gather_output else y
-
-
-# On CPU, MKL multiplies a few rows by a wide weight (the vocabulary projection when decoding a
-# batch of 8) about twice as slowly in one call as in blocks of this many weight rows.
-WEIGHT_ROWS_PER_BLOCK = 1024
-
-
-def _is_few_rows_by_wide(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    few_rows = 1 < x.shape[:-1].numel() <= 16
-    return x.device.type == "cpu" and few_rows and weight.shape[0] > 4 * WEIGHT_ROWS_PER_BLOCK
-
-
-def _linear_in_blocks(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    blocks = weight.split(WEIGHT_ROWS_PER_BLOCK)
-    return torch.cat([torch.nn.functional.linear(x, block) for block in blocks], dim=-1)
 
 
 def row_parallel_linear(in_features: int, out_features: int) -> torch.nn.Module:
@@ -354,7 +339,7 @@ class _RowParallelLinear(fairscale_layers.RowParallelLinear):
     """fairscale's layer, summing partial products through all_reduce below (shared memory on CPU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(torch.nn.functional.linear(x, self.weight))
+        return all_reduce(matmul.linear(x, self.weight))
 
 
 def parallel_embedding(vocab_size: int, dim: int, layout: EmbeddingLayout) -> torch.nn.Module:
