@@ -20,6 +20,7 @@ def run(main: Callable) -> None:
     debug = os.environ.get("LLAMA_TP_DEBUG") == "1"
     try:
         fire.Fire(main)
+        parallel.leave()
     except USER_ERRORS as error:
         if debug:
             raise

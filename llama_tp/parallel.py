@@ -284,6 +284,19 @@ def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
         pass
 
 
+def leave() -> None:
+    """Leave the process group together with the other ranks, at the end of a job.
+
+    Left to interpreter exit, a rank's gloo threads can be torn down while another rank still
+    talks to it, and the rank dies with SIGABRT ("terminate called without an active exception"),
+    failing a job that had finished.
+    """
+    if dist.is_initialized():
+        wait_for_every_rank()
+        dist.destroy_process_group()
+        _host_groups.clear()
+
+
 def _all_gather_object(obj: Any) -> list[Any]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]

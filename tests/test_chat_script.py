@@ -80,6 +80,7 @@ def test_ctrl_c_in_a_terminal_stops_only_the_reply(checkpoints):
         if status is None:  # a step failed: stop torchrun, which stops its workers
             os.kill(pid, signal.SIGTERM)
             os.waitpid(pid, 0)
+        screen.drain()  # torchrun's summary of a failed rank, for the message below
         os.close(terminal)
     assert os.waitstatus_to_exitcode(status) == 0, screen.text
 
@@ -98,9 +99,18 @@ class Screen:
             remaining = deadline - time.monotonic()
             assert remaining > 0, f"{expected!r} did not appear within {timeout} s:\n{self.text}"
             if select.select([self.fd], [], [], remaining)[0]:
-                try:
-                    data = os.read(self.fd, 65536)
-                except OSError:  # Linux reports a pseudo-terminal whose program ended as EIO
-                    data = b""
-                assert data, f"the program ended before {expected!r} appeared:\n{self.text}"
-                self.text += data.decode(errors="replace")
+                assert self._read(), f"the program ended before {expected!r} appeared:\n{self.text}"
+
+    def drain(self) -> None:
+        """Read what is left once the program has ended."""
+        while select.select([self.fd], [], [], 0)[0] and self._read():
+            pass
+
+    def _read(self) -> bool:
+        """Add what is ready to the text; False once the program has ended."""
+        try:
+            data = os.read(self.fd, 65536)
+        except OSError:  # Linux reports a pseudo-terminal whose program ended as EIO
+            data = b""
+        self.text += data.decode(errors="replace")
+        return bool(data)
