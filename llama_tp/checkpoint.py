@@ -19,14 +19,14 @@ from torch import nn
 
 from . import matmul
 from .args import ModelArgs
-from .model import Transformer
+from .model import LINEAR_LAYERS, Transformer
 from .parallel import EmbeddingLayout, Placement, print0
 from .quantize import quantize_model
-from .sharding import COLUMN_PARALLEL, ROW_PARALLEL, assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
+from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
 
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
 TOLERATED_EXTRA_KEYS = ("rope.freqs",)
-LINEAR_WEIGHTS = tuple(f"{layer}.weight" for layer in COLUMN_PARALLEL + ROW_PARALLEL)  # name endings
+LINEAR_WEIGHTS = tuple(f"{layer}.weight" for layer in LINEAR_LAYERS)  # name endings
 
 
 def shard_paths(ckpt_dir: Path) -> list[Path]:
@@ -91,13 +91,15 @@ def checkpoint_vocab_size(shard: dict[str, torch.Tensor], n_shards: int) -> int:
     return rows * n_shards
 
 
-def load_into(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device,
+def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.device,
               dtype: torch.dtype, source: Path, pack_linear: bool = False) -> None:
     """Move this rank's tensors into the model strictly: every key present, every shape right.
 
+    Tensors the model holds side by side (Transformer.checkpoint_layout) are stacked here.
     pack_linear: lay the linear layers' weights out for the device's fastest kernel (matmul.pack).
     """
-    expected = model.state_dict()
+    layout = model.checkpoint_layout()
+    expected = {part: shape for parts in layout.values() for part, shape in parts}
     missing = sorted(set(expected) - set(shard))
     unexpected = sorted(set(shard) - set(expected) - set(TOLERATED_EXTRA_KEYS))
     if missing or unexpected:
@@ -106,19 +108,23 @@ def load_into(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.de
             f"missing {_listing(missing)}, unexpected {_listing(unexpected)}; check that "
             "params.json belongs to these shards"
         )
-    state = {}
-    for name, target in expected.items():
-        tensor = shard[name]
-        if tensor.shape != target.shape:
+    for name, shape in expected.items():
+        if shard[name].shape != shape:
             raise ValueError(
-                f"{source}: {name} has shape {list(tensor.shape)} but this rank's slice of the "
-                f"model needs {list(target.shape)}; check params.json and the number of processes"
+                f"{source}: {name} has shape {list(shard[name].shape)} but this rank's slice of the "
+                f"model needs {list(shape)}; check params.json and the number of processes"
             )
-        state[name] = tensor.to(device=device, dtype=dtype)
-        if pack_linear and name.endswith(LINEAR_WEIGHTS) and matmul.packable(state[name]):
-            state[name] = matmul.pack(state[name])
-        if state[name] is not tensor:  # converted or packed: the source is no longer used
-            release_pages(tensor)
+    state = {}
+    for name, parts in layout.items():
+        sources = [shard[part] for part, _ in parts]
+        tensor = sources[0] if len(sources) == 1 else torch.cat(sources)
+        tensor = tensor.to(device=device, dtype=dtype)
+        if pack_linear and name.endswith(LINEAR_WEIGHTS) and matmul.packable(tensor):
+            tensor = matmul.pack(tensor)
+        for source_tensor in sources:
+            if tensor is not source_tensor:  # converted, stacked or packed: the source is no longer used
+                release_pages(source_tensor)
+        state[name] = tensor
     model.load_state_dict(state, strict=True, assign=True)
 
 

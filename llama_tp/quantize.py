@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import parallel
-from .sharding import COLUMN_PARALLEL, ROW_PARALLEL
+from .model import LINEAR_LAYERS
 
 QUANTIZATIONS = ("int8", "int8_dynamic")
 
@@ -116,9 +116,8 @@ def quantize_model(model: nn.Module, quantize: Optional[str]) -> nn.Module:
     check_quantize(quantize)
     if quantize is None:
         return model
-    linear_names = set(COLUMN_PARALLEL + ROW_PARALLEL)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if name in linear_names:
+            if name in LINEAR_LAYERS:
                 setattr(module, name, Int8Linear(child, dynamic=quantize == "int8_dynamic"))  # the full-precision weight is freed here
     return model

@@ -1,0 +1,45 @@
+"""Packed linear weights: the loader packs them on CPU, and their products are F.linear's."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_tp import Llama, matmul
+from llama_tp.model import LINEAR_LAYERS
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [(1, 1), (8, 1), (3, 5), (512,)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_product_is_the_plain_product(rows, dtype, tolerance):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 40, generator=generator).to(dtype)
+    x = torch.randn(*rows, 40, generator=generator).to(dtype)
+    packed = matmul.pack(weight)
+    assert packed.is_mkldnn and packed.shape == weight.shape
+    got = matmul.linear(x, packed)
+    assert got.shape == (*rows, 96) and got.dtype == dtype
+    torch.testing.assert_close(got, F.linear(x, weight), atol=tolerance, rtol=tolerance)
+    assert torch.equal(matmul.unpack(packed), weight)
+
+
+def test_only_cpu_fp32_and_bf16_weights_are_packed():
+    assert matmul.packable(torch.zeros(2, 2)) == torch.backends.mkldnn.is_available()
+    assert not matmul.packable(torch.zeros(2, 2, dtype=torch.float16))
+    assert not matmul.packable(torch.zeros(2, 2, device="meta"))
+
+
+@needs_onednn
+def test_loader_packs_every_linear_layer_and_nothing_else(checkpoints, tokenizer_path):
+    llama = Llama.build(str(checkpoints["llama3", 2]), tokenizer_path, max_seq_len=16, max_batch_size=1)
+    for name, tensor in llama.model.state_dict().items():
+        assert tensor.is_mkldnn == (name.split(".")[-2] in LINEAR_LAYERS), name
+
+
+@needs_onednn
+def test_quantized_layers_are_not_packed(checkpoints, tokenizer_path):
+    llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=16, max_batch_size=1,
+                        quantize="int8")
+    assert not any(tensor.is_mkldnn for tensor in llama.model.state_dict().values())
