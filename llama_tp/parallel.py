@@ -293,6 +293,8 @@ def leave() -> None:
     """
     if dist.is_initialized():
         wait_for_every_rank()
+        fairscale_mp.destroy_model_parallel()
+        _shared_sum.cache_clear()
         dist.destroy_process_group()
         _host_groups.clear()
 
