@@ -54,7 +54,7 @@ class Llama:
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
         compile: run decoding steps through torch.compile. Off by default: on this project's CPU
-            it decodes 10-20% faster but first spends 6-10 s compiling, which a job of a few
+            it decodes about 20% faster but first spends 6-10 s compiling, which a job of a few
             hundred tokens never wins back.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
