@@ -111,15 +111,14 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
                 f"model needs {list(shape)}; check params.json and the number of processes"
             )
 
-    packing = pack_linear and matmul.packable(torch.empty(0, device=device, dtype=dtype))
+    packing = pack_linear and matmul.packable(device, dtype)
 
     def convert(name: str) -> torch.Tensor:
         """One model tensor from its checkpoint tensors: stacked, converted, packed if asked."""
         sources = [shard[part] for part, _ in layout[name]]
-        packed = packing and name.endswith(LINEAR_WEIGHTS)
         tensor = sources[0] if len(sources) == 1 else torch.cat(sources)
         tensor = tensor.to(device=device, dtype=dtype)
-        if packed:
+        if packing and name.endswith(LINEAR_WEIGHTS):
             tensor = matmul.pack(tensor)
         for source_tensor in sources:
             if tensor is not source_tensor:  # converted, stacked or packed: the source is no longer used

@@ -7,7 +7,7 @@ Each weight row becomes int8 values and one scale (the row's largest magnitude /
     bits and the greedy answers are those of the dequantized weights. Demo model on this
     project's machine: 2.4x transformers' fp32 at batch 1 eagerly, 3x compiled.
   - Prompts, and every product off CPU, convert the int8 weight to the activations' dtype on
-    the fly: that saves memory, not time.
+    the fly (on CPU then multiplied through oneDNN, see matmul.py): that saves memory, not time.
 - "int8_dynamic": the same weights, multiplied by fbgemm's int8 kernel, which rounds each input
   row to a single int8 term on the fly (dynamic quantization): 4.4x transformers' fp32 at batch
   1, but its greedy answers drift from fp32's sooner than int8's do. CPU and fp32 only.

@@ -22,13 +22,15 @@ def test_packed_product_is_the_plain_product(rows, dtype, tolerance):
     got = matmul.linear(x, packed)
     assert got.shape == (*rows, 96) and got.dtype == dtype
     torch.testing.assert_close(got, F.linear(x, weight), atol=tolerance, rtol=tolerance)
-    assert torch.equal(matmul.unpack(packed), weight)
+    assert torch.equal(packed.to_dense(), weight)
 
 
 def test_only_cpu_fp32_and_bf16_weights_are_packed():
-    assert matmul.packable(torch.zeros(2, 2)) == torch.backends.mkldnn.is_available()
-    assert not matmul.packable(torch.zeros(2, 2, dtype=torch.float16))
-    assert not matmul.packable(torch.zeros(2, 2, device="meta"))
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert matmul.packable(cpu, dtype) == torch.backends.mkldnn.is_available()
+    assert not matmul.packable(cpu, torch.float16)
+    assert not matmul.packable(torch.device("meta"), torch.float32)
 
 
 @needs_onednn
