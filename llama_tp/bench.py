@@ -23,7 +23,7 @@ import torch
 
 from . import demo, parallel
 from .args import ModelArgs
-from .checkpoint import load_model, load_shard, shard_paths
+from .checkpoint import TOLERATED_EXTRA_KEYS, load_model, load_shard, shard_paths
 from .cli import run
 from .generation import Llama, compile_decoding
 from .quantize import check_quantize
@@ -81,19 +81,32 @@ def roofline(model: torch.nn.Module, world_size: int) -> dict:
 
 
 def peak_rss_bytes() -> int:
-    """The most resident memory this process has held so far."""
+    """The most resident memory this process has held so far.
+
+    On Linux, VmHWM of /proc/self/status, which starts afresh in a new program: getrusage's
+    ru_maxrss does not, and in a process spawned by a large parent it reports the parent's size.
+    """
+    status = _proc_status("VmHWM")
+    if status is not None:
+        return status
     scale = 1 if platform.system() == "Darwin" else 1024  # macOS reports bytes, Linux kilobytes
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def current_rss_bytes() -> int:
     """Resident memory now (Linux); the peak so far elsewhere."""
+    status = _proc_status("VmRSS")
+    return status if status is not None else peak_rss_bytes()
+
+
+def _proc_status(field: str) -> Optional[int]:
+    """A memory figure of /proc/self/status in bytes, or None where there is no such file."""
     status = Path("/proc/self/status")
     if status.is_file():
         for line in status.read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    return peak_rss_bytes()
+    return None
 
 
 def model_args(ckpt_dir: Path, tokenizer_path: Optional[str]) -> ModelArgs:
@@ -114,17 +127,20 @@ def load_ours(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement, dt
     return load_model(ckpt_dir, args, placement, dtype, quantize)
 
 
-def load_meta_reference(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement,
-                        dtype: torch.dtype) -> torch.nn.Module:
-    """Meta's reference loader: the whole shard read into memory, then copied into a built model."""
-    from .model import Transformer
+def load_meta_reference(ckpt_dir: Path, placement: parallel.Placement, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Meta's reference loader: the whole shard read into memory, then copied into the model.
 
+    Meta's model keeps wq, wk, wv (and w1, w3) apart and its fairscale layers leave their weights
+    uninitialised, so it stands here as one uninitialised tensor per checkpoint tensor, filled
+    as its load_state_dict fills them.
+    """
     path = shard_paths(ckpt_dir)[placement.rank]
     checkpoint = torch.load(path, map_location="cpu")
-    layout = "dim" if checkpoint["tok_embeddings.weight"].shape[0] == args.vocab_size else "vocab"
-    model = Transformer(args, placement.world_size, layout).to(dtype)
-    model.load_state_dict(checkpoint, strict=False)
-    return model
+    parameters = {name: torch.empty(tensor.shape, dtype=dtype, device=placement.device)
+                  for name, tensor in checkpoint.items() if name not in TOLERATED_EXTRA_KEYS}
+    for name, parameter in parameters.items():
+        parameter.copy_(checkpoint[name])
+    return parameters
 
 
 def _load_trial(loader: str, ckpt_dir: str, args: ModelArgs, dtype: torch.dtype,
@@ -136,7 +152,7 @@ def _load_trial(loader: str, ckpt_dir: str, args: ModelArgs, dtype: torch.dtype,
     if loader == "llama_tp":
         load_ours(Path(ckpt_dir), args, placement, dtype, quantize)
     else:
-        load_meta_reference(Path(ckpt_dir), args, placement, dtype)
+        load_meta_reference(Path(ckpt_dir), placement, dtype)
     results.put((time.perf_counter() - start, peak_rss_bytes() - before))
 
 

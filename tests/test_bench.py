@@ -9,9 +9,9 @@ import torch
 from distributed import run_world
 from llama_tp import parallel
 from llama_tp.args import ModelArgs
-from llama_tp.bench import main
+from llama_tp.bench import compare_loading, load_meta_reference, main
 from llama_tp.bench_hf import build_hf_model
-from llama_tp.checkpoint import load_model
+from llama_tp.checkpoint import TOLERATED_EXTRA_KEYS, load_model
 from tiny_checkpoint import TINY_LLAMA3, full_weights, write_checkpoint
 
 
@@ -55,6 +55,28 @@ def test_bench_writes_json(tiny_ckpt, tmp_path, capsys):
     assert "load" not in report and report["load_seconds_in_process"] > 0  # fresh-process loads: too slow here
     assert len(report["peak_rss_bytes_per_rank"]) == 1
     assert "decode_batch_2" in stdout and "roofline" in stdout
+
+
+def test_meta_reference_loader_fills_every_checkpoint_tensor(tiny_ckpt):
+    """The reference does all of Meta's work, wq/wk/wv and w1/w3 included (our model holds them fused)."""
+    loaded = load_meta_reference(tiny_ckpt, parallel.init(), torch.float32)
+    checkpoint = torch.load(tiny_ckpt / "consolidated.00.pth", weights_only=True)
+    assert set(loaded) == set(checkpoint) - set(TOLERATED_EXTRA_KEYS)
+    for name, tensor in loaded.items():
+        assert loaded[name].dtype == torch.float32
+        torch.testing.assert_close(tensor, checkpoint[name].float(), atol=0, rtol=0)
+
+
+def test_load_comparison_measures_the_fresh_process_only(tiny_ckpt):
+    """A large parent must not show in the loaders' memory figures (getrusage's peak inherits it)."""
+    parent_ballast = torch.ones(2**27)  # 512 MB resident in this process while the loads run
+    args = ModelArgs.from_dict(TINY_LLAMA3)
+    summary = compare_loading(tiny_ckpt, args, torch.float32, quantize=None, repeats=1)
+    weight_bytes = 4 * sum(t.numel() for t in full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"]).values())
+    for loader in ("llama_tp", "meta_reference"):
+        assert summary[loader]["seconds"] > 0
+        assert 0 <= summary[loader]["peak_rss_increase_bytes"] < 4 * weight_bytes + 64 * 2**20
+    assert summary["speedup"] > 0 and parent_ballast[-1] == 1
 
 
 def test_bench_rejects_unknown_comparison(tiny_ckpt, tmp_path):
