@@ -26,7 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the weights' dtype, as the reference does (free in fp32).
+        if x.dtype == torch.float32 == self.weight.dtype:  # one call instead of three
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Normalise in fp32 whatever the weights' dtype, as the reference does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return normed.type_as(x) * self.weight
 
@@ -126,11 +128,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int, rotary: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.local_widths, dim=-1)
-        q = q.view(bsz, seqlen, self.n_local_heads, self.head_dim)
-        k = k.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        qk_width, v_width = self.local_widths[0] + self.local_widths[1], self.local_widths[2]
+        qk, v = self.wqkv(x).split((qk_width, v_width), dim=-1)
+        # Queries and keys rotate alike: one rotation for both heads' worth.
+        qk = apply_rotary(qk.view(bsz, seqlen, -1, self.head_dim), rotary)  # bsz, seqlen, heads + kv heads, head_dim
+        q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
         v = v.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         keys, values = self.cache.update(positions, k, v, end)
