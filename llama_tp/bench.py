@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import demo, parallel
+from . import demo, matmul, parallel
 from .args import ModelArgs
 from .checkpoint import TOLERATED_EXTRA_KEYS, load_model, load_shard, shard_paths
 from .cli import run
@@ -122,9 +122,9 @@ def model_args(ckpt_dir: Path, tokenizer_path: Optional[str]) -> ModelArgs:
 
 
 def load_ours(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement, dtype: torch.dtype,
-              quantize: Optional[str]) -> torch.nn.Module:
+              quantize: Optional[str], pack: bool = True) -> torch.nn.Module:
     """llama_tp's loader, as Llama.build runs it."""
-    return load_model(ckpt_dir, args, placement, dtype, quantize)
+    return load_model(ckpt_dir, args, placement, dtype, quantize, pack)
 
 
 def load_meta_reference(ckpt_dir: Path, placement: parallel.Placement, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -277,7 +277,8 @@ def main(
         parallel.print0("loading: llama_tp and Meta's reference, in fresh processes")
         report["load"] = compare_loading(ckpt_dir, args, torch_dtype, quantize, load_repeats)
     start = time.perf_counter()
-    model = load_ours(ckpt_dir, args, placement, torch_dtype, quantize)
+    model = load_ours(ckpt_dir, args, placement, torch_dtype, quantize,
+                      pack=matmul.packing_pays(max(batch_sizes), compile))
     report["load_seconds_in_process"] = time.perf_counter() - start
     model.setup_caches(max(batch_sizes), max_seq_len, placement.device, torch_dtype)
     if compile:

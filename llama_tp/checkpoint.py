@@ -130,6 +130,10 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         state = dict(zip(layout, pool.map(convert, layout)))
     model.load_state_dict(state, strict=True, assign=True)
+    if packing:
+        for module in model.modules():
+            if hasattr(module, "weight_packed"):
+                module.weight_packed = True  # torch.compile sees a packed weight as a plain one
 
 
 def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> tuple[list[Path], ModelArgs, EmbeddingLayout]:
@@ -170,10 +174,10 @@ def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, devi
 
 
 def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype,
-               quantize: Optional[str] = None) -> Transformer:
+               quantize: Optional[str] = None, pack: bool = True) -> Transformer:
     """Build the model without initialising it and fill it with this rank's slice, whatever the
-    shard count; linear layers quantized as asked (see quantize.py), or else laid out for the
-    device's fastest kernel."""
+    shard count; linear layers quantized as asked (see quantize.py), or else, with pack, laid out
+    for the device's fastest kernel (see matmul.packing_pays)."""
     n_shards = len(shard_paths(ckpt_dir))
     if n_shards != placement.world_size:
         processes = f"{placement.world_size} process" + "es" * (placement.world_size > 1)
@@ -181,7 +185,7 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
                f"{ckpt_dir} DST_DIR --mp {placement.world_size}` saves this work at every start")
     state, args, layout = load_slice(ckpt_dir, args, placement.rank, placement.world_size, placement.device, dtype)
     model = Transformer(args, placement.world_size, layout)
-    load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=quantize is None)
+    load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack and quantize is None)
     return quantize_model(model, quantize)
 
 

@@ -10,7 +10,7 @@ from typing import Iterator, Optional, TypedDict
 import torch
 import torch.nn.functional as F
 
-from . import parallel
+from . import matmul, parallel
 from .args import ModelArgs
 from .batch import NO_TOKEN, Batch, Generated
 from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
@@ -80,7 +80,8 @@ class Llama:
             from .plan import plan, report
 
             parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype)))
-            model = load_model(ckpt_dir, args, placement, dtype, quantize)
+            model = load_model(ckpt_dir, args, placement, dtype, quantize,
+                               pack=matmul.packing_pays(max_batch_size, compile))
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             if compile:
                 compile_decoding(model, placement.device)

@@ -190,7 +190,8 @@ class Transformer(nn.Module):
         self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=True)
         self.max_batch_size = 0
         self.max_seq_len = 0
-        self.run_decode_layer = run_layer  # one new token per row: eager, or compile_decoding's
+        # One new token per row: eager, or compile_decoding's.
+        self.run_decode_layer, self.run_decode_head = run_layer, run_head
         self.static_decode_shapes = False
 
     def checkpoint_layout(self) -> dict[str, list[tuple[str, torch.Size]]]:
@@ -218,12 +219,13 @@ class Transformer(nn.Module):
 
     def compile_decoding(self, static_shapes: bool, **compile_options) -> None:
         """Run one-token steps through torch.compile, one layer at a time (every layer shares the
-        compiled code, so compiling costs one layer's time).
+        compiled code, so compiling costs one layer's time), then the output head.
 
         static_shapes: attend to the whole cache under a mask, so that every step has the same
         shapes, as CUDA graphs need; otherwise only to the positions filled so far.
         """
         self.run_decode_layer = torch.compile(run_layer, **compile_options)
+        self.run_decode_head = torch.compile(run_head, **compile_options)
         self.static_decode_shapes = static_shapes
 
     @torch.inference_mode()
@@ -242,9 +244,9 @@ class Transformer(nn.Module):
             )
         h = self.tok_embeddings(tokens)
         positions, rotary = self.positions[start_pos:end], self.rotary[start_pos:end]
-        mask, run = None, run_layer
+        mask, run, head = None, run_layer, run_head
         if seqlen == 1:
-            run = self.run_decode_layer
+            run, head = self.run_decode_layer, self.run_decode_head
             if self.static_decode_shapes:
                 # CUDA graphs: the last step's outputs have been consumed, their memory may be reused.
                 torch.compiler.cudagraph_mark_step_begin()
@@ -256,10 +258,15 @@ class Transformer(nn.Module):
             h = run(layer, h, positions, end, rotary, mask)
         if last_only:
             h = h[:, -1:]  # bsz, 1, dim
-        return self.output(self.norm(h)).float()
+        return head(self.norm, self.output, h)
 
 
 def run_layer(layer: TransformerBlock, h: torch.Tensor, positions: torch.Tensor, end: int,
               rotary: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """One layer's step, as a function of the layer: what compile_decoding compiles."""
     return layer(h, positions, end, rotary, mask)
+
+
+def run_head(norm: RMSNorm, output: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The last norm and the vocabulary projection: logits in fp32."""
+    return output(norm(h)).float()

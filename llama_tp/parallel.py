@@ -337,8 +337,10 @@ class _ColumnParallelLinear(fairscale_layers.ColumnParallelLinear):
     """fairscale's layer without its autograd wrapper around the input, which only matters for
     training and cost ~30 us per call: 5 of the ~80 ms of a one-thread decode step."""
 
+    weight_packed = False  # the weight is in oneDNN's layout (matmul.pack); set by the loader
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul.linear(x, self.weight)
+        y = matmul.linear(x, self.weight, self.weight_packed)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -353,8 +355,10 @@ def row_parallel_linear(in_features: int, out_features: int) -> torch.nn.Module:
 class _RowParallelLinear(fairscale_layers.RowParallelLinear):
     """fairscale's layer, summing partial products through all_reduce below (shared memory on CPU)."""
 
+    weight_packed = False  # as _ColumnParallelLinear's
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(matmul.linear(x, self.weight))
+        return all_reduce(matmul.linear(x, self.weight, self.weight_packed))
 
 
 def parallel_embedding(vocab_size: int, dim: int, layout: EmbeddingLayout) -> torch.nn.Module:
@@ -441,14 +445,14 @@ def _all_reduce_op(x: torch.Tensor) -> torch.Tensor:
     shared = _shared_memory_for(x)
     if shared is not None:
         return shared(x)
-    total = x.clone()
+    total = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(total, group=fairscale_mp.get_model_parallel_group())
     return total
 
 
 @_all_reduce_op.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous whatever x's layout, as both ways above return it
 
 
 @torch.library.custom_op("llama_tp::all_gather_last_dim", mutates_args=())

@@ -25,6 +25,34 @@ def test_packed_product_is_the_plain_product(rows, dtype, tolerance):
     assert torch.equal(packed.to_dense(), weight)
 
 
+@pytest.mark.parametrize("rows", [(1, 1), (3, 1), (2, 2), (5, 1), (2, 8)])
+@pytest.mark.parametrize("packed", [False, True] if torch.backends.mkldnn.is_available() else [False])
+def test_compiled_product_is_the_plain_product(rows, packed):
+    """Compiled: a few rows by a plain weight summed by the compiler, else oneDNN's product."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 40, generator=generator)
+    x = torch.randn(*rows, 40, generator=generator)
+    torch._dynamo.reset()
+    compiled = torch.compile(matmul.linear, dynamic=True)
+    got = compiled(x, matmul.pack(weight) if packed else weight, packed)
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_packing_pays_eagerly_and_for_large_compiled_batches():
+    assert matmul.packing_pays(1, compiled=False) and matmul.packing_pays(64, compiled=False)
+    assert not matmul.packing_pays(matmul.SUMMED_MAX_ROWS, compiled=True)
+    assert matmul.packing_pays(matmul.SUMMED_MAX_ROWS + 1, compiled=True)
+
+
+@needs_onednn
+def test_small_compiled_batches_keep_plain_weights(checkpoints, tokenizer_path):
+    torch._dynamo.reset()
+    llama = Llama.build(str(checkpoints["llama3", 1]), tokenizer_path, max_seq_len=16, max_batch_size=2,
+                        compile=True)
+    assert not any(tensor.is_mkldnn for tensor in llama.model.state_dict().values())
+    assert not any(getattr(module, "weight_packed", False) for module in llama.model.modules())
+
+
 def test_only_cpu_fp32_and_bf16_weights_are_packed():
     cpu = torch.device("cpu")
     for dtype in (torch.float32, torch.bfloat16):
@@ -38,6 +66,8 @@ def test_loader_packs_every_linear_layer_and_nothing_else(checkpoints, tokenizer
     llama = Llama.build(str(checkpoints["llama3", 2]), tokenizer_path, max_seq_len=16, max_batch_size=1)
     for name, tensor in llama.model.state_dict().items():
         assert tensor.is_mkldnn == (name.split(".")[-2] in LINEAR_LAYERS), name
+    for name, module in llama.model.named_modules():
+        assert getattr(module, "weight_packed", False) == (name.split(".")[-1] in LINEAR_LAYERS), name
 
 
 @needs_onednn
