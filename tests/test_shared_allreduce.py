@@ -9,7 +9,8 @@ import torch
 import torch.multiprocessing as mp
 
 from llama_tp import parallel
-from llama_tp.shared_memory import SharedMemorySum
+from llama_tp.parallel import collectives
+from llama_tp.parallel.shared_memory import SharedMemorySum
 
 
 def _free_port() -> int:
@@ -32,7 +33,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         results.append(parallel.all_gather_last_dim(torch.full((2, 1, 3), 10.0 * rank + call)))
         results.append(parallel.all_reduce(torch.ones(4)))
     results.append(parallel.all_gather_last_dim(big)[SharedMemorySum.CAPACITY - 1 : SharedMemorySum.CAPACITY + 3])
-    assert isinstance(parallel._shared_sum(), SharedMemorySum)
+    assert isinstance(collectives._shared_sum(), SharedMemorySum)
     torch.save(results, f"{out}.{rank}")
 
 

@@ -1,0 +1,62 @@
+"""The one place that knows about processes: backend, device, process groups, parallel layers.
+
+Everything else asks this package; nothing outside it imports torch.distributed or reads the
+torchrun environment. NCCL and `cuda:LOCAL_RANK` when CUDA is present, gloo and CPU otherwise.
+
+`group`: this process's place, device, dtype and process groups; `failures`: failing and leaving
+together; `layers`: fairscale's parallel layers; `collectives`: their sums and gathers, through
+`shared_memory` between the ranks of one host.
+"""
+
+from .collectives import all_gather_last_dim, all_reduce
+from .failures import (
+    agreement,
+    check_same_on_every_rank,
+    describe_peer_failure,
+    is_peer_failure,
+    leave,
+    report_failure,
+    wait_for_every_rank,
+)
+from .group import (
+    DTYPES,
+    Placement,
+    broadcast_object,
+    collective_timeout,
+    decode_compilation,
+    global_rank,
+    init,
+    model_parallel_rank,
+    model_parallel_size,
+    print0,
+    resolve_dtype,
+)
+from .layers import EmbeddingLayout, column_parallel_linear, communication_after, parallel_embedding, row_parallel_linear
+
+__all__ = [
+    "DTYPES",
+    "EmbeddingLayout",
+    "Placement",
+    "agreement",
+    "all_gather_last_dim",
+    "all_reduce",
+    "broadcast_object",
+    "check_same_on_every_rank",
+    "collective_timeout",
+    "column_parallel_linear",
+    "communication_after",
+    "decode_compilation",
+    "describe_peer_failure",
+    "global_rank",
+    "init",
+    "is_peer_failure",
+    "leave",
+    "model_parallel_rank",
+    "model_parallel_size",
+    "parallel_embedding",
+    "print0",
+    "report_failure",
+    "resolve_dtype",
+    "row_parallel_linear",
+    "wait_for_every_rank",
+]

@@ -1,0 +1,136 @@
+"""Failing, and finishing, together: a step that fails on one rank fails on all of them with the
+cause, a collective that lost a rank is explained, torchrun is told the message, and at the end
+the ranks leave the process group together."""
+
+import hashlib
+import json
+import os
+import pickle
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Iterator, Optional
+
+import torch.distributed as dist
+from fairscale.nn.model_parallel import initialize as fairscale_mp
+
+from .collectives import _shared_sum
+from .group import _host_groups, collective_timeout
+
+@contextmanager
+def agreement(step: str) -> Iterator[None]:
+    """Run a block on every rank, then fail on every rank if it failed on any.
+
+    Without this, a rank whose own file is bad raises while the others walk on into the next
+    collective and wait for it until the timeout. The failing rank re-raises its own exception;
+    the others raise the same type naming that rank, so every rank reports the cause.
+    """
+    failure: Optional[Exception] = None
+    try:
+        yield
+    except Exception as error:  # any failure, bug or not, must reach the other ranks
+        failure = error
+    verdicts = _all_gather_object(None if failure is None else _verdict(failure))
+    if failure is not None:
+        raise failure
+    for rank, verdict in enumerate(verdicts):
+        if verdict is not None:
+            kind, message = verdict
+            raise kind(f"rank {rank} failed while {step}: {message}")
+
+
+def _verdict(failure: Exception) -> tuple[type, str]:
+    """What the other ranks raise for failure: the same kind of user error, else RuntimeError."""
+    for kind in (FileNotFoundError, ValueError):  # built-in classes: they pickle everywhere
+        if isinstance(failure, kind):
+            return kind, str(failure)
+    return RuntimeError, f"{type(failure).__name__}: {failure}"
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether error is a collective failing because another rank is gone or too slow.
+
+    NCCL and the process-group store raise DistError; gloo raises a plain RuntimeError
+    ("Connection closed by peer", "Timed out waiting ...") whose text names its gloo source file.
+    """
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
+def check_same_on_every_rank(what: str, value: Any) -> None:
+    """Raise on every rank if value is not the same on all of them.
+
+    Ranks given different prompts run different numbers of steps, and one then waits for the
+    others in a collective until the timeout; comparing a digest first turns that into a message.
+    """
+    digests = _all_gather_object(hashlib.sha256(pickle.dumps(value)).hexdigest())
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differing:
+        raise ValueError(
+            f"{what} on rank(s) {', '.join(map(str, differing))} differ from rank 0's; every rank "
+            "must make the same call with the same arguments (e.g. read the same prompts)"
+        )
+
+
+def describe_peer_failure(error: BaseException) -> str:
+    """What a failed collective means for the user, in one line."""
+    detail = next(iter(str(error).strip().splitlines()), type(error).__name__)
+    if "timed out" in detail.lower() or "timeout" in detail.lower():
+        waited = collective_timeout().total_seconds()
+        return (
+            f"gave up waiting for the other processes of this job after {waited:g} s (one may be "
+            "stuck, e.g. reading a slow disk, or was never started); set LLAMA_TP_TIMEOUT to wait "
+            f"longer. torch.distributed reported: {detail}"
+        )
+    return (
+        "lost contact with another process of this job, which failed or was stopped (see its "
+        f"message above, or the launcher's summary). torch.distributed reported: {detail}"
+    )
+
+
+def report_failure(message: str) -> None:
+    """Hand message to torchrun, which shows it in its failure summary instead of a link to its docs."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # The layout torchrun's own @record writes; the summary prints py_callstack as "traceback".
+        details = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        with open(error_file, "w") as file:
+            json.dump({"message": {"message": message, "extraInfo": details}}, file)
+
+
+def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
+    """Wait briefly until every rank gets here, e.g. before exiting on an error.
+
+    torchrun stops the other ranks as soon as one exits, so without this a rank that is a
+    moment late can be killed before it has printed its message. A rank that is gone or stuck
+    does not hold the others for more than timeout_seconds.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    group = _host_groups[0] if _host_groups else None
+    try:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_seconds))
+    except RuntimeError:  # a rank is gone or stuck: there is nobody to wait for
+        pass
+
+
+def leave() -> None:
+    """Leave the process group together with the other ranks, at the end of a job.
+
+    Left to interpreter exit, a rank's gloo threads can be torn down while another rank still
+    talks to it, and the rank dies with SIGABRT ("terminate called without an active exception"),
+    failing a job that had finished.
+    """
+    if dist.is_initialized():
+        wait_for_every_rank()
+        fairscale_mp.destroy_model_parallel()
+        _shared_sum.cache_clear()
+        dist.destroy_process_group()
+        _host_groups.clear()
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
