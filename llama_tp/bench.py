@@ -122,7 +122,7 @@ def model_args(ckpt_dir: Path, tokenizer_path: Optional[str]) -> ModelArgs:
 
 
 def load_ours(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement, dtype: torch.dtype,
-              quantize: Optional[str], pack: bool = True) -> torch.nn.Module:
+              quantize: Optional[str], pack: bool) -> torch.nn.Module:
     """llama_tp's loader, as Llama.build runs it."""
     return load_model(ckpt_dir, args, placement, dtype, quantize, pack)
 
@@ -144,27 +144,28 @@ def load_meta_reference(ckpt_dir: Path, placement: parallel.Placement, dtype: to
 
 
 def _load_trial(loader: str, ckpt_dir: str, args: ModelArgs, dtype: torch.dtype,
-                quantize: Optional[str], results: "multiprocessing.Queue") -> None:
+                quantize: Optional[str], pack: bool, results: "multiprocessing.Queue") -> None:
     """In a fresh process: seconds to load, and peak resident memory above what it held before."""
     placement = parallel.init()
     before = current_rss_bytes()
     start = time.perf_counter()
     if loader == "llama_tp":
-        load_ours(Path(ckpt_dir), args, placement, dtype, quantize)
+        load_ours(Path(ckpt_dir), args, placement, dtype, quantize, pack)
     else:
         load_meta_reference(Path(ckpt_dir), placement, dtype)
     results.put((time.perf_counter() - start, peak_rss_bytes() - before))
 
 
 def compare_loading(ckpt_dir: Path, args: ModelArgs, dtype: torch.dtype, quantize: Optional[str],
-                    repeats: int) -> dict:
-    """Ours against Meta's reference loader, each in fresh processes, interleaved; medians."""
+                    pack: bool, repeats: int) -> dict:
+    """Ours (packing the weights or not, as the timed model is) against Meta's reference loader,
+    each in fresh processes, interleaved; medians."""
     context = multiprocessing.get_context("spawn")
     runs: dict[str, list[tuple[float, int]]] = {"llama_tp": [], "meta_reference": []}
     for _ in range(repeats):
         for loader in runs:
             results = context.Queue()
-            process = context.Process(target=_load_trial, args=(loader, str(ckpt_dir), args, dtype, quantize, results))
+            process = context.Process(target=_load_trial, args=(loader, str(ckpt_dir), args, dtype, quantize, pack, results))
             process.start()
             runs[loader].append(results.get())
             process.join()
@@ -273,12 +274,12 @@ def main(
                     "torch": torch.__version__},
     }
 
+    pack = matmul.packing_pays(max(batch_sizes), compile)  # as Llama.build decides
     if load_repeats > 0 and placement.world_size == 1:
         parallel.print0("loading: llama_tp and Meta's reference, in fresh processes")
-        report["load"] = compare_loading(ckpt_dir, args, torch_dtype, quantize, load_repeats)
+        report["load"] = compare_loading(ckpt_dir, args, torch_dtype, quantize, pack, load_repeats)
     start = time.perf_counter()
-    model = load_ours(ckpt_dir, args, placement, torch_dtype, quantize,
-                      pack=matmul.packing_pays(max(batch_sizes), compile))
+    model = load_ours(ckpt_dir, args, placement, torch_dtype, quantize, pack)
     report["load_seconds_in_process"] = time.perf_counter() - start
     model.setup_caches(max(batch_sizes), max_seq_len, placement.device, torch_dtype)
     if compile:

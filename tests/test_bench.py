@@ -71,7 +71,7 @@ def test_load_comparison_measures_the_fresh_process_only(tiny_ckpt):
     """A large parent must not show in the loaders' memory figures (getrusage's peak inherits it)."""
     parent_ballast = torch.ones(2**27)  # 512 MB resident in this process while the loads run
     args = ModelArgs.from_dict(TINY_LLAMA3)
-    summary = compare_loading(tiny_ckpt, args, torch.float32, quantize=None, repeats=1)
+    summary = compare_loading(tiny_ckpt, args, torch.float32, quantize=None, pack=True, repeats=1)
     weight_bytes = 4 * sum(t.numel() for t in full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"]).values())
     for loader in ("llama_tp", "meta_reference"):
         assert summary[loader]["seconds"] > 0
