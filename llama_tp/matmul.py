@@ -25,9 +25,11 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 
 # Under torch.compile, a product of at most this many rows by a plain (unpacked) weight is written
 # as a sum over the input dimension, which inductor compiles into one pass over the weight fused
-# with the operations around it. Per product on this project's CPU, with the demo model's shapes:
-# 1 or 2 rows 15-30% faster than oneDNN on a packed weight, 4 rows alike, 8 rows 10-60% slower.
-SUMMED_MAX_ROWS = 4
+# with the operations around it. Per product on this project's CPU, with the demo model's shapes,
+# one row is 15-30% faster than oneDNN on a packed weight. So would two be, alone; but in a
+# decoding step whose batch size is symbolic (torch.compile specialises only sizes 0 and 1),
+# inductor's loops for a 4-row layer ran 20x slower than oneDNN's kernel.
+SUMMED_MAX_ROWS = 1
 
 
 def packable(device: torch.device, dtype: torch.dtype) -> bool:

@@ -17,13 +17,16 @@ def build(folder: str, tokenizer_path: str, compile: bool, quantize: Optional[st
                        quantize=quantize)
 
 
-def step_logits(llama: Llama) -> list[torch.Tensor]:
-    """A prompt, then one-token steps at batch 3 and, on a fresh cache, at batch 1."""
+def step_logits(llama: Llama) -> dict[int, list[torch.Tensor]]:
+    """By batch size: a prompt, then one-token steps, at batch 3 (if the model takes it) and, on a
+    fresh cache, at batch 1."""
     tokens = torch.randint(0, 32000, (3, 12), generator=torch.Generator().manual_seed(3))
-    logits = [llama.model.forward(tokens[:, :5], 0)]
-    logits += [llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(5, 12)]
-    logits += [llama.model.forward(tokens[:1, :3], 0)]
-    logits += [llama.model.forward(tokens[:1, pos : pos + 1], pos) for pos in range(3, 8)]
+    logits = {}
+    if llama.model.max_batch_size >= 3:
+        logits[3] = [llama.model.forward(tokens[:, :5], 0)]
+        logits[3] += [llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(5, 12)]
+    logits[1] = [llama.model.forward(tokens[:1, :3], 0)]
+    logits[1] += [llama.model.forward(tokens[:1, pos : pos + 1], pos) for pos in range(3, 8)]
     return logits
 
 
@@ -37,8 +40,9 @@ def generations(folder: str, tokenizer_path: str, compile: bool, quantize: Optio
 
 
 def assert_same(results: tuple, expected: tuple) -> None:
-    for got, want in zip(results[0], expected[0], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for batch, logits in results[0].items():
+        for got, want in zip(logits, expected[0][batch], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert_same_greedy(results, expected)
     assert results[2] == expected[2]  # seeded samples
 
@@ -52,21 +56,33 @@ def assert_same_greedy(results: tuple, expected: tuple) -> None:
 
 @pytest.fixture(scope="module")
 def eager(checkpoints, tokenizer_path):
-    return generations(str(checkpoints["llama3", 1]), tokenizer_path, compile=False)
+    """Eager results by max_batch_size (which decides how seeded samples draw), each made once."""
+    made = {}
+
+    def results(max_batch_size: int = 3) -> tuple:
+        if max_batch_size not in made:
+            made[max_batch_size] = generations(str(checkpoints["llama3", 1]), tokenizer_path, False, None,
+                                               max_batch_size)
+        return made[max_batch_size]
+
+    return results
 
 
-@pytest.mark.parametrize("max_batch_size", [3, 8])
+@pytest.mark.parametrize("max_batch_size", [1, 3])
 def test_compiled_decoding_equals_eager(checkpoints, tokenizer_path, eager, max_batch_size):
     """Up to matmul.SUMMED_MAX_ROWS rows the compiler makes the products itself from plain weights;
     for larger batches they stay oneDNN's, on packed weights."""
     torch._dynamo.reset()
-    assert_same(generations(str(checkpoints["llama3", 1]), tokenizer_path, True, None, max_batch_size), eager)
+    assert_same(generations(str(checkpoints["llama3", 1]), tokenizer_path, True, None, max_batch_size),
+                eager(max_batch_size))
 
 
-def test_compiled_decoding_over_two_processes_equals_one_eager_process(checkpoints, tokenizer_path, eager):
-    per_rank = run_world(2, generations, str(checkpoints["llama3", 2]), tokenizer_path, True)
+@pytest.mark.parametrize("max_batch_size", [1, 3])
+def test_compiled_decoding_over_two_processes_equals_one_eager_process(checkpoints, tokenizer_path, eager,
+                                                                      max_batch_size):
+    per_rank = run_world(2, generations, str(checkpoints["llama3", 2]), tokenizer_path, True, None, max_batch_size)
     for results in per_rank:
-        assert_same(results, eager)
+        assert_same(results, eager(max_batch_size))
 
 
 def test_compiled_int8_decoding_equals_eager_int8(checkpoints, tokenizer_path, eager):
@@ -78,8 +94,9 @@ def test_compiled_int8_decoding_equals_eager_int8(checkpoints, tokenizer_path, e
     eager_int8 = generations(folder, tokenizer_path, compile=False, quantize="int8")
     torch._dynamo.reset()
     compiled_int8 = generations(folder, tokenizer_path, compile=True, quantize="int8")
-    for got, want, fp32 in zip(compiled_int8[0], eager_int8[0], eager[0], strict=True):
-        assert (got - want).abs().max() <= 0.01 * (want - fp32).abs().max()
+    for batch in (3, 1):
+        for got, want, fp32 in zip(compiled_int8[0][batch], eager_int8[0][batch], eager()[0][batch], strict=True):
+            assert (got - want).abs().max() <= 0.01 * (want - fp32).abs().max()
     assert_same_greedy(compiled_int8, eager_int8)
 
 
@@ -91,8 +108,10 @@ def test_static_shapes_compile_one_step_for_every_position(checkpoints, tokenize
     llama.model.compile_decoding(static_shapes=True, dynamic=False)
     torch._dynamo.utils.counters.clear()
     logits = step_logits(llama)
-    for got, want in zip(logits, eager[0], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert logits.keys() == eager()[0].keys()
+    for batch in logits:
+        for got, want in zip(logits[batch], eager()[0][batch], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # A layer's graph and the head's, for batch 3 and for batch 1, however many positions were
     # stepped through.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 * 2

@@ -47,7 +47,7 @@ def test_packing_pays_eagerly_and_for_large_compiled_batches():
 @needs_onednn
 def test_small_compiled_batches_keep_plain_weights(checkpoints, tokenizer_path):
     torch._dynamo.reset()
-    llama = Llama.build(str(checkpoints["llama3", 1]), tokenizer_path, max_seq_len=16, max_batch_size=2,
+    llama = Llama.build(str(checkpoints["llama3", 1]), tokenizer_path, max_seq_len=16, max_batch_size=1,
                         compile=True)
     assert not any(tensor.is_mkldnn for tensor in llama.model.state_dict().values())
     assert not any(getattr(module, "weight_packed", False) for module in llama.model.modules())
