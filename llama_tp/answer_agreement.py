@@ -68,9 +68,9 @@ def main(
         compile: compile both models' decoding steps.
         json_path: where to write both answers of every question.
     """
-    check_quantize(quantize)
     if quantize is None:
         raise ValueError(f"--quantize is needed: one of {', '.join(QUANTIZATIONS)}")
+    check_quantize(quantize)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     answers = {}
     for name, quantization in (("full", None), (quantize, quantize)):

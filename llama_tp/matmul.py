@@ -7,8 +7,8 @@ for 1-8 rows and multiplies a 512-row prompt twice as fast. So on CPU the loader
 layer's weight for oneDNN, and `linear` sends every CPU product there (a plain weight too, such as
 int8 converted on the fly: 1.5-2x faster than MKL); elsewhere nothing changes.
 
-Compiled decoding of small batches is the exception: there inductor writes the products itself
-(see SUMMED_MAX_ROWS), reading plain weights closer to the memory's speed than oneDNN does.
+Compiled decoding at batch 1 is the exception: there inductor writes the products itself (see
+SUMMED_MAX_ROWS), reading plain weights closer to the memory's speed than oneDNN does.
 """
 
 import torch

@@ -120,6 +120,7 @@ class Attention(nn.Module):
         self.n_local_kv_heads = local_kv_heads(args, model_parallel_size)
         stored_kv_heads = self.n_local_kv_heads * model_parallel_size
         self.local_widths = (self.n_local_heads * self.head_dim,) + 2 * (self.n_local_kv_heads * self.head_dim,)
+        self.qk_v_widths = (self.local_widths[0] + self.local_widths[1], self.local_widths[2])
         self.wqkv = column_parallel_linear(args.dim, (args.n_heads + 2 * stored_kv_heads) * self.head_dim,
                                            gather_output=False)
         self.wo = row_parallel_linear(args.n_heads * self.head_dim, args.dim)
@@ -128,8 +129,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int, rotary: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        qk_width, v_width = self.local_widths[0] + self.local_widths[1], self.local_widths[2]
-        qk, v = self.wqkv(x).split((qk_width, v_width), dim=-1)
+        qk, v = self.wqkv(x).split(self.qk_v_widths, dim=-1)
         # Queries and keys rotate alike: one rotation for both heads' worth.
         qk = apply_rotary(qk.view(bsz, seqlen, -1, self.head_dim), rotary)  # bsz, seqlen, heads + kv heads, head_dim
         q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)

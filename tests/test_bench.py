@@ -63,7 +63,7 @@ def test_meta_reference_loader_fills_every_checkpoint_tensor(tiny_ckpt):
     checkpoint = torch.load(tiny_ckpt / "consolidated.00.pth", weights_only=True)
     assert set(loaded) == set(checkpoint) - set(TOLERATED_EXTRA_KEYS)
     for name, tensor in loaded.items():
-        assert loaded[name].dtype == torch.float32
+        assert tensor.dtype == torch.float32
         torch.testing.assert_close(tensor, checkpoint[name].float(), atol=0, rtol=0)
 
 

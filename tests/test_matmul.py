@@ -28,7 +28,7 @@ def test_packed_product_is_the_plain_product(rows, dtype, tolerance):
 @pytest.mark.parametrize("rows", [(1, 1), (3, 1), (2, 2), (5, 1), (2, 8)])
 @pytest.mark.parametrize("packed", [False, True] if torch.backends.mkldnn.is_available() else [False])
 def test_compiled_product_is_the_plain_product(rows, packed):
-    """Compiled: a few rows by a plain weight summed by the compiler, else oneDNN's product."""
+    """Compiled: one row by a plain weight summed by the compiler, else oneDNN's product."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 40, generator=generator)
     x = torch.randn(*rows, 40, generator=generator)
@@ -45,7 +45,7 @@ def test_packing_pays_eagerly_and_for_large_compiled_batches():
 
 
 @needs_onednn
-def test_small_compiled_batches_keep_plain_weights(checkpoints, tokenizer_path):
+def test_batch_1_compiled_keeps_plain_weights(checkpoints, tokenizer_path):
     torch._dynamo.reset()
     llama = Llama.build(str(checkpoints["llama3", 1]), tokenizer_path, max_seq_len=16, max_batch_size=1,
                         compile=True)

@@ -33,14 +33,6 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.llama_tp.all_gather_last_dim(x) if torch.compiler.is_compiling() else _all_gather(x)
 
 
-# Registered as operators, opaque to torch.compile: a compiled step calls them without breaking
-# its graph around host-side waiting it cannot trace. Eagerly they are called directly, which
-# spares the operator dispatch (4-5 us a call, 62 calls a step).
-@torch.library.custom_op("llama_tp::all_reduce", mutates_args=())
-def _all_reduce_op(x: torch.Tensor) -> torch.Tensor:
-    return _all_reduce(x)
-
-
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     shared = _shared_memory_for(x)
     if shared is not None:
@@ -50,21 +42,23 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
-@_all_reduce_op.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape)  # contiguous whatever x's layout, as both ways above return it
-
-
-@torch.library.custom_op("llama_tp::all_gather_last_dim", mutates_args=())
-def _all_gather_op(x: torch.Tensor) -> torch.Tensor:
-    return _all_gather(x)
-
-
 def _all_gather(x: torch.Tensor) -> torch.Tensor:
     shared = _shared_memory_for(x)
     if shared is not None:
         return shared.gather(x)
     return fairscale_mappings.gather_from_model_parallel_region(x).contiguous()
+
+
+# Registered as operators, opaque to torch.compile: a compiled step calls them without breaking
+# its graph around host-side waiting it cannot trace. Eagerly the functions are called directly,
+# which spares the operator dispatch (4-5 us a call, 62 calls a step).
+_all_reduce_op = torch.library.custom_op("llama_tp::all_reduce", _all_reduce, mutates_args=())
+_all_gather_op = torch.library.custom_op("llama_tp::all_gather_last_dim", _all_gather, mutates_args=())
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)  # contiguous whatever x's layout, as _all_reduce returns it
 
 
 @_all_gather_op.register_fake
