@@ -1,20 +1,25 @@
-"""int8 quantization of the linear layers, per output channel, applied at load time.
+"""int8 quantization of the linear layers, applied at load time.
 
-Each weight row becomes int8 values and one scale (the row's largest magnitude / 127).
-- "int8": weight-only. The only error is the rounding of the weights.
-  - On CPU, decoding steps multiply in integer arithmetic (int8_product, torch._int_mm), reading
-    a quarter of fp32's bytes. The activations go in as two int8 terms, so they keep about 15
-    bits and the greedy answers are those of the dequantized weights. Demo model on this
-    project's machine: 2.4x transformers' fp32 at batch 1 eagerly, 3x compiled.
-  - Prompts, and every product off CPU, convert the int8 weight to the activations' dtype on
-    the fly (on CPU then multiplied through oneDNN, see matmul.py): that saves memory, not time.
-- "int8_dynamic": the same weights, multiplied by fbgemm's int8 kernel, which rounds each input
-  row to a single int8 term on the fly (dynamic quantization): 4.4x transformers' fp32 at batch
-  1, but its greedy answers drift from fp32's sooner than int8's do. CPU and fp32 only.
+- "int8": weight-only, in groups of 32 inputs of one output channel (GROUP_SIZE), each group on
+  its own grid: 256 steps from its smallest value to its largest, or 255 steps symmetric around
+  zero where that grid fits the group better. Weights that come from GGUF's blocks of 32 (4-bit
+  Q4_0 and Q4_1, 8-bit Q8_0, as the demo model's do) land on one of the two grids, so they are
+  kept almost exactly: the demo model's greedy answers do not change, where one grid per output
+  channel changed 7 of 10 (python -m llama_tp.answer_agreement).
+  On CPU, a one-row product (decoding at batch 1) runs a compiled kernel that reads the int8
+  weight once, converting it back as it goes; more rows convert the weight back to the
+  activations' dtype in one compiled pass and multiply it through oneDNN. Both kernels are
+  compiled by torch.compile on first use (a few seconds; it needs a C++ compiler, as --compile
+  does). Elsewhere the weight is converted back on the fly: that saves memory, not time.
+- "int8_dynamic": one grid per output channel, multiplied by fbgemm's int8 kernel, which also
+  rounds each input row to int8 on the fly (dynamic quantization): 4x transformers' fp32 at
+  batch 1, but its greedy answers drift from fp32's. CPU and fp32 only.
 """
 
+import functools
+import math
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -24,10 +29,11 @@ from .model import LINEAR_LAYERS
 
 QUANTIZATIONS = ("int8", "int8_dynamic")
 
-# Decoding multiplies a few rows by each weight and is bound by reading it: there int8_product
-# wins. A prompt's hundreds of rows are bound by arithmetic, where splitting the activations costs
-# more than converting the weight once per product (measured: 2.5x slower at 512 rows, equal at 16).
-INTEGER_PRODUCT_MAX_ROWS = 16
+# GGUF's quantization blocks hold 32 weights along the input dimension.
+GROUP_SIZE = 32
+
+# Rows quantized at a time: bounds the fp32 temporaries of a large matrix (an output head).
+QUANTIZE_ROWS = 4096
 
 
 def check_quantize(quantize: Optional[str]) -> None:
@@ -38,77 +44,115 @@ def check_quantize(quantize: Optional[str]) -> None:
         )
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: weight [out, in] ~= q [out, in] * scales [out, 1]; scales in fp32."""
-    weight = weight.float()
-    scales = weight.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    q = torch.round(weight / scales).clamp(-127, 127).to(torch.int8)
-    return q, scales
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped int8: weight [out, in] ~= q [out, in] * scales + zeros, with scales and zeros
+    [out, groups] in fp32, one per group of GROUP_SIZE inputs (fewer where in is not a multiple)."""
+    rows, width = weight.shape
+    size = math.gcd(width, GROUP_SIZE)
+    parts = [_quantize_groups(chunk.float().view(chunk.shape[0], width // size, size))
+             for chunk in weight.split(QUANTIZE_ROWS)]
+    q, scales, zeros = (torch.cat(tensors) for tensors in zip(*parts))
+    return q.view(rows, width), scales, zeros
+
+
+def _quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """groups [rows, n, size] in fp32 -> q [rows, n, size] int8, scales and zeros [rows, n]."""
+    tiny = torch.finfo(torch.float32).tiny
+    low, high = groups.aminmax(dim=-1, keepdim=True)
+    # From low to high in 255 steps, stored as -128..127 around zero = low + 128 steps.
+    span_step = ((high - low) / 255).clamp_(min=tiny)
+    span_zero = low + 128 * span_step
+    span_q = ((groups - span_zero) / span_step).round_().clamp_(-128, 127)
+    # Symmetric: -127..127 steps of the largest magnitude / 127.
+    symmetric_step = (torch.maximum(low.abs(), high.abs()) / 127).clamp_(min=tiny)
+    symmetric_q = (groups / symmetric_step).round_().clamp_(-127, 127)
+    span_error = (span_q * span_step + span_zero - groups).abs_().amax(dim=-1, keepdim=True)
+    symmetric_error = (symmetric_q * symmetric_step - groups).abs_().amax(dim=-1, keepdim=True)
+    symmetric = symmetric_error <= span_error  # on a tie, the grid without an offset
+    q = torch.where(symmetric, symmetric_q, span_q).to(torch.int8)
+    scales = torch.where(symmetric, symmetric_step, span_step).squeeze(-1)
+    zeros = torch.where(symmetric, 0.0, span_zero).squeeze(-1)
+    return q, scales, zeros
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [out, in] that grouped int8 q, scales and zeros stand for, in dtype."""
+    rows, width = q.shape
+    groups = q.view(rows, scales.shape[1], -1).float() * scales[..., None] + zeros[..., None]
+    return groups.view(rows, width).to(dtype)
+
+
+def grouped_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """x [..., in] times the grouped int8 weight, transposed, converting each weight back as it is
+    read. Written for inductor, which makes it one pass over q: on this project's CPU, 1.2-1.7x
+    faster than summing each group's products first and scaling the sums."""
+    rows, width = q.shape
+    n_groups = scales.shape[1]
+    x_groups = x.reshape(-1, n_groups, width // n_groups).float()  # r, n, size
+    weight = q.view(rows, 1, n_groups, -1).float() * scales[:, None, :, None] + zeros[:, None, :, None]
+    product = (weight * x_groups).sum((-1, -2))  # out, r
+    return product.t().reshape(*x.shape[:-1], rows).type_as(x)
+
+
+@functools.cache
+def _compiled(kernel: Callable) -> Callable:
+    """kernel compiled for each shape it meets; compiled once per process, on first use."""
+    return torch.compile(kernel, dynamic=False)
 
 
 class Int8Linear(nn.Module):
-    """A parallel linear layer holding its slice of the weight as int8 rows and per-row scales.
+    """A parallel linear layer holding its slice of the weight as grouped int8 (see quantize_int8).
 
     It talks to the other ranks exactly as the layer it replaces did.
     """
 
-    def __init__(self, layer: nn.Module, dynamic: bool):
+    def __init__(self, layer: nn.Module):
         super().__init__()
-        q, scales = quantize_int8(layer.weight.detach())
-        dtype = layer.weight.dtype
-        if dynamic and (dtype != torch.float32 or q.device.type != "cpu"):
-            raise ValueError(
-                f"quantize='int8_dynamic' runs fbgemm's CPU kernel on fp32 activations, not {dtype} on "
-                f"{q.device.type}; use quantize='int8' there"
-            )
+        q, scales, zeros = quantize_int8(layer.weight.detach())
         self.register_buffer("weight", q)
-        self.register_buffer("scales", scales.reshape(-1).to(dtype))  # out: one per output channel
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
         self.communicate = parallel.communication_after(layer)
-        self.packed = _fbgemm_pack(q, scales) if dynamic else None
-        # torch._int_mm takes any shape on CPU; on CUDA it wants more than 16 rows, which decoding lacks.
-        self.integer_product = q.device.type == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.communicate(torch.ops.quantized.linear_dynamic(x, self.packed))
-        if self.integer_product and x.shape[:-1].numel() <= INTEGER_PRODUCT_MAX_ROWS:
-            return self.communicate(int8_product(x, self.weight, self.scales))
-        # Scaling the product, not the weight, keeps the per-call temporary at the int8 -> dtype copy.
-        return self.communicate(matmul.linear(x, self.weight.to(x.dtype)) * self.scales)
+        compiling = torch.compiler.is_compiling()
+        if x.device.type != "cpu":
+            return self.communicate(matmul.linear(x, dequantize(self.weight, self.scales, self.zeros, x.dtype)))
+        if x.shape[:-1].numel() == 1:  # bound by reading the weight: read it as int8
+            kernel = grouped_product if compiling else _compiled(grouped_product)
+            return self.communicate(kernel(x, self.weight, self.scales, self.zeros))
+        # Bound by arithmetic: oneDNN's fp32 product on the weight converted back.
+        weight = (dequantize if compiling else _compiled(dequantize))(self.weight, self.scales, self.zeros, x.dtype)
+        return self.communicate(matmul.linear(x, weight))
 
 
-# The low term's scale: |exact - high| <= 1/2, so low stays within int8 without a clamp.
-LOW_TERM_SCALE = 254
+class DynamicInt8Linear(nn.Module):
+    """A parallel linear layer multiplied by fbgemm's dynamic int8 kernel: one grid per output
+    channel for the weight, one per row for the activations, fp32 on CPU only."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        weight = layer.weight.detach()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(
+                f"quantize='int8_dynamic' runs fbgemm's CPU kernel on fp32 activations, not {weight.dtype} on "
+                f"{weight.device.type}; use quantize='int8' there"
+            )
+        self.packed = _fbgemm_pack(weight)
+        self.communicate = parallel.communication_after(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.communicate(torch.ops.quantized.linear_dynamic(x, self.packed))
 
 
-def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., in] times the weight q [out, in] * scales [out], in int8 with int32 sums.
-
-    Each row of x is written as step * (high + low / 254) with int8 high and low: low holds
-    high's rounding error, so the activations keep about 15 bits instead of int8's 8. Both terms
-    go through one product, as rows of one matrix: a decoding step's few rows cost no more than one.
-    The int32 sums (127 * 127 per input at most) cannot overflow below 133,000 inputs, more than
-    any Llama layer has. Written in few, in-place operations: each costs microseconds per call.
-    """
-    rows = x.reshape(-1, x.shape[-1]).float()
-    step = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True)
-    step = step.clamp_(min=torch.finfo(torch.float32).tiny).div_(127)  # rows, 1
-    exact = rows / step  # in [-127, 127]
-    high = exact.round()
-    low = exact.sub_(high).mul_(LOW_TERM_SCALE).round_()
-    sums = torch._int_mm(torch.cat([high, low]).to(torch.int8), q.t()).float()  # 2 * rows, out
-    n = rows.shape[0]
-    product = torch.add(sums[:n], sums[n:], alpha=1 / LOW_TERM_SCALE).mul_(step).mul_(scales)
-    return product.view(*x.shape[:-1], -1).type_as(x)
-
-
-def _fbgemm_pack(q: torch.Tensor, scales: torch.Tensor) -> object:
-    """q and its row scales in fbgemm's packed layout (an opaque handle) for linear_dynamic."""
-    channels = scales.shape[0]
+def _fbgemm_pack(weight: torch.Tensor) -> object:
+    """weight [out, in] rounded to int8 per output channel, in fbgemm's packed layout (an opaque handle)."""
+    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
     with warnings.catch_warnings():  # quantized tensors are deprecated, but this kernel only takes them
         warnings.simplefilter("ignore")
         qweight = torch._make_per_channel_quantized_tensor(
-            q, scales.reshape(-1).double(), torch.zeros(channels, dtype=torch.long), axis=0
+            q, scales.double(), torch.zeros(len(scales), dtype=torch.long), axis=0
         )
         return torch.ops.quantized.linear_prepack(qweight, None)
 
@@ -118,8 +162,11 @@ def quantize_model(model: nn.Module, quantize: Optional[str]) -> nn.Module:
     check_quantize(quantize)
     if quantize is None:
         return model
+    if quantize == "int8" and next(model.parameters()).device.type == "cpu":
+        parallel.require_cxx_compiler("quantize='int8' on CPU", "use quantize='int8_dynamic' or none")
+    replacement = Int8Linear if quantize == "int8" else DynamicInt8Linear
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if name in LINEAR_LAYERS:
-                setattr(module, name, Int8Linear(child, dynamic=quantize == "int8_dynamic"))  # the full-precision weight is freed here
+                setattr(module, name, replacement(child))  # the full-precision weight is freed here
     return model

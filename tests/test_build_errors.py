@@ -100,3 +100,11 @@ def test_compile_without_a_cpp_compiler_is_a_clear_error(checkpoint, tokenizer_p
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(ValueError, match=r"needs a C\+\+ compiler.*apt install g\+\+"):
         build(checkpoint, tokenizer_path, compile=True)
+
+
+def test_int8_on_cpu_without_a_cpp_compiler_is_a_clear_error(checkpoint, tokenizer_path, monkeypatch):
+    """Its kernels are compiled: say so at build, not from inside torch.compile at the first step."""
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(ValueError, match=r"quantize='int8' on CPU needs a C\+\+ compiler.*'int8_dynamic'"):
+        build(checkpoint, tokenizer_path, quantize="int8")

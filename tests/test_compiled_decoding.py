@@ -86,10 +86,10 @@ def test_compiled_decoding_over_two_processes_equals_one_eager_process(checkpoin
 
 
 def test_compiled_int8_decoding_equals_eager_int8(checkpoints, tokenizer_path, eager):
-    """The int8 product's activation split, fused by the compiler, matches the eager one. A rounding
-    tie may go the other way there (moving an activation by 1/256 of its grid step), so the logits
-    may differ by a hundredth of what the weights' own rounding moves them, and greedy choices not
-    at all (a seeded sample on this random model's flat distributions may)."""
+    """Compiled steps run the same int8 kernels as eager ones, fused with the operations around
+    them: the logits may differ by fp32 rounding, a hundredth of what the weights' own rounding
+    moves them, and greedy choices not at all (a seeded sample on this random model's flat
+    distributions may)."""
     folder = str(checkpoints["llama3", 1])
     eager_int8 = generations(folder, tokenizer_path, compile=False, quantize="int8")
     torch._dynamo.reset()

@@ -1,10 +1,11 @@
-"""int8 linear layers: the rounding is right, logits stay close to fp32 and greedy answers do not change."""
+"""int8 linear layers: the rounding is right, weights from GGUF blocks are kept, logits stay close
+to fp32 and greedy answers do not change."""
 
 import pytest
 import torch
 
 from llama_tp import Llama
-from llama_tp.quantize import LOW_TERM_SCALE, Int8Linear, int8_product, quantize_int8
+from llama_tp.quantize import DynamicInt8Linear, Int8Linear, dequantize, grouped_product, quantize_int8
 from distributed import run_world
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
@@ -17,31 +18,68 @@ def tiny_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny"), TINY_LLAMA2, weights, n_shards=1, layout="dim")
 
 
-def test_quantize_int8_rounds_each_row_to_its_own_grid():
-    weight = torch.tensor([[0.5, -1.0, 0.25], [127.0, 3.0, -0.4]])
-    q, scales = quantize_int8(weight)
-    assert q.dtype == torch.int8 and scales.shape == (2, 1)
-    torch.testing.assert_close(scales.flatten(), torch.tensor([1.0 / 127, 1.0]))
-    assert q.tolist() == [[64, -127, 32], [127, 3, 0]]
-    assert (q * scales - weight).abs().max() <= scales.max() / 2
+def _on_q4_1_grid(weight: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """weight with each group of 32 inputs moved onto a GGUF Q4_1 grid: d * (0..15) + m, with its
+    own fp16 d and m, as llama.cpp's 4-bit blocks store it."""
+    groups = weight.float().reshape(weight.shape[0], -1, 32)
+    d = (groups.std(dim=-1, keepdim=True) / 4).half().float()
+    m = (groups.amin(dim=-1, keepdim=True)).half().float()
+    q = torch.randint(0, 16, groups.shape, generator=generator).float()
+    q[..., 0], q[..., 1] = 0, 15  # each block spans its whole range, as a block quantized from data does
+    return (d * q + m).reshape(weight.shape)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 96), (3, 5, 96), (2, 7)])
-def test_int8_product_equals_the_dequantized_weights_product(shape):
-    """Activations split into two int8 terms keep about 15 bits: the integer product is the
-    dequantized weight's fp32 product to within 1/64516 of each row's largest activation per term."""
+def _on_q8_0_grid(weight: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """weight with each group of 32 inputs on a GGUF Q8_0 grid: d * (-127..127), the largest reached."""
+    groups = weight.float().reshape(weight.shape[0], -1, 32)
+    d = (groups.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+    q = torch.randint(-127, 128, groups.shape, generator=generator).float()
+    q[..., 0] = 127
+    return (d * q).reshape(weight.shape)
+
+
+def test_quantize_int8_rounds_each_group_of_32_to_its_own_grid():
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=generator) * 3
-    x.view(-1)[5] = 50.0  # an outlier sets its row's grid
-    q, scales = quantize_int8(torch.randn(40, shape[-1], generator=generator))
-    expected = torch.nn.functional.linear(x, q.float()) * scales.flatten()
-    got = int8_product(x, q, scales.flatten())
-    assert got.shape == expected.shape and got.dtype == x.dtype
-    largest = x.abs().amax(dim=-1, keepdim=True)  # ..., 1
-    bound = largest / (2 * 127 * LOW_TERM_SCALE) * (q.float().abs() * scales).sum(dim=1)  # every activation off by its bound
-    assert ((got - expected).abs() <= bound * 1.01 + 1e-6).all()
-    assert (got - expected).abs().max() > 0  # integer arithmetic, not a float product in disguise
-    assert int8_product(torch.zeros(shape), q, scales.flatten()).eq(0).all()
+    weight = torch.randn(6, 96, generator=generator) * torch.tensor([0.01, 1.0, 100.0]).repeat_interleave(32)
+    q, scales, zeros = quantize_int8(weight)
+    assert q.dtype == torch.int8 and q.shape == (6, 96) and scales.shape == zeros.shape == (6, 3)
+    error = (dequantize(q, scales, zeros, torch.float32) - weight).abs().reshape(6, 3, 32)
+    # Each group's error is at most half of its own step, a step of a 255th of its range or less.
+    groups = weight.reshape(6, 3, 32)
+    span = groups.amax(dim=-1) - groups.amin(dim=-1)
+    assert (error.amax(dim=-1) <= span / 255 / 2 * 1.0001).all()
+    assert torch.equal(quantize_int8(torch.zeros(2, 64))[0], torch.zeros(2, 64, dtype=torch.int8))
+
+
+def test_quantize_int8_keeps_weights_from_gguf_blocks_exactly():
+    """Weights from 4-bit Q4_1 blocks fit the span grid (15 steps are 17 of its 255), Q8_0's fit the
+    symmetric one: both come back to within fp32 rounding, where one grid per row would move them."""
+    generator = torch.Generator().manual_seed(1)
+    for weight in (_on_q4_1_grid(torch.randn(8, 128, generator=generator), generator),
+                   _on_q8_0_grid(torch.randn(8, 128, generator=generator), generator)):
+        q, scales, zeros = quantize_int8(weight)
+        error = (dequantize(q, scales, zeros, torch.float32) - weight).abs().max()
+        assert error <= 1e-6 * weight.abs().max()
+        row_step = weight.abs().amax(dim=1) / 127
+        assert error < row_step.min() / 100
+
+
+def test_quantize_int8_groups_fewer_inputs_when_the_width_is_not_a_multiple_of_32():
+    q, scales, zeros = quantize_int8(torch.randn(4, 48))  # a row-parallel slice may be this narrow
+    assert scales.shape == (4, 3)  # groups of 16
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_grouped_product_equals_the_dequantized_weights_product(rows, compiled):
+    generator = torch.Generator().manual_seed(2)
+    q, scales, zeros = quantize_int8(torch.randn(40, 96, generator=generator))
+    x = torch.randn(rows, 1, 96, generator=generator)
+    expected = torch.nn.functional.linear(x.double(), dequantize(q, scales, zeros, torch.float64))
+    product = torch.compile(grouped_product, dynamic=False) if compiled else grouped_product
+    got = product(x, q, scales, zeros)
+    assert got.shape == (rows, 1, 40) and got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def _build(ckpt, quantize):
@@ -52,7 +90,8 @@ def _build(ckpt, quantize):
 def test_int8_logits_close_and_greedy_unchanged(tiny_ckpt, quantize, tolerance):
     reference = _build(tiny_ckpt, None)
     quantized = _build(tiny_ckpt, quantize)
-    assert sum(isinstance(m, Int8Linear) for m in quantized.model.modules()) == 2 * 4 + 1  # wqkv, wo, w13, w2 per layer, and the output
+    layer = Int8Linear if quantize == "int8" else DynamicInt8Linear
+    assert sum(isinstance(m, layer) for m in quantized.model.modules()) == 2 * 4 + 1  # wqkv, wo, w13, w2 per layer, and the output
     greedy, _ = reference.generate(PROMPTS, max_gen_len=20, temperature=0, echo=True)
     width = max(map(len, greedy))
     tokens = torch.tensor([row + [3] * (width - len(row)) for row in greedy])  # bsz, width
@@ -72,11 +111,12 @@ def test_int8_logits_close_and_greedy_unchanged(tiny_ckpt, quantize, tolerance):
 
 
 def _step_logits(folder: str, quantize) -> list[torch.Tensor]:
-    """A 24-row prompt (weights converted) and one-token steps (integer products) at batch 2."""
+    """A 24-row prompt (weights converted back) and one-token steps at batch 2 and 1."""
     llama = Llama.build(folder, str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=2, quantize=quantize)
-    tokens = torch.randint(3, 32000, (2, 16), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(3, 32000, (2, 17), generator=torch.Generator().manual_seed(5))
     logits = [llama.model.forward(tokens[:, :12], 0)]
-    return logits + [llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(12, 16)]
+    logits += [llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(12, 16)]
+    return logits + [llama.model.forward(tokens[:1, 16:17], 16)]  # one row: the int8 kernel
 
 
 def test_int8_over_two_processes_stays_close_to_fp32(checkpoints):
@@ -92,3 +132,21 @@ def test_int8_over_two_processes_stays_close_to_fp32(checkpoints):
 def test_unknown_quantization_is_refused(tiny_ckpt):
     with pytest.raises(ValueError, match="quantize='int4'.*int8, int8_dynamic"):
         _build(tiny_ckpt, "int4")
+
+
+def test_int8_of_a_model_from_gguf_blocks_gives_fp32_logits(tmp_path):
+    """A model whose linear weights lie on Q4_1 and Q8_0 grids (as the demo model's do) keeps its
+    logits to fp32's rounding and its greedy answers exactly under int8."""
+    generator = torch.Generator().manual_seed(3)
+    weights = {}
+    for name, tensor in full_weights(TINY_LLAMA2, 32000).items():
+        linear = name.endswith(("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight"))
+        grid = _on_q4_1_grid if linear else _on_q8_0_grid if name == "output.weight" else None
+        weights[name] = tensor.float() if grid is None else grid(tensor, generator)
+    ckpt = write_checkpoint(tmp_path, TINY_LLAMA2, weights, n_shards=1, layout="dim")
+    reference, quantized = _build(ckpt, None), _build(ckpt, "int8")
+    tokens = torch.tensor(PROMPTS[1:2] * 2)
+    expected = reference.model.forward(tokens, 0)
+    torch.testing.assert_close(quantized.model.forward(tokens, 0), expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
+    greedy, _ = reference.generate(PROMPTS, max_gen_len=20, temperature=0)
+    assert quantized.generate(PROMPTS, max_gen_len=20, temperature=0)[0] == greedy

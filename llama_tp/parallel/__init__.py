@@ -29,6 +29,7 @@ from .group import (
     model_parallel_rank,
     model_parallel_size,
     print0,
+    require_cxx_compiler,
     resolve_dtype,
 )
 from .layers import EmbeddingLayout, column_parallel_linear, communication_after, parallel_embedding, row_parallel_linear
@@ -56,6 +57,7 @@ __all__ = [
     "parallel_embedding",
     "print0",
     "report_failure",
+    "require_cxx_compiler",
     "resolve_dtype",
     "row_parallel_linear",
     "wait_for_every_rank",

@@ -97,12 +97,17 @@ def decode_compilation(device: torch.device) -> DecodeCompilation:
     the same shapes every step); on CPU, code generation for a step whose length may grow."""
     if device.type == "cuda":
         return DecodeCompilation({"mode": "reduce-overhead"}, static_shapes=True)
+    require_cxx_compiler("compile=True on CPU", "leave compile off")
+    return DecodeCompilation({"dynamic": True}, static_shapes=False)
+
+
+def require_cxx_compiler(what: str, otherwise: str) -> None:
+    """Refuse `what` up front when torch.compile's CPU code generation has no C++ compiler to run."""
     if not (os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
         raise ValueError(
-            "compile=True on CPU needs a C++ compiler for torch.compile's generated code, and none "
-            "was found (g++, c++, clang++ or $CXX); install one (e.g. apt install g++) or leave compile off"
+            f"{what} needs a C++ compiler for torch.compile's generated code, and none was found "
+            f"(g++, c++, clang++ or $CXX); install one (e.g. apt install g++) or {otherwise}"
         )
-    return DecodeCompilation({"dynamic": True}, static_shapes=False)
 
 
 def init(model_parallel_size: Optional[int] = None) -> Placement:
