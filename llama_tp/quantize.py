@@ -1,7 +1,7 @@
 """int8 quantization of the linear layers, applied at load time.
 
 - "int8": weight-only, in groups of 32 inputs of one output channel (GROUP_SIZE), each group on
-  its own grid: 256 steps from its smallest value to its largest, or 255 steps symmetric around
+  its own grid: 255 steps from its smallest value to its largest, or 255 steps symmetric around
   zero where that grid fits the group better. Weights that come from GGUF's blocks of 32 (4-bit
   Q4_0 and Q4_1, 8-bit Q8_0, as the demo model's do) land on one of the two grids, so they are
   kept almost exactly: the demo model's greedy answers do not change, where one grid per output
