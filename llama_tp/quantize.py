@@ -100,6 +100,11 @@ def _compiled(kernel: Callable) -> Callable:
     return torch.compile(kernel, dynamic=False)
 
 
+def _run(kernel: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """kernel traced into the graph being compiled, if any; else through its own compiled version."""
+    return (kernel if torch.compiler.is_compiling() else _compiled(kernel))(*args)
+
+
 class Int8Linear(nn.Module):
     """A parallel linear layer holding its slice of the weight as grouped int8 (see quantize_int8).
 
@@ -115,14 +120,12 @@ class Int8Linear(nn.Module):
         self.communicate = parallel.communication_after(layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compiling = torch.compiler.is_compiling()
         if x.device.type != "cpu":
             return self.communicate(matmul.linear(x, dequantize(self.weight, self.scales, self.zeros, x.dtype)))
         if x.shape[:-1].numel() == 1:  # bound by reading the weight: read it as int8
-            kernel = grouped_product if compiling else _compiled(grouped_product)
-            return self.communicate(kernel(x, self.weight, self.scales, self.zeros))
+            return self.communicate(_run(grouped_product, x, self.weight, self.scales, self.zeros))
         # Bound by arithmetic: oneDNN's fp32 product on the weight converted back.
-        weight = (dequantize if compiling else _compiled(dequantize))(self.weight, self.scales, self.zeros, x.dtype)
+        weight = _run(dequantize, self.weight, self.scales, self.zeros, x.dtype)
         return self.communicate(matmul.linear(x, weight))
 
 

@@ -6,6 +6,7 @@ import torch
 
 from llama_tp import Llama
 from llama_tp.quantize import DynamicInt8Linear, Int8Linear, dequantize, grouped_product, quantize_int8
+from llama_tp.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from distributed import run_world
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
@@ -140,8 +141,8 @@ def test_int8_of_a_model_from_gguf_blocks_gives_fp32_logits(tmp_path):
     generator = torch.Generator().manual_seed(3)
     weights = {}
     for name, tensor in full_weights(TINY_LLAMA2, 32000).items():
-        linear = name.endswith(("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight"))
-        grid = _on_q4_1_grid if linear else _on_q8_0_grid if name == "output.weight" else None
+        module = name.split(".")[-2]  # layers.0.attention.wq.weight -> wq
+        grid = _on_q8_0_grid if module == "output" else _on_q4_1_grid if module in COLUMN_PARALLEL + ROW_PARALLEL else None
         weights[name] = tensor.float() if grid is None else grid(tensor, generator)
     ckpt = write_checkpoint(tmp_path, TINY_LLAMA2, weights, n_shards=1, layout="dim")
     reference, quantized = _build(ckpt, None), _build(ckpt, "int8")
