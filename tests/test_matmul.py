@@ -71,6 +71,22 @@ def test_loader_packs_every_linear_layer_and_nothing_else(checkpoints, tokenizer
 
 
 @needs_onednn
+def test_packed_weights_are_the_checkpoint_tensors_stacked_and_converted(checkpoints, tokenizer_path):
+    """wq/wk/wv and w1/w3 stacked in one reused buffer per loading thread, bf16 turned into the
+    model's dtype, then packed: every packed weight must still be exactly its checkpoint parts."""
+    folder = checkpoints["llama3", 1]
+    llama = Llama.build(str(folder), tokenizer_path, max_seq_len=16, max_batch_size=1)
+    shard = torch.load(folder / "consolidated.00.pth", weights_only=True)
+    state = llama.model.state_dict()
+    packed = [name for name in state if state[name].is_mkldnn]
+    assert packed
+    for name in packed:
+        parts = [shard[part] for part, _ in llama.model.checkpoint_layout()[name]]
+        dense = state[name].to_dense()
+        assert torch.equal(dense, torch.cat(parts).to(dense.dtype)), name
+
+
+@needs_onednn
 def test_quantized_layers_are_not_packed(checkpoints, tokenizer_path):
     llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=16, max_batch_size=1,
                         quantize="int8")
