@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from llama_tp import parallel
+from llama_tp import bench_world_sizes, parallel
 from llama_tp.args import ModelArgs
 from llama_tp.bench import compare_loading, load_meta_reference, main
 from llama_tp.bench_hf import build_hf_model
@@ -103,3 +103,24 @@ def test_bench_at_world_size_2_with_compiled_decoding(tmp_path):
     replicated = sum(t.numel() for n, t in weights.items() if "norm" in n)  # every rank reads its copy
     assert report["roofline"]["weight_bytes_per_token"] == 4 * (split + 2 * replicated)
     assert report["cases"]["decode_batch_1"]["tokens_per_s"]["llama_tp"] > 0
+
+
+def test_world_size_comparison_runs_both_and_writes_ratios(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))  # the jobs import this checkout
+    out = tmp_path / "ws.json"
+    bench_world_sizes.main(ckpt_dir=str(tiny_ckpt), world_sizes=(1, 2), rounds=1, json_path=str(out),
+                           repeats=1, new_tokens=2, batch_sizes=1, prefill_lengths=8)
+    report = json.loads(out.read_text())
+    assert report["world_sizes"] == [1, 2] and set(report["cases"]) == {"prefill_8", "decode_batch_1"}
+    for case in report["cases"].values():
+        speeds = case["tokens_per_s"]
+        assert set(speeds) == {"1", "2"} and all(speed > 0 for speed in speeds.values())
+        assert case["ratio_vs_first"]["2"] == pytest.approx(speeds["2"] / speeds["1"])
+    assert "ws2/ws1" in capsys.readouterr().out
+
+
+def test_world_size_comparison_names_a_world_size_the_model_cannot_take(tiny_ckpt, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    with pytest.raises(ValueError, match=r"world size 3 failed: llama_tp error on rank \d: .*cannot be split over 3"):
+        bench_world_sizes.main(ckpt_dir=str(tiny_ckpt), world_sizes=(3,), rounds=1, repeats=1, new_tokens=2,
+                               batch_sizes=1, prefill_lengths=8)
