@@ -1,14 +1,17 @@
 """The linear layers' matrix products, through the fastest kernel the device offers.
 
-On CPU, `F.linear` goes to MKL's sgemm, which on this project's AMD machine reads fp32 weights at
-about 15 GB/s for one row (on one thread, whatever the thread count) and slower still for 2-16.
-oneDNN's inner product on a weight reordered once into its blocked layout reads them at 25-39 GB/s
-for 1-8 rows and multiplies a 512-row prompt twice as fast. So on CPU the loader packs each linear
-layer's weight for oneDNN, and `linear` sends every CPU product there (a plain weight too, such as
-int8 converted on the fly: 1.5-2x faster than MKL); elsewhere nothing changes.
+On CPU, `F.linear` goes to MKL's sgemm, which on an AMD EPYC machine of this project reads fp32
+weights at about 15 GB/s for one row (on one thread, whatever the thread count) and slower still
+for 2-16. oneDNN's inner product on a weight reordered once into its blocked layout reads them at
+25-39 GB/s for 1-8 rows there and multiplies a 512-row prompt twice as fast. So on CPU the loader
+packs each linear layer's weight for oneDNN, and `linear` sends every CPU product there (a plain
+weight too, such as int8 converted on the fly: 1.5-2x faster than MKL); elsewhere nothing changes.
 
-Compiled decoding at batch 1 is the exception: there inductor writes the products itself (see
-SUMMED_MAX_ROWS), reading plain weights closer to the memory's speed than oneDNN does.
+Decoding one row at a time (max_batch_size 1) is the exception. On AMD, compiled, inductor writes
+the products itself (see SUMMED_MAX_ROWS), reading plain weights closer to the memory's speed than
+oneDNN does. On Intel CPUs MKL takes its own fast paths: on an Intel Xeon machine of this project
+its one-row product read the demo model's weights at 23 GB/s, against 19 for oneDNN's packed
+weights and 15-18 for inductor's sums, so there one-row products stay MKL's (MKL_FOR_ONE_ROW).
 """
 
 import torch
@@ -32,14 +35,30 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 SUMMED_MAX_ROWS = 1
 
 
+def _intel_cpu() -> bool:
+    """Whether this is an Intel CPU, from Linux's /proc/cpuinfo (elsewhere: not known, so no)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.split(":")[-1].strip() == "GenuineIntel" for line in cpuinfo if line.startswith("vendor_id"))
+    except OSError:
+        return False
+
+
+# One-row products on CPU go to MKL (F.linear on plain weights), eager and compiled alike.
+MKL_FOR_ONE_ROW = _intel_cpu()
+
+
 def packable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN multiplies weights of this dtype on this device: CPU builds with oneDNN, fp32 or bf16."""
     return _ONEDNN and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 def packing_pays(max_rows: int, compiled: bool) -> bool:
-    """Whether packing pays for products of up to max_rows rows (a decoding batch): always when
-    eager; compiled, only where oneDNN beats the compiler's summed product."""
+    """Whether packing pays for products of up to max_rows rows (a decoding batch): not for one
+    row where MKL is faster (MKL_FOR_ONE_ROW) nor, compiled, where the compiler's summed product
+    is; else yes."""
+    if max_rows == 1 and MKL_FOR_ONE_ROW:
+        return False
     return not compiled or max_rows > SUMMED_MAX_ROWS
 
 
@@ -55,13 +74,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool = False) -> torch
     """
     if torch.compiler.is_compiling() and x.device.type == "cpu":
         if not packed and x.shape[:-1].numel() <= SUMMED_MAX_ROWS:
-            return _summed_product(x, weight)
+            return F.linear(x, weight) if MKL_FOR_ONE_ROW else _summed_product(x, weight)
         # Opaque to torch.compile, which sees a packed weight as a plain one and would rewrite
         # the product into a kernel that cannot read oneDNN's layout.
         return torch.ops.llama_tp.cpu_linear(x, weight)
-    if weight.is_mkldnn or packable(weight.device, weight.dtype):
+    if weight.is_mkldnn or packable(weight.device, weight.dtype) and not _mkl_row(x):
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
+
+
+def _mkl_row(x: torch.Tensor) -> bool:
+    """Whether x is one row that MKL multiplies fastest (MKL_FOR_ONE_ROW)."""
+    return MKL_FOR_ONE_ROW and x.shape[:-1].numel() == 1
 
 
 def _summed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
