@@ -309,10 +309,11 @@ def main(
         "decode_tokens_per_s": statistics.mean(r["decode_tokens_per_s"] for r in rooflines),
         "samples": rooflines,
     }
-    report["roofline"]["decode_batch_1_fraction"] = (
-        report["cases"]["decode_batch_1"]["tokens_per_s"]["llama_tp"] / report["roofline"]["decode_tokens_per_s"]
-        if "decode_batch_1" in report["cases"] else None
-    )
+    if "decode_batch_1" in report["cases"]:
+        report["roofline"]["decode_batch_1_fractions"] = {
+            engine: speed / report["roofline"]["decode_tokens_per_s"]
+            for engine, speed in report["cases"]["decode_batch_1"]["tokens_per_s"].items()
+        }
     if hf_model is not None:
         report["greedy_agreement_with_hf"] = greedy_agreement(llama, hf_model, prompts[:, :DECODE_PROMPT_LEN], new_tokens)
     report["peak_rss_bytes_per_rank"] = [
@@ -366,10 +367,11 @@ def print_table(report: dict) -> None:
         hf = f"{speeds['hf']:.1f}" if "hf" in speeds else "-"
         print(f"{name:<18}{speeds['llama_tp']:>16.1f}{hf:>12}{result.get('ratio_vs_hf', float('nan')):>8.2f}")
     roofline = report["roofline"]
+    fractions = ", ".join(f"{engine} at {100 * fraction:.0f}%"
+                          for engine, fraction in roofline.get("decode_batch_1_fractions", {}).items())
     print(f"roofline: {roofline['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copy, "
           f"{roofline['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token -> "
-          f"{roofline['decode_tokens_per_s']:.1f} tok/s; decode batch 1 at "
-          f"{100 * (roofline['decode_batch_1_fraction'] or 0):.0f}%")
+          f"{roofline['decode_tokens_per_s']:.1f} tok/s; decode batch 1: {fractions or '-'}")
     if "load" in report:
         load = report["load"]
         print(f"load: llama_tp {load['llama_tp']['seconds']:.2f} s, Meta's reference "
