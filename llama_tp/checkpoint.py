@@ -16,8 +16,8 @@ import torch
 
 from . import mapped_pages, matmul
 from .args import ModelArgs
-from .model import LINEAR_LAYERS, Transformer
 from .int8_checkpoint import check_int8_load, stored_quantization, unfilled_int8_layers
+from .model import LINEAR_LAYERS, Transformer
 from .parallel import EmbeddingLayout, Placement, print0
 from .quantize import Int8Linear, quantize_model
 from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
@@ -217,16 +217,15 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
         print0(f"resharding {len(checkpoint.paths)} shards onto {processes} while loading; `python -m "
                f"llama_tp.reshard {ckpt_dir} DST_DIR --mp {world_size}` saves this work at every start")
     model = Transformer(checkpoint.args, world_size, checkpoint.layout)
-    if checkpoint.quantization == "int8":
+    stored_int8 = checkpoint.quantization == "int8"
+    if stored_int8:
         check_int8_load(ckpt_dir, checkpoint.args, world_size, placement.device, quantize)
         unfilled_int8_layers(model)
-        # Only the embedding and norms are converted, in load_into: int8 layers keep their dtypes.
-        state = _assemble(checkpoint, placement.rank, world_size, placement.device, None)
-        load_into(model, state, placement.device, dtype, Path(ckpt_dir))
-        return model
-    state = _assemble(checkpoint, placement.rank, world_size, placement.device, dtype)
-    load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack and quantize is None)
-    return quantize_model(model, quantize)
+    # An int8 checkpoint's embedding and norms are converted in load_into, its int8 layers kept as they are.
+    state = _assemble(checkpoint, placement.rank, world_size, placement.device, None if stored_int8 else dtype)
+    pack_linear = pack and quantize is None and not stored_int8
+    load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack_linear)
+    return model if stored_int8 else quantize_model(model, quantize)
 
 
 def _shape(shard: dict[str, torch.Tensor], name: str, dims: int) -> tuple[int, ...]:
