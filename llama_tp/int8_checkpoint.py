@@ -52,14 +52,18 @@ def row_parallel_widths(args: ModelArgs) -> dict[str, int]:
 
 def holds_whole_groups(args: ModelArgs, n_parts: int) -> bool:
     """Whether splitting the row-parallel layers n_parts ways leaves each part whole int8 groups."""
-    return all(width % (n_parts * group_size(width)) == 0 for width in row_parallel_widths(args).values())
+    return all(_whole_groups(width, n_parts) for width in row_parallel_widths(args).values())
+
+
+def _whole_groups(width: int, n_parts: int) -> bool:
+    return width % (n_parts * group_size(width)) == 0
 
 
 def check_int8_split(args: ModelArgs, n_parts: int, fix: str) -> None:
     """Refuse to split an int8 model n_parts ways where a part of a row-parallel layer would cut
     its groups; fix says what to do instead, and the message adds the part counts that work."""
     for name, width in row_parallel_widths(args).items():
-        if width % (n_parts * group_size(width)):
+        if not _whole_groups(width, n_parts):
             fitting = [n for n in range(1, args.n_heads + 1) if args.splits_over(n) and holds_whole_groups(args, n)]
             raise ValueError(
                 f"{name} (in every layer) has {width} inputs, quantized in int8 groups of "

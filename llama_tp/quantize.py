@@ -1,4 +1,5 @@
-"""int8 quantization of the linear layers, applied at load time.
+"""int8 quantization of the linear layers, applied at load time (or once, into an int8
+checkpoint: int8_checkpoint.py).
 
 - "int8": weight-only, in groups of 32 inputs of one output channel (GROUP_SIZE), each group on
   its own grid: 255 steps from its smallest value to its largest, or 255 steps symmetric around
