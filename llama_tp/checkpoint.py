@@ -2,7 +2,8 @@
 
 A checkpoint may have any number of shards: each rank assembles its own slice from the shards
 that hold parts of it (merging when there are more shards than ranks, splitting when fewer),
-reading them memory-mapped so that no rank ever holds the whole model.
+reading them memory-mapped so that no rank ever holds the whole model. An int8 checkpoint
+(int8_checkpoint.py) loads straight into int8 layers.
 """
 
 import math
@@ -11,15 +12,16 @@ import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import mapped_pages, matmul
 from .args import ModelArgs
+from .int8_checkpoint import check_int8_load, stored_quantization, unfilled_int8_layers
 from .model import LINEAR_LAYERS, Transformer
 from .parallel import EmbeddingLayout, Placement, print0
-from .quantize import quantize_model
+from .quantize import Int8Linear, quantize_model
 from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
 
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
@@ -113,6 +115,14 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
                 f"model needs {list(shape)}; check params.json and the number of processes"
             )
 
+    stored_dtypes = _int8_tensors(model)
+    for name, stored_dtype in stored_dtypes.items():
+        for part, _ in layout[name]:
+            if shard[part].dtype != stored_dtype:
+                raise ValueError(
+                    f"{source}: {part} is {shard[part].dtype} where an int8 checkpoint stores "
+                    f"{stored_dtype}; the checkpoint mixes int8 and full-precision layers: write it again"
+                )
     packing = pack_linear and matmul.packable(device, dtype)
     staging = threading.local()  # each converting thread's buffer for weights on their way to packing
 
@@ -123,7 +133,7 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
             tensor = matmul.pack(_staged(sources, dtype, staging))
         else:
             tensor = sources[0] if len(sources) == 1 else torch.cat(sources)
-            tensor = tensor.to(device=device, dtype=dtype)
+            tensor = tensor.to(device=device, dtype=stored_dtypes.get(name, dtype))
         for source_tensor in sources:
             if tensor is not source_tensor:  # converted, stacked or packed: the source is no longer used
                 mapped_pages.release(source_tensor)
@@ -164,8 +174,24 @@ def _staged(sources: list[torch.Tensor], dtype: torch.dtype, staging: threading.
     return stacked
 
 
-def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> tuple[list[Path], ModelArgs, EmbeddingLayout]:
-    """The shards of ckpt_dir, args with the checkpoint's vocabulary filled in, and its embedding layout.
+def _int8_tensors(model: Transformer) -> dict[str, torch.dtype]:
+    """The tensors of the model's int8 layers, which load in the dtype they are stored in (int8, fp32)."""
+    return {f"{prefix}.{name}": tensor.dtype for prefix, module in model.named_modules()
+            if isinstance(module, Int8Linear) for name, tensor in module.named_buffers()}
+
+
+class Checkpoint(NamedTuple):
+    """An opened checkpoint folder: its shards, the model it holds, how it is laid out."""
+
+    paths: list[Path]
+    args: ModelArgs  # with the checkpoint's vocabulary filled in
+    layout: EmbeddingLayout
+    quantization: Optional[str]  # "int8" for an int8 checkpoint (int8_checkpoint.py)
+
+
+def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> Checkpoint:
+    """The shards of ckpt_dir, args with the checkpoint's vocabulary filled in, its embedding layout
+    and quantization.
 
     A vocab_size already known (from the tokenizer) must agree with the checkpoint's.
     """
@@ -188,33 +214,46 @@ def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> tuple[list[Path], ModelA
             "to these shards"
         )
     layout = detect_embedding_layout(shard, args, len(paths))
-    return paths, args, single_shard_layout if len(paths) == 1 else layout
+    return Checkpoint(paths, args, single_shard_layout if len(paths) == 1 else layout, stored_quantization(shard))
 
 
 def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, device: torch.device,
                dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], ModelArgs, EmbeddingLayout]:
     """Rank `rank`'s tensors from the checkpoint in ckpt_dir, whatever its shard count; with the
     checkpoint's args (vocabulary filled in) and embedding layout."""
-    paths, args, layout = open_checkpoint(ckpt_dir, args)
-    state = assemble_slice(lambda s: load_shard(paths[s]), len(paths), args, layout, rank, world_size, device,
-                           dtype, describe=lambda s: str(paths[s]), release=mapped_pages.release)
-    return state, args, layout
+    checkpoint = open_checkpoint(ckpt_dir, args)
+    return _assemble(checkpoint, rank, world_size, device, dtype), checkpoint.args, checkpoint.layout
+
+
+def _assemble(checkpoint: Checkpoint, rank: int, world_size: int, device: torch.device,
+              dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    paths = checkpoint.paths
+    return assemble_slice(lambda s: load_shard(paths[s]), len(paths), checkpoint.args, checkpoint.layout, rank,
+                          world_size, device, dtype, describe=lambda s: str(paths[s]), release=mapped_pages.release)
 
 
 def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype,
                quantize: Optional[str] = None, pack: bool = True) -> Transformer:
     """Build the model without initialising it and fill it with this rank's slice, whatever the
     shard count; linear layers quantized as asked (see quantize.py), or else, with pack, laid out
-    for the device's fastest kernel (see matmul.packing_pays)."""
-    n_shards = len(shard_paths(ckpt_dir))
-    if n_shards != placement.world_size:
-        processes = f"{placement.world_size} process" + "es" * (placement.world_size > 1)
-        print0(f"resharding {n_shards} shards onto {processes} while loading; `python -m llama_tp.reshard "
-               f"{ckpt_dir} DST_DIR --mp {placement.world_size}` saves this work at every start")
-    state, args, layout = load_slice(ckpt_dir, args, placement.rank, placement.world_size, placement.device, dtype)
-    model = Transformer(args, placement.world_size, layout)
-    load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack and quantize is None)
-    return quantize_model(model, quantize)
+    for the device's fastest kernel (see matmul.packing_pays). An int8 checkpoint's layers load
+    as they are stored."""
+    checkpoint = open_checkpoint(ckpt_dir, args)
+    world_size = placement.world_size
+    if len(checkpoint.paths) != world_size:
+        processes = f"{world_size} process" + "es" * (world_size > 1)
+        print0(f"resharding {len(checkpoint.paths)} shards onto {processes} while loading; `python -m "
+               f"llama_tp.reshard {ckpt_dir} DST_DIR --mp {world_size}` saves this work at every start")
+    model = Transformer(checkpoint.args, world_size, checkpoint.layout)
+    stored_int8 = checkpoint.quantization == "int8"
+    if stored_int8:
+        check_int8_load(ckpt_dir, checkpoint.args, world_size, placement.device, quantize)
+        unfilled_int8_layers(model)
+    # An int8 checkpoint's embedding and norms are converted in load_into, its int8 layers kept as they are.
+    state = _assemble(checkpoint, placement.rank, world_size, placement.device, None if stored_int8 else dtype)
+    pack_linear = pack and quantize is None and not stored_int8
+    load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack_linear)
+    return model if stored_int8 else quantize_model(model, quantize)
 
 
 def _shape(shard: dict[str, torch.Tensor], name: str, dims: int) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ from . import matmul, parallel
 from .args import ModelArgs
 from .batch import NO_TOKEN, Batch, Generated
 from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
-from .checkpoint import load_model
+from .checkpoint import load_model, open_checkpoint
 from .model import Transformer
 from .quantize import check_quantize
 from .sampling import SamplingOptions, choose_next, top_candidates
@@ -80,7 +80,9 @@ class Llama:
             # Imported here: `python -m llama_tp.plan` must not find the module already imported by the package.
             from .plan import plan, report
 
-            parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype)))
+            stored = open_checkpoint(ckpt_dir, args).quantization  # an int8 checkpoint loads as int8
+            parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
+                                        quantize or stored)))
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile))
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)

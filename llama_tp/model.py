@@ -201,10 +201,11 @@ class Transformer(nn.Module):
         for prefix, module in self.named_modules():
             if isinstance(module, (Attention, FeedForward)):
                 fused, parts = module.FUSED
-                name = f"{prefix}.{fused}.weight"
-                columns = layout[name][0][1][1]
-                layout[name] = [(f"{prefix}.{part}.weight", torch.Size([rows, columns]))
-                                for part, rows in zip(parts, module.local_widths)]
+                for tensor in getattr(module, fused).state_dict():  # weight; an int8 layer's scales, zeros too
+                    name = f"{prefix}.{fused}.{tensor}"
+                    columns = layout[name][0][1][1]
+                    layout[name] = [(f"{prefix}.{part}.{tensor}", torch.Size([rows, columns]))
+                                    for part, rows in zip(parts, module.local_widths)]
         return layout
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:

@@ -1,10 +1,11 @@
 """How much memory each process needs, before anything is loaded.
 
-    python -m llama_tp.plan --params params/llama-2-70b.json --world_size 8 --max_batch_size 4 --max_seq_len 4096 [--dtype bf16]
+    python -m llama_tp.plan --params params/llama-2-70b.json --world_size 8 --max_batch_size 4 --max_seq_len 4096 [--dtype bf16] [--quantize int8]
 
-The figures count exactly what llama_tp allocates per process: its slice of every weight matrix,
-the replicated norms, and the KV cache (KV heads are copied when there are more processes than
-KV heads). Activations and the framework's own overhead come on top.
+The figures count exactly what llama_tp allocates per process: its slice of every weight matrix
+(int8 layers with their scales and zeros), the replicated norms, and the KV cache (KV heads are
+copied when there are more processes than KV heads). Activations and the framework's own
+overhead come on top.
 """
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 from .args import ModelArgs
 from .cli import run
 from .model import local_kv_heads
+from .quantize import check_quantize, group_size
 
 GIB = 1024**3
 LLAMA2_VOCAB_SIZE = 32000  # what params.json's -1 becomes with Llama 2's tokenizer
@@ -31,10 +33,18 @@ class MemoryPlan:
     params_total: int
     params_per_rank: int
     kv_heads_per_rank: int
+    quantize: Optional[str] = None  # of the linear layers: "int8" or "int8_dynamic"
 
     @property
     def weight_bytes(self) -> int:
-        return self.params_per_rank * self.dtype_bytes
+        if self.quantize is None:
+            return self.params_per_rank * self.dtype_bytes
+        linear = linear_params_per_rank(self.args, self.world_size)
+        if self.quantize == "int8":  # a byte per weight, fp32 scales and zeros per group of a slice's inputs
+            int8 = sum(n + 8 * n // group_size(width) for width, n in linear)
+        else:  # fbgemm's packed int8, whose per-output-channel scales are negligible
+            int8 = sum(n for _, n in linear)
+        return (self.params_per_rank - sum(n for _, n in linear)) * self.dtype_bytes + int8
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -61,9 +71,23 @@ def params_per_rank(args: ModelArgs, world_size: int) -> int:
     return args.n_layers * (attention + feed_forward + norms) + embeddings + args.dim
 
 
+def linear_params_per_rank(args: ModelArgs, world_size: int) -> list[tuple[int, int]]:
+    """(input width on one of world_size processes, its parameters there) of the linear layers."""
+    q, kv = args.n_heads * args.head_dim // world_size, local_kv_heads(args, world_size) * args.head_dim
+    ffn = args.ffn_hidden_dim // world_size
+    return [
+        (args.dim, args.n_layers * args.dim * (q + 2 * kv + 2 * ffn)),  # wq, wk, wv, w1, w3
+        (q, args.n_layers * args.dim * q),  # wo
+        (ffn, args.n_layers * args.dim * ffn),  # w2
+        (args.dim, args.vocab_size * args.dim // world_size),  # output
+    ]
+
+
 def plan(args: ModelArgs, world_size: int, max_batch_size: int, max_seq_len: int,
-         dtype: "str | torch.dtype") -> MemoryPlan:
-    """The per-process memory of args split over world_size processes with these runtime limits."""
+         dtype: "str | torch.dtype", quantize: Optional[str] = None) -> MemoryPlan:
+    """The per-process memory of args split over world_size processes with these runtime limits,
+    the linear layers quantized as given."""
+    check_quantize(quantize)
     if args.vocab_size < 1:
         raise ValueError("the vocabulary size must be known to plan memory; fill it from the tokenizer")
     for name, value in (("world_size", world_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
@@ -76,16 +100,20 @@ def plan(args: ModelArgs, world_size: int, max_batch_size: int, max_seq_len: int
     else:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     return MemoryPlan(args, world_size, max_batch_size, max_seq_len, dtype_bytes,
-                      params_per_rank(args, 1), params_per_rank(args, world_size), local_kv_heads(args, world_size))
+                      params_per_rank(args, 1), params_per_rank(args, world_size), local_kv_heads(args, world_size),
+                      quantize)
 
 
 def report(memory: MemoryPlan) -> str:
     """The plan as a few lines for people."""
     args, world_size = memory.args, memory.world_size
     total = memory.weight_bytes + memory.kv_cache_bytes + memory.logits_bytes
+    weights = f"{memory.dtype_bytes}-byte weights"
+    if memory.quantize:
+        weights = f"{memory.quantize} linear layers, other {weights}"
     lines = [
-        f"Memory per process ({world_size} process{'es' * (world_size > 1)}, {memory.dtype_bytes}-byte "
-        f"weights, batch {memory.max_batch_size} x {memory.max_seq_len} tokens):",
+        f"Memory per process ({world_size} process{'es' * (world_size > 1)}, {weights}, "
+        f"batch {memory.max_batch_size} x {memory.max_seq_len} tokens):",
         f"  weights   {memory.weight_bytes / GIB:9.2f} GiB  ({_count(memory.params_per_rank)} of "
         f"{_count(memory.params_total)} parameters)",
         f"  KV cache  {memory.kv_cache_bytes / GIB:9.2f} GiB  ({args.n_layers} layers x "
@@ -115,7 +143,7 @@ def _count(n: int) -> str:
 
 
 def main(params: str, world_size: int, max_batch_size: int, max_seq_len: int, dtype: str = "bf16",
-         vocab_size: Optional[int] = None) -> None:
+         vocab_size: Optional[int] = None, quantize: Optional[str] = None) -> None:
     """Print the memory each process needs for a model's params.json.
 
     Args:
@@ -125,13 +153,14 @@ def main(params: str, world_size: int, max_batch_size: int, max_seq_len: int, dt
         max_seq_len: longest prompt plus generation, in tokens.
         dtype: bf16, fp16 or fp32.
         vocab_size: the tokenizer's size, for params.json files that say -1 (default: Llama 2's 32000).
+        quantize: int8 or int8_dynamic linear layers (int8 is also what an int8 checkpoint loads as).
     """
     args = ModelArgs.load(params)
     if args.vocab_size == -1:
         args = args.with_vocab_size(vocab_size or LLAMA2_VOCAB_SIZE)
     elif vocab_size is not None:
         args = args.with_vocab_size(vocab_size)  # refuses a disagreement
-    print(report(plan(args, world_size, max_batch_size, max_seq_len, dtype)))
+    print(report(plan(args, world_size, max_batch_size, max_seq_len, dtype, quantize)))
 
 
 if __name__ == "__main__":

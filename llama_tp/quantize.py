@@ -1,4 +1,5 @@
-"""int8 quantization of the linear layers, applied at load time.
+"""int8 quantization of the linear layers, applied at load time (or once, into an int8
+checkpoint: int8_checkpoint.py).
 
 - "int8": weight-only, in groups of 32 inputs of one output channel (GROUP_SIZE), each group on
   its own grid: 255 steps from its smallest value to its largest, or 255 steps symmetric around
@@ -44,11 +45,19 @@ def check_quantize(quantize: Optional[str]) -> None:
         )
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_size(width: int) -> int:
+    """Inputs per group for a weight `width` inputs wide: GROUP_SIZE, or fewer where width is not a multiple."""
+    return math.gcd(width, GROUP_SIZE)
+
+
+def quantize_int8(weight: torch.Tensor, size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped int8: weight [out, in] ~= q [out, in] * scales + zeros, with scales and zeros
-    [out, groups] in fp32, one per group of GROUP_SIZE inputs (fewer where in is not a multiple)."""
+    [out, groups] in fp32, one per group of `size` inputs (by default group_size(in)).
+
+    Each group is rounded on its own, so a slice of whole groups gives exactly its part of the
+    whole weight's q, scales and zeros."""
     rows, width = weight.shape
-    size = math.gcd(width, GROUP_SIZE)
+    size = size or group_size(width)
     parts = [_quantize_groups(chunk.float().view(chunk.shape[0], width // size, size))
              for chunk in weight.split(QUANTIZE_ROWS)]
     q, scales, zeros = (torch.cat(tensors) for tensors in zip(*parts))
@@ -108,16 +117,23 @@ def _run(kernel: Callable, *args: torch.Tensor) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """A parallel linear layer holding its slice of the weight as grouped int8 (see quantize_int8).
 
-    It talks to the other ranks exactly as the layer it replaces did.
+    Built from q, scales and zeros (as an int8 checkpoint stores them) and the communication of
+    the layer it replaces (parallel.communication_after), so it talks to the other ranks exactly
+    as that layer did.
     """
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 communicate: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
-        q, scales, zeros = quantize_int8(layer.weight.detach())
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
-        self.communicate = parallel.communication_after(layer)
+        self.communicate = communicate
+
+    @classmethod
+    def quantizing(cls, layer: nn.Module) -> "Int8Linear":
+        """The layer with its weight quantized here (quantize_int8 of this rank's slice)."""
+        return cls(*quantize_int8(layer.weight.detach()), parallel.communication_after(layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -160,16 +176,21 @@ def _fbgemm_pack(weight: torch.Tensor) -> object:
         return torch.ops.quantized.linear_prepack(qweight, None)
 
 
+def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """Replace every linear layer of the model (attention, feed-forward, output) in place by replacement(layer)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in LINEAR_LAYERS:
+                setattr(module, name, replacement(child))
+    return model
+
+
 def quantize_model(model: nn.Module, quantize: Optional[str]) -> nn.Module:
-    """Replace every linear layer of the model (attention, feed-forward, output) in place."""
+    """Quantize every linear layer of the model in place."""
     check_quantize(quantize)
     if quantize is None:
         return model
     if quantize == "int8" and next(model.parameters()).device.type == "cpu":
         parallel.require_cxx_compiler("quantize='int8' on CPU", "use quantize='int8_dynamic' or none")
-    replacement = Int8Linear if quantize == "int8" else DynamicInt8Linear
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if name in LINEAR_LAYERS:
-                setattr(module, name, replacement(child))  # the full-precision weight is freed here
-    return model
+    replacement = Int8Linear.quantizing if quantize == "int8" else DynamicInt8Linear
+    return replace_linear_layers(model, replacement)  # each full-precision weight is freed as it goes

@@ -1,16 +1,18 @@
 """Rewrite a Meta-layout checkpoint with another number of shards.
 
-    python -m llama_tp.reshard SRC_DIR DST_DIR --mp N [--force]
+    python -m llama_tp.reshard SRC_DIR DST_DIR --mp N [--quantize int8] [--force]
 
 Loading already reshards on the fly; a resharded copy saves that work (and the reading of
 other ranks' files) at every start. With N above the model's KV heads, each shard holds a copy
 of the KV head its query heads use, which is the layout llama_tp loads at world size N.
+--quantize int8 writes an int8 checkpoint (int8_checkpoint.py); an int8 checkpoint stays one.
 """
 
 import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -18,20 +20,29 @@ from tqdm import tqdm
 from .args import ModelArgs
 from .checkpoint import load_slice, open_checkpoint
 from .cli import run
+from .int8_checkpoint import check_int8_split, check_storable, int8_tensors
 
 # Copied beside the shards: the architecture, and whatever tokenizer came with the checkpoint.
 COPIED = ("params.json", "tokenizer*")
 
 
-def reshard(src: Path, dst: Path, mp: int, force: bool = False) -> list[Path]:
-    """Write src's checkpoint to dst as mp shards, one shard at a time; return the shard paths."""
+def reshard(src: Path, dst: Path, mp: int, force: bool = False, quantize: Optional[str] = None) -> list[Path]:
+    """Write src's checkpoint to dst as mp shards, one shard at a time; return the shard paths.
+
+    quantize="int8" quantizes a full-precision checkpoint's linear layers (int8_checkpoint.py).
+    """
     src, dst = Path(src), Path(dst)
     if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
         raise ValueError(f"--mp must be a positive number of shards, found {mp!r}")
+    check_storable(quantize)
     params = ModelArgs.load(src / "params.json")
-    paths, args, _ = open_checkpoint(src, params)
+    checkpoint = open_checkpoint(src, params)
+    args = checkpoint.args
     args.check_model_parallel_size(mp)
-    n_shards = len(paths)
+    quantizing = quantize == "int8" and checkpoint.quantization is None
+    if quantize or checkpoint.quantization:
+        check_int8_split(args, mp, fix="choose an --mp whose shards hold whole groups")
+    n_shards = len(checkpoint.paths)
     if dst.resolve() == src.resolve():
         raise ValueError(f"DST_DIR {dst} is SRC_DIR; write the resharded checkpoint to another folder")
     if dst.exists() and any(dst.iterdir()) and not force:
@@ -46,6 +57,8 @@ def reshard(src: Path, dst: Path, mp: int, force: bool = False) -> list[Path]:
     written = []
     for rank in tqdm(range(mp), desc=f"{n_shards} -> {mp} shards", unit="shard", file=sys.stderr):
         state, _, _ = load_slice(src, params, rank, mp, torch.device("cpu"))
+        if quantizing:
+            state = _quantized(state, mp)
         target = dst / f"consolidated.{rank:02d}.pth"
         _replace(target, lambda tmp: torch.save(state, tmp))
         written.append(target)
@@ -56,6 +69,15 @@ def reshard(src: Path, dst: Path, mp: int, force: bool = False) -> list[Path]:
     return written
 
 
+def _quantized(state: dict[str, torch.Tensor], n_shards: int) -> dict[str, torch.Tensor]:
+    """One shard's tensors as an int8 checkpoint of n_shards stores them, quantized one at a time:
+    each full-precision slice is dropped as soon as it is quantized."""
+    stored = {}
+    for name in list(state):
+        stored |= int8_tensors(name, state.pop(name), n_shards)
+    return stored
+
+
 def _replace(target: Path, write) -> None:
     """Write through a temporary name, then rename: an interrupted run never leaves a half file."""
     tmp = target.with_name(target.name + ".tmp")
@@ -63,7 +85,7 @@ def _replace(target: Path, write) -> None:
     os.replace(tmp, target)
 
 
-def main(src: str, dst: str, mp: int, force: bool = False) -> None:
+def main(src: str, dst: str, mp: int, force: bool = False, quantize: Optional[str] = None) -> None:
     """Reshard the Meta-layout checkpoint in src into mp shards in dst.
 
     Args:
@@ -71,8 +93,10 @@ def main(src: str, dst: str, mp: int, force: bool = False) -> None:
         dst: folder to write; must be empty or missing unless force is given.
         mp: number of shards to write (the model-parallel size that will load them).
         force: overwrite the checkpoint in a non-empty dst.
+        quantize: "int8" stores the linear layers as grouped int8 (1.25 bytes per weight), which
+            llama_tp loads as they are; an int8 checkpoint stays int8 without it.
     """
-    written = reshard(Path(str(src)), Path(str(dst)), mp, force)  # fire turns a name like 13 into an int
+    written = reshard(Path(str(src)), Path(str(dst)), mp, force, quantize)  # fire turns a name like 13 into an int
     print(f"wrote {len(written)} shards to {dst}")
 
 

@@ -11,6 +11,7 @@ from llama_tp import Llama
 from llama_tp.args import ModelArgs
 from llama_tp.plan import main as plan_main
 from llama_tp.plan import params_per_rank, plan
+from llama_tp.reshard import reshard
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
 from torchrun import ROOT
 
@@ -77,3 +78,16 @@ def test_planner_names_the_world_sizes_that_work(capsys):
     printed = capsys.readouterr().out
     assert "3 processes cannot split this model" in printed
     assert "world sizes that work: 1, 2, 4, 8, 16, 32, 64\n" in printed
+
+
+
+def test_int8_plan_matches_the_built_model_and_build_prints_it(tmp_path, capsys):
+    """An int8 checkpoint loads as int8 unasked, and build's plan says so and counts its bytes."""
+    write_checkpoint(tmp_path / "bf16", TINY_LLAMA3, full_weights(TINY_LLAMA3, 32000), 1, "vocab")
+    reshard(tmp_path / "bf16", tmp_path / "int8", 1, quantize="int8")
+    capsys.readouterr()
+    for folder, quantize in ((tmp_path / "int8", None), (tmp_path / "bf16", "int8")):
+        llama = Llama.build(str(folder), str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=3, quantize=quantize)
+        memory = plan(llama.model.args, 1, 3, 32, torch.float32, "int8")
+        assert memory.weight_bytes == sum(t.nbytes for t in llama.model.state_dict().values())
+        assert "(1 process, int8 linear layers, other 4-byte weights, batch 3 x 32 tokens)" in capsys.readouterr().out

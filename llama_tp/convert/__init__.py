@@ -1,7 +1,7 @@
 """Importing Llama-family weights into Meta's layout: Hugging Face folders and GGUF files.
 
-    python -m llama_tp.convert hf SRC_DIR DST_DIR --mp N [--dtype bf16|fp16|fp32]
-    python -m llama_tp.convert gguf FILE DST_DIR --mp N [--dtype ...]
+    python -m llama_tp.convert hf SRC_DIR DST_DIR --mp N [--dtype bf16|fp16|fp32] [--quantize int8]
+    python -m llama_tp.convert gguf FILE DST_DIR --mp N [--dtype ...] [--quantize int8]
 """
 
 import importlib

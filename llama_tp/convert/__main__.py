@@ -1,13 +1,14 @@
-"""python -m llama_tp.convert {hf,gguf} SOURCE DEST --mp N [--dtype bf16|fp16|fp32]"""
+"""python -m llama_tp.convert {hf,gguf} SOURCE DEST --mp N [--dtype bf16|fp16|fp32] [--quantize int8]"""
 
 from typing import Optional
 
 from ..cli import run
+from ..int8_checkpoint import check_storable
 
 FORMATS = ("hf", "gguf")
 
 
-def main(kind: str, source: str, dest: str, mp: int = 1, dtype: Optional[str] = None):
+def main(kind: str, source: str, dest: str, mp: int = 1, dtype: Optional[str] = None, quantize: Optional[str] = None):
     """Convert Llama weights into a Meta-layout checkpoint folder that llama_tp loads.
 
     Args:
@@ -17,13 +18,16 @@ def main(kind: str, source: str, dest: str, mp: int = 1, dtype: Optional[str] = 
         dest: the new checkpoint folder; must not exist or be empty.
         mp: model-parallel shards to write: run the result with torchrun --nproc_per_node mp.
         dtype: bf16, fp16 or fp32; by default the source's own precision for hf, fp32 for gguf.
+        quantize: "int8" stores the linear layers as grouped int8 (1.25 bytes per weight), which
+            llama_tp loads as they are; embedding and norms stay in dtype.
     """
+    check_storable(quantize)
     if kind == "hf":
         from .hf import convert_hf
-        return str(convert_hf(source, dest, mp, dtype))
+        return str(convert_hf(source, dest, mp, dtype, quantize))
     if kind == "gguf":
         from .gguf import convert_gguf
-        return str(convert_gguf(source, dest, mp, dtype or "fp32"))
+        return str(convert_gguf(source, dest, mp, dtype or "fp32", quantize))
     raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(FORMATS)}: "
                      "python -m llama_tp.convert hf SRC_DIR DST_DIR --mp N")
 

@@ -31,10 +31,11 @@ TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight":
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32") -> Path:
+def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quantize: Optional[str] = None) -> Path:
     """Convert a GGUF Llama file into a Meta-layout checkpoint folder with mp shards.
 
-    dtype defaults to fp32: dequantised values are exact only there.
+    dtype defaults to fp32: dequantised values are exact only there. quantize="int8" writes an
+    int8 checkpoint (int8_checkpoint.py): weights from GGUF's 4- and 8-bit blocks fit its grids.
     """
     path = Path(source)
     if not path.is_file():
@@ -55,7 +56,7 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32") -> Pa
         stop_tokens.append(tokens.index(END_OF_TURN[chat_format]))
     system = default_system_prompt(template) if chat_format == "chatml" else None
     record = ChatRecord(chat_format, system, tuple(stop_tokens), converted_from=path.name)
-    return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record)
+    return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
 class Metadata:

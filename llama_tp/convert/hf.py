@@ -26,10 +26,12 @@ TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 LLAMA31_ROPE = {"low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
 
 
-def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None) -> Path:
+def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
+               quantize: Optional[str] = None) -> Path:
     """Convert a Hugging Face Llama folder into a Meta-layout checkpoint folder with mp shards.
 
-    dtype defaults to the precision config.json names (bf16 if it names none).
+    dtype defaults to the precision config.json names (bf16 if it names none); quantize="int8"
+    writes an int8 checkpoint (int8_checkpoint.py).
     """
     src = Path(source)
     config = _read_json(src / "config.json", required=True)
@@ -44,7 +46,7 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None)
         stop_tokens.append(tokenizer.special_id(END_OF_TURN[chat_format]))
     system = default_system_prompt(template) if chat_format == "chatml" else None
     record = ChatRecord(chat_format, system, tuple(stop_tokens), converted_from=src.name)
-    return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record)
+    return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
 def model_params(config: dict, src: Path) -> dict:

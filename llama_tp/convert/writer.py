@@ -14,7 +14,9 @@ import torch
 from ..args import ModelArgs
 from ..chat_format import CHAT_RECORD_FILE, ChatRecord
 from ..checkpoint import split_dim
+from ..int8_checkpoint import check_int8_split, check_storable, int8_tensors
 from ..parallel import DTYPES
+from ..sharding import KV_PROJECTIONS
 
 # Loads one whole tensor, already named and laid out as in Meta's checkpoints.
 TensorLoader = Callable[[], torch.Tensor]
@@ -66,11 +68,10 @@ def meta_name(name: str, top_names: dict[str, str], layer_pattern: str,
 
 def shard_of(name: str, tensor: torch.Tensor, rank: int, n_shards: int, args: ModelArgs) -> torch.Tensor:
     """Rank's slice of a full tensor, split as llama_tp loads it (the embedding along dim)."""
-    is_kv = name.endswith(("attention.wk.weight", "attention.wv.weight"))
-    if is_kv and n_shards > args.kv_heads:
+    if name.split(".")[-2] in KV_PROJECTIONS and n_shards > args.kv_heads:  # weights, scales, zeros
         # More ranks than KV heads: each rank stores a copy of the one KV head its query heads use.
         copies = n_shards // args.kv_heads
-        heads = tensor.view(args.kv_heads, args.head_dim, -1)  # kv_heads, head_dim, dim
+        heads = tensor.view(args.kv_heads, args.head_dim, -1)  # kv_heads, head_dim, dim (or groups)
         tensor = heads.repeat_interleave(copies, dim=0).reshape(n_shards * args.head_dim, -1)
     dim = split_dim(name, "dim")
     return tensor if dim is None else tensor.chunk(n_shards, dim=dim)[rank]
@@ -83,19 +84,25 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], n_shards: int,
-                     dtype: torch.dtype, files: dict[str, bytes], record: ChatRecord) -> Path:
+                     dtype: torch.dtype, files: dict[str, bytes], record: ChatRecord,
+                     quantize: Optional[str] = None) -> Path:
     """Write params.json, n_shards consolidated.XX.pth, the tokenizer files and the chat record to dst.
 
     Everything goes to a temporary folder beside dst that is renamed into place at the end, so
     dst either holds a complete checkpoint or does not exist. Each shard is built by loading every
     tensor again and keeping this rank's slice: memory holds one shard and one whole tensor.
+    quantize="int8" writes an int8 checkpoint (int8_checkpoint.py) of the weights in dtype: what
+    loading the dtype checkpoint with quantize="int8" in one process would hold.
     """
+    check_storable(quantize)
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"the destination {dst} already exists and is not an empty folder; "
                          "choose a new folder or remove it")
     args = ModelArgs.from_dict(params, source="the converted params.json")
     args.check_model_parallel_size(n_shards)
+    if quantize:
+        check_int8_split(args, n_shards, fix="choose an --mp whose shards hold whole groups")
     shapes = expected_shapes(args)
     names = list(shapes)
     missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
@@ -118,7 +125,8 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
                 if tuple(full.shape) != shapes[name]:
                     raise ValueError(f"{name} has shape {list(full.shape)} in the source but its configuration "
                                      f"implies {list(shapes[name])}; check that configuration and weights match")
-                shard[name] = shard_of(name, full, rank, n_shards, args).to(dtype).contiguous().clone()
+                part = shard_of(name, full, rank, n_shards, args).to(dtype).contiguous().clone()
+                shard |= int8_tensors(name, part, n_shards) if quantize else {name: part}
             torch.save(shard, partial / f"consolidated.{rank:02d}.pth")
             del shard
         (partial / "params.json").write_text(json.dumps(params, indent=2) + "\n")
