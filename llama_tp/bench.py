@@ -55,12 +55,14 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decoded token reads on this rank: everything but the embedding table."""
-    return sum(
+    """Bytes of weights one decoded token reads on this rank: everything but the embedding table,
+    fbgemm's packed int8 weights (int8_dynamic) included."""
+    in_state = sum(
         tensor.numel() * tensor.element_size()
         for name, tensor in model.state_dict().items()
         if not name.startswith("tok_embeddings.")
     )
+    return in_state + sum(getattr(module, "packed_bytes", 0) for module in model.modules())
 
 
 def roofline(model: torch.nn.Module, world_size: int) -> dict:

@@ -158,6 +158,8 @@ class DynamicInt8Linear(nn.Module):
                 f"{weight.device.type}; use quantize='int8' there"
             )
         self.packed = _fbgemm_pack(weight)
+        # Hidden in the opaque handle, out of the state dict: int8 weights, a scale per channel.
+        self.packed_bytes = weight.numel() + 4 * weight.shape[0]
         self.communicate = parallel.communication_after(layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

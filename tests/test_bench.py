@@ -9,9 +9,10 @@ import torch
 from distributed import run_world
 from llama_tp import bench_world_sizes, parallel
 from llama_tp.args import ModelArgs
-from llama_tp.bench import compare_loading, load_meta_reference, main
+from llama_tp.bench import compare_loading, load_meta_reference, main, weight_bytes_per_token
 from llama_tp.bench_hf import build_hf_model
 from llama_tp.checkpoint import TOLERATED_EXTRA_KEYS, load_model
+from llama_tp.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from tiny_checkpoint import TINY_LLAMA3, full_weights, write_checkpoint
 
 
@@ -129,3 +130,15 @@ def test_world_size_comparison_names_a_world_size_the_model_cannot_take(tiny_ckp
     with pytest.raises(ValueError, match=r"world size 3 failed: llama_tp error on rank \d: .*cannot be split over 3"):
         bench_world_sizes.main(ckpt_dir=str(tiny_ckpt), world_sizes=(3,), rounds=1, repeats=1, new_tokens=2,
                                batch_sizes=1, prefill_lengths=8)
+
+
+def test_roofline_counts_fbgemm_packed_weights(tiny_ckpt):
+    """int8_dynamic's weights live in fbgemm's opaque handles, outside the state dict: one byte
+    per weight and a scale per output channel still count as read by every token."""
+    args = ModelArgs.from_dict(TINY_LLAMA3)
+    model = load_model(tiny_ckpt, args, parallel.init(), torch.float32, quantize="int8_dynamic")
+    weights = full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"])
+    linear = {n: t for n, t in weights.items() if n.split(".")[-2] in COLUMN_PARALLEL + ROW_PARALLEL}
+    other = sum(4 * t.numel() for n, t in weights.items() if n not in linear and not n.startswith("tok_"))
+    packed = sum(t.numel() + 4 * t.shape[0] for t in linear.values())
+    assert weight_bytes_per_token(model) == other + packed
