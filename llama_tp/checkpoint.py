@@ -187,6 +187,7 @@ class Checkpoint(NamedTuple):
     args: ModelArgs  # with the checkpoint's vocabulary filled in
     layout: EmbeddingLayout
     quantization: Optional[str]  # "int8" for an int8 checkpoint (int8_checkpoint.py)
+    first_shard: dict[str, torch.Tensor]  # memory-mapped, read once: opening a shard costs ~16 ms
 
 
 def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> Checkpoint:
@@ -214,7 +215,8 @@ def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> Checkpoint:
             "to these shards"
         )
     layout = detect_embedding_layout(shard, args, len(paths))
-    return Checkpoint(paths, args, single_shard_layout if len(paths) == 1 else layout, stored_quantization(shard))
+    return Checkpoint(paths, args, single_shard_layout if len(paths) == 1 else layout, stored_quantization(shard),
+                      shard)
 
 
 def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, device: torch.device,
@@ -228,17 +230,18 @@ def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, devi
 def _assemble(checkpoint: Checkpoint, rank: int, world_size: int, device: torch.device,
               dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
     paths = checkpoint.paths
-    return assemble_slice(lambda s: load_shard(paths[s]), len(paths), checkpoint.args, checkpoint.layout, rank,
-                          world_size, device, dtype, describe=lambda s: str(paths[s]), release=mapped_pages.release)
+    return assemble_slice(lambda s: checkpoint.first_shard if s == 0 else load_shard(paths[s]), len(paths),
+                          checkpoint.args, checkpoint.layout, rank, world_size, device, dtype,
+                          describe=lambda s: str(paths[s]), release=mapped_pages.release)
 
 
 def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype,
-               quantize: Optional[str] = None, pack: bool = True) -> Transformer:
+               quantize: Optional[str] = None, pack: bool = True, opened: Optional[Checkpoint] = None) -> Transformer:
     """Build the model without initialising it and fill it with this rank's slice, whatever the
     shard count; linear layers quantized as asked (see quantize.py), or else, with pack, laid out
     for the device's fastest kernel (see matmul.packing_pays). An int8 checkpoint's layers load
-    as they are stored."""
-    checkpoint = open_checkpoint(ckpt_dir, args)
+    as they are stored. opened: ckpt_dir's open_checkpoint, if the caller has it already."""
+    checkpoint = opened or open_checkpoint(ckpt_dir, args)
     world_size = placement.world_size
     if len(checkpoint.paths) != world_size:
         processes = f"{world_size} process" + "es" * (world_size > 1)

@@ -80,11 +80,11 @@ class Llama:
             # Imported here: `python -m llama_tp.plan` must not find the module already imported by the package.
             from .plan import plan, report
 
-            stored = open_checkpoint(ckpt_dir, args).quantization  # an int8 checkpoint loads as int8
+            checkpoint = open_checkpoint(ckpt_dir, args)  # an int8 checkpoint loads as int8
             parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
-                                        quantize or stored)))
+                                        quantize or checkpoint.quantization)))
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
-                               pack=matmul.packing_pays(max_batch_size, compile))
+                               pack=matmul.packing_pays(max_batch_size, compile), opened=checkpoint)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             if compile:
                 compile_decoding(model, placement.device)
