@@ -13,7 +13,7 @@ checkpoint: int8_checkpoint.py).
   compiled by torch.compile on first use (a few seconds; it needs a C++ compiler, as --compile
   does). Elsewhere the weight is converted back on the fly: that saves memory, not time.
 - "int8_dynamic": one grid per output channel, multiplied by fbgemm's int8 kernel, which also
-  rounds each input row to int8 on the fly (dynamic quantization): 4x transformers' fp32 at
+  rounds each input row to int8 on the fly (dynamic quantization): 2-4x transformers' fp32 at
   batch 1, but its greedy answers drift from fp32's. CPU and fp32 only.
 """
 
