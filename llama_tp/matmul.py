@@ -44,7 +44,7 @@ def _intel_cpu() -> bool:
         return False
 
 
-# One-row products on CPU go to MKL (F.linear on plain weights), eager and compiled alike.
+# On Intel CPUs one-row products go to MKL (F.linear on plain weights), eager and compiled alike.
 MKL_FOR_ONE_ROW = _intel_cpu()
 
 
@@ -78,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool = False) -> torch
         # Opaque to torch.compile, which sees a packed weight as a plain one and would rewrite
         # the product into a kernel that cannot read oneDNN's layout.
         return torch.ops.llama_tp.cpu_linear(x, weight)
-    if weight.is_mkldnn or packable(weight.device, weight.dtype) and not _mkl_row(x):
+    if weight.is_mkldnn or (packable(weight.device, weight.dtype) and not _mkl_row(x)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
