@@ -158,7 +158,7 @@ def main(
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
         quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
         compile: compile the decoding step once the first reply has waited for the compiler
-            (3-6 s on a CPU): then 1.5-1.9x faster steps on CPU; worth it for long chats.
+            (3-6 s on a CPU): then 1.1-1.9x faster steps on CPU (by CPU); worth it for long chats.
     """
     room = max_gen_len or max_seq_len // 4
     if room >= max_seq_len:

@@ -9,7 +9,7 @@ from typing import Optional
 from llama_tp import Dialog, Llama, demo
 from llama_tp.cli import run
 from llama_tp.parallel import print0
-from llama_tp.prompts import load_prompts, prompt_record, write_json
+from llama_tp.prompts import batch_rows, load_prompts, prompt_record, write_json
 
 EXAMPLE_DIALOGS: list[Dialog] = [
     [{"role": "user", "content": "what is the recipe of mayonnaise?"}],
@@ -63,7 +63,7 @@ def main(
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus sampling threshold in (0, 1].
         max_seq_len: longest dialog plus reply, in tokens.
-        max_batch_size: dialogs decoded together.
+        max_batch_size: most dialogs decoded together (one with --stream).
         max_gen_len: most tokens per reply; by default up to the end of the context.
         prompts_file: a JSON list of dialogs, each a list of {"role", "content"} messages;
             without it, a few built-in examples.
@@ -77,12 +77,12 @@ def main(
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
         quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
         compile: compile the decoding step once the first reply has waited for the compiler
-            (3-6 s on a CPU): 1.5-1.9x faster steps on CPU with --max_batch_size 1, little
+            (3-6 s on a CPU): 1.1-1.9x faster steps on CPU (by CPU) with --max_batch_size 1, little
             gain with more; worth it for long jobs.
     """
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(dialogs), stream),
                             dtype=dtype, quantize=quantize, compile=compile)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)

@@ -9,7 +9,7 @@ from typing import Optional
 from llama_tp import Llama, demo
 from llama_tp.cli import run
 from llama_tp.parallel import print0
-from llama_tp.prompts import load_prompts, prompt_record, write_json
+from llama_tp.prompts import batch_rows, load_prompts, prompt_record, write_json
 
 EXAMPLE_PROMPTS = [
     # For these prompts, the expected answer is the natural continuation of the prompt
@@ -61,7 +61,7 @@ def main(
         top_p: nucleus sampling threshold in (0, 1].
         max_seq_len: longest prompt plus generation, in tokens.
         max_gen_len: most tokens generated per prompt.
-        max_batch_size: prompts decoded together.
+        max_batch_size: most prompts decoded together (one with --stream).
         prompts_file: a JSON list of prompt strings; without it, a few built-in examples.
         output_json: rank 0 writes a JSON list here, per prompt {prompt, generation, token_ids}.
         top_k: sample only among the k most likely tokens (default: no limit).
@@ -74,14 +74,14 @@ def main(
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
         quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
         compile: compile the decoding step once the first reply has waited for the compiler
-            (3-6 s on a CPU): 1.5-1.9x faster steps on CPU with --max_batch_size 1, little
+            (3-6 s on a CPU): 1.1-1.9x faster steps on CPU (by CPU) with --max_batch_size 1, little
             gain with more; worth it for long jobs.
     """
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     if stream and show_top:
         raise ValueError("--show_top lists candidates after generation; run it without --stream")
     prompts = load_prompts(prompts_file, "text") if prompts_file else EXAMPLE_PROMPTS
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(prompts), stream),
                             dtype=dtype, quantize=quantize, compile=compile)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)

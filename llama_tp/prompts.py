@@ -10,6 +10,16 @@ from .chat_format import Dialog, check_dialog
 from .parallel import global_rank
 
 
+def batch_rows(max_batch_size: int, n_prompts: int, stream: bool) -> int:
+    """The max_batch_size to build with: no more rows than the job decodes at once (one at a time
+    when streaming). Fewer rows hold a smaller KV cache, and one row lets CPUs whose one-row
+    product is fastest on plain weights keep them (matmul.MKL_FOR_ONE_ROW). A value that is not
+    a positive integer is passed on for Llama.build to refuse."""
+    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+        return max_batch_size
+    return 1 if stream else min(max_batch_size, n_prompts)
+
+
 def load_prompts(path: str, kind: Literal["text", "chat"]) -> list:
     """A JSON list of strings (text) or of dialogs (chat), checked item by item."""
     file = Path(path)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from llama_tp import Llama
+from llama_tp.prompts import batch_rows
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 from torchrun import one_thread, run_script  # noqa: F401  (a fixture)
 
@@ -57,3 +58,18 @@ def test_chat_completion_script_matches_api_over_two_processes(tmp_path, checkpo
     expected = api.chat_completion(DIALOGS, temperature=0, max_gen_len=6, token_ids=True)
     assert [r["token_ids"] for r in records] == [e["token_ids"] for e in expected]
     assert [r["generation"] for r in records] == [e["generation"]["content"] for e in expected]
+
+
+def test_scripts_build_no_more_rows_than_they_decode_at_once():
+    assert batch_rows(4, n_prompts=2, stream=False) == 2
+    assert batch_rows(4, n_prompts=9, stream=False) == 4  # the rest in later batches
+    assert batch_rows(4, n_prompts=9, stream=True) == 1  # streamed prompts run one at a time
+    assert batch_rows(0, n_prompts=2, stream=True) == 0  # for Llama.build to refuse by name
+
+
+def test_streaming_script_builds_a_one_row_model(tmp_path, checkpoints):
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(PROMPTS))
+    result = run_script("text_completion.py", 1, "--ckpt_dir", checkpoints[1], "--tokenizer_path",
+                        str(LLAMA2_TOKENIZER), "--prompts_file", str(prompts_file), *GREEDY, "--stream")
+    assert "batch 1 x 64 tokens" in result.stdout  # the memory plan Llama.build prints
