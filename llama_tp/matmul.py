@@ -7,11 +7,13 @@ for 2-16. oneDNN's inner product on a weight reordered once into its blocked lay
 packs each linear layer's weight for oneDNN, and `linear` sends every CPU product there (a plain
 weight too, such as int8 converted on the fly: 1.5-2x faster than MKL); elsewhere nothing changes.
 
-Decoding one row at a time (max_batch_size 1) is the exception. On AMD, compiled, inductor writes
-the products itself (see SUMMED_MAX_ROWS), reading plain weights closer to the memory's speed than
+Decoding a few rows at a time is the exception. On AMD, compiled, inductor writes one-row
+products itself (see SUMMED_MAX_ROWS), reading plain weights closer to the memory's speed than
 oneDNN does. On Intel CPUs MKL takes its own fast paths: on an Intel Xeon machine of this project
-its one-row product read the demo model's weights at 23 GB/s, against 19 for oneDNN's packed
-weights and 15-18 for inductor's sums, so there one-row products stay MKL's (MKL_FOR_ONE_ROW).
+it read the demo model's weights at 23-25 GB/s for 1-3 rows, against 18-20 for oneDNN's packed
+weights (and 15-18 for inductor's one-row sums), but at 15 for 4 rows against oneDNN's 19. So
+there products of up to MKL_MAX_ROWS rows stay MKL's, and models built for so few rows keep
+plain weights.
 """
 
 import torch
@@ -44,8 +46,8 @@ def _intel_cpu() -> bool:
         return False
 
 
-# On Intel CPUs one-row products go to MKL (F.linear on plain weights), eager and compiled alike.
-MKL_FOR_ONE_ROW = _intel_cpu()
+# Products of up to this many rows go to MKL (F.linear on plain weights), eager and compiled alike.
+MKL_MAX_ROWS = 3 if _intel_cpu() else 0
 
 
 def packable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -54,10 +56,9 @@ def packable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def packing_pays(max_rows: int, compiled: bool) -> bool:
-    """Whether packing pays for products of up to max_rows rows (a decoding batch): not for one
-    row where MKL is faster (MKL_FOR_ONE_ROW) nor, compiled, where the compiler's summed product
-    is; else yes."""
-    if max_rows == 1 and MKL_FOR_ONE_ROW:
+    """Whether packing pays for products of up to max_rows rows (a decoding batch): not where MKL
+    is faster (MKL_MAX_ROWS) nor, compiled, where the compiler's summed product is; else yes."""
+    if max_rows <= MKL_MAX_ROWS:
         return False
     return not compiled or max_rows > SUMMED_MAX_ROWS
 
@@ -74,18 +75,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool = False) -> torch
     """
     if torch.compiler.is_compiling() and x.device.type == "cpu":
         if not packed and x.shape[:-1].numel() <= SUMMED_MAX_ROWS:
-            return F.linear(x, weight) if MKL_FOR_ONE_ROW else _summed_product(x, weight)
+            return F.linear(x, weight) if MKL_MAX_ROWS else _summed_product(x, weight)
         # Opaque to torch.compile, which sees a packed weight as a plain one and would rewrite
         # the product into a kernel that cannot read oneDNN's layout.
         return torch.ops.llama_tp.cpu_linear(x, weight)
-    if weight.is_mkldnn or (packable(weight.device, weight.dtype) and not _mkl_row(x)):
+    if weight.is_mkldnn or (packable(weight.device, weight.dtype) and not _for_mkl(x)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
 
-def _mkl_row(x: torch.Tensor) -> bool:
-    """Whether x is one row that MKL multiplies fastest (MKL_FOR_ONE_ROW)."""
-    return MKL_FOR_ONE_ROW and x.shape[:-1].numel() == 1
+def _for_mkl(x: torch.Tensor) -> bool:
+    """Whether x has so few rows that MKL multiplies them fastest (MKL_MAX_ROWS)."""
+    return x.shape[:-1].numel() <= MKL_MAX_ROWS
 
 
 def _summed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

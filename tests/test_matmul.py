@@ -27,10 +27,10 @@ def test_packed_product_is_the_plain_product(rows, dtype, tolerance):
 
 @pytest.mark.parametrize("rows", [(1, 1), (3, 1), (2, 2), (5, 1), (2, 8)])
 @pytest.mark.parametrize("packed", [False, True] if torch.backends.mkldnn.is_available() else [False])
-@pytest.mark.parametrize("mkl_for_one_row", [False, True])
-def test_compiled_product_is_the_plain_product(rows, packed, mkl_for_one_row, monkeypatch):
+@pytest.mark.parametrize("mkl_max_rows", [0, 3])
+def test_compiled_product_is_the_plain_product(rows, packed, mkl_max_rows, monkeypatch):
     """Compiled: one row by a plain weight summed by the compiler (or MKL's, on Intel), else oneDNN's product."""
-    monkeypatch.setattr(matmul, "MKL_FOR_ONE_ROW", mkl_for_one_row)
+    monkeypatch.setattr(matmul, "MKL_MAX_ROWS", mkl_max_rows)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 40, generator=generator)
     x = torch.randn(*rows, 40, generator=generator)
@@ -41,23 +41,24 @@ def test_compiled_product_is_the_plain_product(rows, packed, mkl_for_one_row, mo
 
 
 def test_packing_pays_eagerly_and_for_large_compiled_batches(monkeypatch):
-    monkeypatch.setattr(matmul, "MKL_FOR_ONE_ROW", False)
+    monkeypatch.setattr(matmul, "MKL_MAX_ROWS", 0)
     assert matmul.packing_pays(1, compiled=False) and matmul.packing_pays(64, compiled=False)
     assert not matmul.packing_pays(matmul.SUMMED_MAX_ROWS, compiled=True)
     assert matmul.packing_pays(matmul.SUMMED_MAX_ROWS + 1, compiled=True)
 
 
-def test_one_row_jobs_keep_plain_weights_where_mkl_multiplies_one_row_fastest(monkeypatch):
-    monkeypatch.setattr(matmul, "MKL_FOR_ONE_ROW", True)
+def test_few_row_jobs_keep_plain_weights_where_mkl_multiplies_few_rows_fastest(monkeypatch):
+    monkeypatch.setattr(matmul, "MKL_MAX_ROWS", 3)
     assert not matmul.packing_pays(1, compiled=False) and not matmul.packing_pays(1, compiled=True)
-    assert matmul.packing_pays(2, compiled=False) and matmul.packing_pays(8, compiled=True)
+    assert not matmul.packing_pays(3, compiled=False) and not matmul.packing_pays(3, compiled=True)
+    assert matmul.packing_pays(4, compiled=False) and matmul.packing_pays(8, compiled=True)
 
 
-@pytest.mark.parametrize("rows", [(1, 1), (3, 1), (512,)])
-@pytest.mark.parametrize("mkl_for_one_row", [False, True])
-def test_eager_product_by_a_plain_weight_is_the_plain_product(rows, mkl_for_one_row, monkeypatch):
-    """MKL's for one row on Intel, oneDNN's otherwise where oneDNN is built in: the same product."""
-    monkeypatch.setattr(matmul, "MKL_FOR_ONE_ROW", mkl_for_one_row)
+@pytest.mark.parametrize("rows", [(1, 1), (3, 1), (4, 1), (512,)])
+@pytest.mark.parametrize("mkl_max_rows", [0, 3])
+def test_eager_product_by_a_plain_weight_is_the_plain_product(rows, mkl_max_rows, monkeypatch):
+    """MKL's for up to 3 rows on Intel, oneDNN's otherwise where oneDNN is built in: the same product."""
+    monkeypatch.setattr(matmul, "MKL_MAX_ROWS", mkl_max_rows)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 40, generator=generator)
     x = torch.randn(*rows, 40, generator=generator)
@@ -84,7 +85,7 @@ def test_only_cpu_fp32_and_bf16_weights_are_packed():
 
 @needs_onednn
 def test_loader_packs_every_linear_layer_and_nothing_else(checkpoints, tokenizer_path):
-    llama = Llama.build(str(checkpoints["llama3", 2]), tokenizer_path, max_seq_len=16, max_batch_size=2)
+    llama = Llama.build(str(checkpoints["llama3", 2]), tokenizer_path, max_seq_len=16, max_batch_size=4)
     for name, tensor in llama.model.state_dict().items():
         assert tensor.is_mkldnn == (name.split(".")[-2] in LINEAR_LAYERS), name
     for name, module in llama.model.named_modules():
@@ -96,7 +97,7 @@ def test_packed_weights_are_the_checkpoint_tensors_stacked_and_converted(checkpo
     """wq/wk/wv and w1/w3 stacked in one reused buffer per loading thread, bf16 turned into the
     model's dtype, then packed: every packed weight must still be exactly its checkpoint parts."""
     folder = checkpoints["llama3", 1]
-    llama = Llama.build(str(folder), tokenizer_path, max_seq_len=16, max_batch_size=2)
+    llama = Llama.build(str(folder), tokenizer_path, max_seq_len=16, max_batch_size=4)
     shard = torch.load(folder / "consolidated.00.pth", weights_only=True)
     state = llama.model.state_dict()
     packed = [name for name in state if state[name].is_mkldnn]
