@@ -18,12 +18,14 @@ import torch
 from tqdm import tqdm
 
 from .args import ModelArgs
+from .chat_format import CHAT_RECORD_FILE
 from .checkpoint import load_slice, open_checkpoint
 from .cli import run
 from .int8_checkpoint import check_int8_split, check_storable, int8_tensors
 
-# Copied beside the shards: the architecture, and whatever tokenizer came with the checkpoint.
-COPIED = ("params.json", "tokenizer*")
+# Copied beside the shards: the architecture, whatever tokenizer came with the checkpoint, and a
+# converted model's chat format and stop tokens.
+COPIED = ("params.json", "tokenizer*", CHAT_RECORD_FILE)
 
 
 def reshard(src: Path, dst: Path, mp: int, force: bool = False, quantize: Optional[str] = None) -> list[Path]:

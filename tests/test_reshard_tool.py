@@ -29,6 +29,7 @@ def test_round_trip_1_4_2_1(tmp_path, case):
     params, layout = CASES[case]
     original = write_checkpoint(tmp_path / "mp1", params, full_weights(params, 512), 1, layout)
     (original / "tokenizer.model").write_bytes(b"any tokenizer file travels with the shards")
+    (original / "llama_tp.json").write_text('{"chat_format": "chatml"}')  # as the converters write it
     reshard(original, tmp_path / "mp4", 4)
     reshard(tmp_path / "mp4", tmp_path / "mp2", 2)
     reshard(tmp_path / "mp2", tmp_path / "back", 1)
@@ -37,7 +38,7 @@ def test_round_trip_1_4_2_1(tmp_path, case):
     for name in before:
         assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
     assert len(read_all(tmp_path / "mp4")) == 4
-    for name in ("params.json", "tokenizer.model"):
+    for name in ("params.json", "tokenizer.model", "llama_tp.json"):
         assert (tmp_path / "back" / name).read_bytes() == (original / name).read_bytes()
     assert not list((tmp_path / "back").glob("*.tmp"))
 
