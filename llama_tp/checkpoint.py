@@ -219,16 +219,9 @@ def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> Checkpoint:
                       shard)
 
 
-def load_slice(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int, device: torch.device,
-               dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], ModelArgs, EmbeddingLayout]:
-    """Rank `rank`'s tensors from the checkpoint in ckpt_dir, whatever its shard count; with the
-    checkpoint's args (vocabulary filled in) and embedding layout."""
-    checkpoint = open_checkpoint(ckpt_dir, args)
-    return _assemble(checkpoint, rank, world_size, device, dtype), checkpoint.args, checkpoint.layout
-
-
-def _assemble(checkpoint: Checkpoint, rank: int, world_size: int, device: torch.device,
-              dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+def load_slice(checkpoint: Checkpoint, rank: int, world_size: int, device: torch.device,
+               dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensors (of world_size) from an opened checkpoint, whatever its shard count."""
     paths = checkpoint.paths
     return assemble_slice(lambda s: checkpoint.first_shard if s == 0 else load_shard(paths[s]), len(paths),
                           checkpoint.args, checkpoint.layout, rank, world_size, device, dtype,
@@ -253,7 +246,7 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
         check_int8_load(ckpt_dir, checkpoint.args, world_size, placement.device, quantize)
         unfilled_int8_layers(model)
     # An int8 checkpoint's embedding and norms are converted in load_into, its int8 layers kept as they are.
-    state = _assemble(checkpoint, placement.rank, world_size, placement.device, None if stored_int8 else dtype)
+    state = load_slice(checkpoint, placement.rank, world_size, placement.device, None if stored_int8 else dtype)
     pack_linear = pack and quantize is None and not stored_int8
     load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack_linear)
     return model if stored_int8 else quantize_model(model, quantize)

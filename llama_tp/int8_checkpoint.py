@@ -10,6 +10,7 @@ row-parallel ones (wo, w2) by inputs, so their scales and zeros by groups. That 
 part of a row-parallel layer to hold whole groups: check_int8_split.
 """
 
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -86,7 +87,7 @@ def int8_tensors(name: str, tensor: torch.Tensor, n_shards: int) -> dict[str, to
     return {name: q, f"{layer}.scales": scales, f"{layer}.zeros": zeros}
 
 
-def check_int8_load(ckpt_dir: object, args: ModelArgs, world_size: int, device: torch.device,
+def check_int8_load(ckpt_dir: Path, args: ModelArgs, world_size: int, device: torch.device,
                     quantize: Optional[str]) -> None:
     """Refuse what cannot load an int8 checkpoint, before anything is read: int8_dynamic, a world
     size that cuts groups, CPU without a C++ compiler. quantize=None loads it as int8, and says so."""

@@ -60,15 +60,10 @@ class MemoryPlan:
 
 def params_per_rank(args: ModelArgs, world_size: int) -> int:
     """Parameters one of world_size processes holds: its slice of each split matrix plus the norms."""
-    head_dim = args.head_dim
-    attention = (
-        2 * args.dim * args.n_heads * head_dim // world_size  # wq, wo
-        + 2 * args.dim * local_kv_heads(args, world_size) * head_dim  # wk, wv
-    )
-    feed_forward = 3 * args.dim * args.ffn_hidden_dim // world_size  # w1, w2, w3
-    norms = 2 * args.dim
-    embeddings = 2 * args.vocab_size * args.dim // world_size  # tok_embeddings, output
-    return args.n_layers * (attention + feed_forward + norms) + embeddings + args.dim
+    linear = sum(n for _, n in linear_params_per_rank(args, world_size))
+    embedding = args.vocab_size * args.dim // world_size
+    norms = (2 * args.n_layers + 1) * args.dim  # two per layer and the last
+    return linear + embedding + norms
 
 
 def linear_params_per_rank(args: ModelArgs, world_size: int) -> list[tuple[int, int]]:

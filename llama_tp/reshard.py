@@ -58,7 +58,7 @@ def reshard(src: Path, dst: Path, mp: int, force: bool = False, quantize: Option
                 _replace(dst / path.name, lambda tmp, path=path: shutil.copyfile(path, tmp))
     written = []
     for rank in tqdm(range(mp), desc=f"{n_shards} -> {mp} shards", unit="shard", file=sys.stderr):
-        state, _, _ = load_slice(src, params, rank, mp, torch.device("cpu"))
+        state = load_slice(checkpoint, rank, mp, torch.device("cpu"))
         if quantizing:
             state = _quantized(state, mp)
         target = dst / f"consolidated.{rank:02d}.pth"

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 
 from llama_tp.args import ModelArgs
-from llama_tp.checkpoint import load_slice
+from llama_tp.checkpoint import load_slice, open_checkpoint
 
 
 def main(ckpt_dir: str, rank: int, world_size: int) -> None:
     ckpt_dir = Path(ckpt_dir)
     before = memory_status("VmRSS")
-    state, _, _ = load_slice(ckpt_dir, ModelArgs.load(ckpt_dir / "params.json"), rank, world_size, torch.device("cpu"))
+    checkpoint = open_checkpoint(ckpt_dir, ModelArgs.load(ckpt_dir / "params.json"))
+    state = load_slice(checkpoint, rank, world_size, torch.device("cpu"))
     checksum = sum(float(t.sum()) for t in state.values())  # touch every byte of the slice
     peak = memory_status("VmHWM")
     slice_bytes = sum(t.numel() * t.element_size() for t in state.values())
