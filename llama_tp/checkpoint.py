@@ -21,7 +21,7 @@ from .args import ModelArgs
 from .int8_checkpoint import check_int8_load, stored_quantization, unfilled_int8_layers
 from .model import LINEAR_LAYERS, Transformer
 from .parallel import EmbeddingLayout, Placement, print0
-from .quantize import Int8Linear, quantize_model
+from .quantize import Int8Linear, quantize_model, use_int8_kernel
 from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
 
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
@@ -249,7 +249,7 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
     state = load_slice(checkpoint, placement.rank, world_size, placement.device, None if stored_int8 else dtype)
     pack_linear = pack and quantize is None and not stored_int8
     load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack_linear)
-    return model if stored_int8 else quantize_model(model, quantize)
+    return use_int8_kernel(model if stored_int8 else quantize_model(model, quantize))
 
 
 def _shape(shard: dict[str, torch.Tensor], name: str, dims: int) -> tuple[int, ...]:

@@ -7,11 +7,12 @@ checkpoint: int8_checkpoint.py).
   Q4_0 and Q4_1, 8-bit Q8_0, as the demo model's do) land on one of the two grids, so they are
   kept almost exactly: the demo model's greedy answers do not change, where one grid per output
   channel changed 7 of 10 (python -m llama_tp.answer_agreement).
-  On CPU, a one-row product (decoding at batch 1) runs a compiled kernel that reads the int8
-  weight once, converting it back as it goes; more rows convert the weight back to the
-  activations' dtype in one compiled pass and multiply it through oneDNN. Both kernels are
-  compiled by torch.compile on first use (a few seconds; it needs a C++ compiler, as --compile
-  does). Elsewhere the weight is converted back on the fly: that saves memory, not time.
+  On a CPU with AVX-512, products of up to int8_kernel.MAX_ROWS rows (decoding) run our C++
+  kernel, which reads the int8 weight once (int8_kernel.py). On other CPUs, a one-row product
+  runs torch.compile's kernel for grouped_product, which does the same more slowly. Other
+  products convert the weight back to the activations' dtype in one compiled pass and multiply
+  it through oneDNN. All are compiled on first use (seconds; they need a C++ compiler, as
+  --compile does). Elsewhere the weight is converted back on the fly: that saves memory, not time.
 - "int8_dynamic": one grid per output channel, multiplied by fbgemm's int8 kernel, which also
   rounds each input row to int8 on the fly (dynamic quantization): 2-4x transformers' fp32 at
   batch 1, but its greedy answers drift from fp32's. CPU and fp32 only.
@@ -25,7 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import matmul, parallel
+from . import int8_kernel, matmul, parallel
 from .model import LINEAR_LAYERS
 
 QUANTIZATIONS = ("int8", "int8_dynamic")
@@ -129,13 +130,26 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
         self.communicate = communicate
+        self.out_features = q.shape[0]
+        self.blocked = False  # weight, scales and zeros in int8_kernel's layout (use_kernel)
 
     @classmethod
     def quantizing(cls, layer: nn.Module) -> "Int8Linear":
         """The layer with its weight quantized here (quantize_int8 of this rank's slice)."""
         return cls(*quantize_int8(layer.weight.detach()), parallel.communication_after(layer))
 
+    def use_kernel(self) -> None:
+        """Lay the weight out for int8_kernel, whose products it then takes."""
+        int8_kernel.load()
+        self.weight, self.scales, self.zeros = int8_kernel.blocks(self.weight, self.scales, self.zeros)
+        self.blocked = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked:
+            if x.shape[:-1].numel() <= int8_kernel.MAX_ROWS:
+                return self.communicate(int8_kernel.product(x, self.weight, self.scales, self.zeros, self.out_features))
+            weight = _run(int8_kernel.dequantize, self.weight, self.scales, self.zeros, self.out_features, x.dtype)
+            return self.communicate(matmul.linear(x, weight))
         if x.device.type != "cpu":
             return self.communicate(matmul.linear(x, dequantize(self.weight, self.scales, self.zeros, x.dtype)))
         if x.shape[:-1].numel() == 1:  # bound by reading the weight: read it as int8
@@ -184,6 +198,14 @@ def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Module], n
         for name, child in list(module.named_children()):
             if name in LINEAR_LAYERS:
                 setattr(module, name, replacement(child))
+    return model
+
+
+def use_int8_kernel(model: nn.Module) -> nn.Module:
+    """Hand the model's int8 layers to int8_kernel, where it runs (a CPU with AVX-512)."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and int8_kernel.runs_on(module.weight.device):
+            module.use_kernel()
     return model
 
 

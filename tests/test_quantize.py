@@ -4,7 +4,7 @@ to fp32 and greedy answers do not change."""
 import pytest
 import torch
 
-from llama_tp import Llama
+from llama_tp import Llama, int8_kernel
 from llama_tp.quantize import DynamicInt8Linear, Int8Linear, dequantize, grouped_product, quantize_int8
 from llama_tp.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from distributed import run_world
@@ -92,7 +92,10 @@ def test_int8_logits_close_and_greedy_unchanged(tiny_ckpt, quantize, tolerance):
     reference = _build(tiny_ckpt, None)
     quantized = _build(tiny_ckpt, quantize)
     layer = Int8Linear if quantize == "int8" else DynamicInt8Linear
-    assert sum(isinstance(m, layer) for m in quantized.model.modules()) == 2 * 4 + 1  # wqkv, wo, w13, w2 per layer, and the output
+    layers = [m for m in quantized.model.modules() if isinstance(m, layer)]
+    assert len(layers) == 2 * 4 + 1  # wqkv, wo, w13, w2 per layer, and the output
+    if quantize == "int8":  # through the C++ kernel wherever it runs
+        assert all(m.blocked == int8_kernel.runs_on(torch.device("cpu")) for m in layers)
     greedy, _ = reference.generate(PROMPTS, max_gen_len=20, temperature=0, echo=True)
     width = max(map(len, greedy))
     tokens = torch.tensor([row + [3] * (width - len(row)) for row in greedy])  # bsz, width
@@ -112,12 +115,12 @@ def test_int8_logits_close_and_greedy_unchanged(tiny_ckpt, quantize, tolerance):
 
 
 def _step_logits(folder: str, quantize) -> list[torch.Tensor]:
-    """A 24-row prompt (weights converted back) and one-token steps at batch 2 and 1."""
-    llama = Llama.build(folder, str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=2, quantize=quantize)
-    tokens = torch.randint(3, 32000, (2, 17), generator=torch.Generator().manual_seed(5))
-    logits = [llama.model.forward(tokens[:, :12], 0)]
-    logits += [llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(12, 16)]
-    return logits + [llama.model.forward(tokens[:1, 16:17], 16)]  # one row: the int8 kernel
+    """An 80-row prompt (int8 weights converted back) and one-token steps at batch 2 and 1."""
+    llama = Llama.build(folder, str(LLAMA2_TOKENIZER), max_seq_len=48, max_batch_size=2, quantize=quantize)
+    tokens = torch.randint(3, 32000, (2, 45), generator=torch.Generator().manual_seed(5))
+    logits = [llama.model.forward(tokens[:, :40], 0)]
+    logits += [llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(40, 44)]
+    return logits + [llama.model.forward(tokens[:1, 44:45], 44)]
 
 
 def test_int8_over_two_processes_stays_close_to_fp32(checkpoints):
