@@ -256,6 +256,8 @@ def main(
     # fire reads "--batch_sizes 1" as an int and "--batch_sizes 1,8" as a tuple
     batch_sizes = (batch_sizes,) if isinstance(batch_sizes, int) else tuple(batch_sizes)
     prefill_lengths = (prefill_lengths,) if isinstance(prefill_lengths, int) else tuple(prefill_lengths)
+    if not batch_sizes:
+        raise ValueError("--batch_sizes names no batch size; give at least one, e.g. --batch_sizes 1")
     if threads is not None:
         torch.set_num_threads(threads)
     placement = parallel.init()
@@ -267,7 +269,7 @@ def main(
     args = model_args(ckpt_dir, tokenizer_path)
     args.check_model_parallel_size(placement.world_size)
     torch_dtype = parallel.resolve_dtype(dtype, placement.device)
-    max_seq_len = max(max(prefill_lengths) + 1, DECODE_PROMPT_LEN + new_tokens)
+    max_seq_len = max([length + 1 for length in prefill_lengths] + [DECODE_PROMPT_LEN + new_tokens])
     report: dict = {
         "command": {"ckpt_dir": str(ckpt_dir), "compare": compare, "quantize": quantize, "dtype": dtype,
                     "repeats": repeats, "new_tokens": new_tokens, "compile": compile},

@@ -90,9 +90,14 @@ def test_bench_rejects_unknown_comparison(tiny_ckpt, tmp_path):
         main(ckpt_dir=str(tiny_ckpt), compare="vllm", json_path=str(tmp_path / "x.json"))
 
 
+def test_bench_rejects_an_empty_batch_size_list(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="--batch_sizes names no batch size"):
+        main(ckpt_dir=str(tiny_ckpt), batch_sizes=(), json_path=str(tmp_path / "x.json"))
+
+
 def _bench_on_rank(ckpt_dir: str, json_path: str) -> list:
     main(ckpt_dir=ckpt_dir, json_path=json_path, repeats=1, load_repeats=0, new_tokens=4,
-         batch_sizes=1, prefill_lengths=8, compile=True)
+         batch_sizes=1, prefill_lengths=(), compile=True)  # decoding only
     return [parallel.model_parallel_rank()]
 
 
