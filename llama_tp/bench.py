@@ -278,7 +278,7 @@ def main(
                     "torch": torch.__version__},
     }
 
-    pack = matmul.packing_pays(max(batch_sizes), compile)  # as Llama.build decides
+    pack = matmul.packing_pays(max(batch_sizes), compile, torch_dtype)  # as Llama.build decides
     if load_repeats > 0 and placement.world_size == 1:
         parallel.print0("loading: llama_tp and Meta's reference, in fresh processes")
         report["load"] = compare_loading(ckpt_dir, args, torch_dtype, quantize, pack, load_repeats)

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import mapped_pages, matmul
+from . import cpu_kernels, mapped_pages, matmul
 from .args import ModelArgs
 from .int8_checkpoint import check_int8_load, stored_quantization, unfilled_int8_layers
 from .model import LINEAR_LAYERS, Transformer
@@ -249,6 +249,8 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
     state = load_slice(checkpoint, placement.rank, world_size, placement.device, None if stored_int8 else dtype)
     pack_linear = pack and quantize is None and not stored_int8
     load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack_linear)
+    if matmul.kernel_runs(placement.device, dtype):
+        cpu_kernels.load()  # before torch.compile traces a decoding step that calls it
     return use_int8_kernel(model if stored_int8 else quantize_model(model, quantize))
 
 

@@ -55,9 +55,9 @@ class Llama:
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
         compile: run decoding steps through torch.compile. Off by default: on this project's AMD
             CPU steps ran 1.5-1.9x faster with max_batch_size 1 (whose products the compiler writes
-            itself from plain weights; see matmul.SUMMED_MAX_ROWS), on its Intel CPU 1.08x (MKL's
-            products, the rest fused), little faster with more, and only after 3-6 s of
-            compiling, which a job of a few hundred tokens does not win back.
+            itself from plain weights; see matmul.SUMMED_MAX_ROWS), on its Intel CPU 1.1x at batch
+            1 and 8 (our kernel's products, the rest fused), but only after 3-6 s of compiling,
+            which a job of a few hundred tokens does not win back.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
@@ -85,7 +85,7 @@ class Llama:
             parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
                                         quantize or checkpoint.quantization)))
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
-                               pack=matmul.packing_pays(max_batch_size, compile), opened=checkpoint)
+                               pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             if compile:
                 compile_decoding(model, placement.device)

@@ -1,5 +1,4 @@
-"""Grouped int8 products on CPUs with AVX-512, by a C++ kernel of ours (int8_kernel.cpp) that
-torch.utils.cpp_extension compiles on first use (10-25 s, then cached in ~/.cache/torch_extensions).
+"""Grouped int8 products on CPUs with AVX-512, by our C++ kernel (cpu_kernels.py: int8_product).
 
 torch.compile's code for the same product (quantize.grouped_product) converts the weight back
 with one chain of additions per output. In a decode step of the demo model on this project's
@@ -9,11 +8,6 @@ outputs' weights per load into 4 independent sums and asks for the weight 8 KB a
 16 output channels stored input-major, is made once at load (`blocks`).
 """
 
-import functools
-import os
-import shutil
-from pathlib import Path
-
 import torch
 
 LANES = 16  # output channels per block: one AVX-512 register of fp32
@@ -21,34 +15,6 @@ LANES = 16  # output channels per block: one AVX-512 register of fp32
 # Products of up to this many rows go to the kernel (at 128 rows both ways take as long); more
 # (prompts) convert the weight back and multiply it through oneDNN.
 MAX_ROWS = 64
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernel runs on this device: a CPU with AVX-512, as torch itself detects it."""
-    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
-@functools.cache
-def load() -> None:
-    """Compile (or take from torch's extension cache) and load the kernel as
-    torch.ops.llama_tp.int8_product, with the output shape torch.compile needs to call it as it is."""
-    from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
-
-    if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH: take the ninja package's
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(
-        name="llama_tp_int8_kernel",
-        sources=[str(Path(__file__).with_name("int8_kernel.cpp"))],
-        extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # OpenMP: at::parallel_for's threads
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
-
-    @torch.library.register_fake("llama_tp::int8_product")
-    def _(x, q, scales, zeros, out_features):
-        return x.new_empty(x.shape[0], out_features)
 
 
 def blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,7 +41,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, out_f
 
 def product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             out_features: int) -> torch.Tensor:
-    """x [..., in] times the blocked int8 weight, transposed: [..., out_features] in x's dtype (after load())."""
+    """x [..., in] times the blocked int8 weight, transposed: [..., out_features] in x's dtype
+    (after cpu_kernels.load())."""
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # rows, in
     y = torch.ops.llama_tp.int8_product(rows, q, scales, zeros, out_features)
     return y.view(*x.shape[:-1], out_features).to(x.dtype)

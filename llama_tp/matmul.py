@@ -11,13 +11,19 @@ Decoding a few rows at a time is the exception. On AMD, compiled, inductor write
 products itself (see SUMMED_MAX_ROWS), reading plain weights closer to the memory's speed than
 oneDNN does. On Intel CPUs MKL takes its own fast paths: on an Intel Xeon machine of this project
 it read the demo model's weights at 23-25 GB/s for 1-3 rows, against 18-20 for oneDNN's packed
-weights (and 15-18 for inductor's one-row sums), but at 15 for 4 rows against oneDNN's 19. So
-there products of up to MKL_MAX_ROWS rows stay MKL's, and models built for so few rows keep
-plain weights.
+weights, but at 15 for 4 rows against oneDNN's 19. And our own kernel (cpu_kernels.cpp) reads
+them at 26-27 GB/s, the speed of a plain copy, for 1-2 rows, and multiplies 8 rows in 11% less
+time than oneDNN's packed kernel. So on Intel CPUs with AVX-512 products of up to
+KERNEL_MAX_ROWS rows by an fp32 weight go to our kernel, prompts to MKL (within about 10% of
+oneDNN on packed weights there, and as fast as transformers), and weights stay plain, which
+also makes loading twice as fast. On other Intel CPUs products of up to MKL_MAX_ROWS rows stay
+MKL's, and models built for so few rows keep plain weights.
 """
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_kernels
 
 # oneDNN lays a weight out for an expected number of rows; 8 measured fastest for decoding at
 # batch 1 and 8 alike, and costs prompts nothing.
@@ -49,16 +55,29 @@ def _intel_cpu() -> bool:
 # Products of up to this many rows go to MKL (F.linear on plain weights), eager and compiled alike.
 MKL_MAX_ROWS = 3 if _intel_cpu() else 0
 
+# Whether fp32 products of few rows go to our kernel here: an Intel CPU it runs on. Streamed
+# through the demo model's layers on this project's Intel Xeon machine it took 19.6 ms for one
+# row (MKL 20.6), 26.6 for 8 (oneDNN on packed weights 29.9, MKL 49) and 43 for 16 (MKL 51,
+# oneDNN packed 38); at 32 rows MKL is faster. Not measured on AMD CPUs, which keep oneDNN.
+FLOAT_KERNEL = _intel_cpu() and cpu_kernels.runs_on(torch.device("cpu"))
+KERNEL_MAX_ROWS = 16
+
+
+def kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decoding products by weights of this dtype on this device go to our kernel (FLOAT_KERNEL)."""
+    return FLOAT_KERNEL and device.type == "cpu" and dtype == torch.float32
+
 
 def packable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN multiplies weights of this dtype on this device: CPU builds with oneDNN, fp32 or bf16."""
     return _ONEDNN and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
-def packing_pays(max_rows: int, compiled: bool) -> bool:
-    """Whether packing pays for products of up to max_rows rows (a decoding batch): not where MKL
-    is faster (MKL_MAX_ROWS) nor, compiled, where the compiler's summed product is; else yes."""
-    if max_rows <= MKL_MAX_ROWS:
+def packing_pays(max_rows: int, compiled: bool, dtype: torch.dtype) -> bool:
+    """Whether packing CPU weights of this dtype pays for products of up to max_rows rows (a
+    decoding batch): not where our kernel takes them (kernel_runs), nor where MKL is faster
+    (MKL_MAX_ROWS), nor, compiled, where the compiler's summed product is; else yes."""
+    if kernel_runs(torch.device("cpu"), dtype) or max_rows <= MKL_MAX_ROWS:
         return False
     return not compiled or max_rows > SUMMED_MAX_ROWS
 
@@ -73,6 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool = False) -> torch
 
     packed: whether weight is in oneDNN's layout, which torch.compile cannot tell from the tensor.
     """
+    if not packed and not weight.is_mkldnn and kernel_runs(x.device, weight.dtype):  # decoding: ours; prompts: MKL
+        return cpu_kernels.float_product(x, weight) if x.shape[:-1].numel() <= KERNEL_MAX_ROWS else F.linear(x, weight)
     if torch.compiler.is_compiling() and x.device.type == "cpu":
         if not packed and x.shape[:-1].numel() <= SUMMED_MAX_ROWS:
             return F.linear(x, weight) if MKL_MAX_ROWS else _summed_product(x, weight)

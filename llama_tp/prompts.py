@@ -12,9 +12,9 @@ from .parallel import global_rank
 
 def batch_rows(max_batch_size: int, n_prompts: int, stream: bool) -> int:
     """The max_batch_size to build with: no more rows than the job decodes at once (one at a time
-    when streaming). Fewer rows hold a smaller KV cache, and few rows let CPUs whose products of
-    few rows are fastest on plain weights keep them (matmul.MKL_MAX_ROWS). A value that is not a
-    positive integer is passed on for Llama.build to refuse."""
+    when streaming). Fewer rows hold a smaller KV cache, and few rows let the CPUs whose products
+    of few rows are fastest on plain weights, but which pack them for more, keep them plain
+    (matmul.packing_pays). A value that is not a positive integer is passed on for Llama.build to refuse."""
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         return max_batch_size
     return 1 if stream else min(max_batch_size, n_prompts)

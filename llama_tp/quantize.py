@@ -8,7 +8,7 @@ checkpoint: int8_checkpoint.py).
   kept almost exactly: the demo model's greedy answers do not change, where one grid per output
   channel changed 7 of 10 (python -m llama_tp.answer_agreement).
   On a CPU with AVX-512, products of up to int8_kernel.MAX_ROWS rows (decoding) run our C++
-  kernel, which reads the int8 weight once (int8_kernel.py). On other CPUs, a one-row product
+  kernel, which reads the int8 weight once (int8_kernel.py, cpu_kernels.py). On other CPUs, a one-row product
   runs torch.compile's kernel for grouped_product, which does the same more slowly. Other
   products convert the weight back to the activations' dtype in one compiled pass and multiply
   it through oneDNN. All are compiled on first use (seconds; they need a C++ compiler, as
@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import int8_kernel, matmul, parallel
+from . import cpu_kernels, int8_kernel, matmul, parallel
 from .model import LINEAR_LAYERS
 
 QUANTIZATIONS = ("int8", "int8_dynamic")
@@ -140,7 +140,7 @@ class Int8Linear(nn.Module):
 
     def use_kernel(self) -> None:
         """Lay the weight out for int8_kernel, whose products it then takes."""
-        int8_kernel.load()
+        cpu_kernels.load()
         self.weight, self.scales, self.zeros = int8_kernel.blocks(self.weight, self.scales, self.zeros)
         self.blocked = True
 
@@ -204,7 +204,7 @@ def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Module], n
 def use_int8_kernel(model: nn.Module) -> nn.Module:
     """Hand the model's int8 layers to int8_kernel, where it runs (a CPU with AVX-512)."""
     for module in model.modules():
-        if isinstance(module, Int8Linear) and int8_kernel.runs_on(module.weight.device):
+        if isinstance(module, Int8Linear) and cpu_kernels.runs_on(module.weight.device):
             module.use_kernel()
     return model
 

@@ -5,10 +5,10 @@ layer gives the same outputs through it, eager and compiled, as through torch.co
 import pytest
 import torch
 
-from llama_tp import int8_kernel
+from llama_tp import cpu_kernels, int8_kernel
 from llama_tp.quantize import Int8Linear, dequantize, quantize_int8
 
-pytestmark = pytest.mark.skipif(not int8_kernel.runs_on(torch.device("cpu")), reason="the kernel needs AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_kernels.runs_on(torch.device("cpu")), reason="the kernel needs AVX-512")
 
 
 def _weight(rows: int, width: int, seed: int):
@@ -21,7 +21,7 @@ def _weight(rows: int, width: int, seed: int):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 def test_product_equals_the_exact_product_of_the_grouped_weight(out_features, width, rows):
     q, scales, zeros = _weight(out_features, width, seed=rows)
-    int8_kernel.load()
+    cpu_kernels.load()
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(100 + rows))
     expected = x.double() @ dequantize(q, scales, zeros, torch.float64).t()
     got = int8_kernel.product(x, *int8_kernel.blocks(q, scales, zeros), out_features)

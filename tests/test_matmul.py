@@ -1,13 +1,61 @@
-"""Packed linear weights: the loader packs them on CPU, and their products are F.linear's."""
+"""The linear layers' products: our fp32 kernel's, MKL's and oneDNN's on packed weights are all
+F.linear's, and the loader packs weights only where that pays."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_tp import Llama, matmul
+from llama_tp import Llama, cpu_kernels, matmul
 from llama_tp.model import LINEAR_LAYERS
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.runs_on(torch.device("cpu")), reason="our kernel needs AVX-512")
+
+
+@pytest.fixture
+def without_our_kernel(monkeypatch):
+    """Products and packing as on CPUs where our fp32 kernel does not run."""
+    monkeypatch.setattr(matmul, "FLOAT_KERNEL", False)
+
+
+# 37 inputs: two registers and a tail of 5; 7 outputs: a group of 4, then 2, then 1.
+@needs_kernel
+@pytest.mark.parametrize("rows", [(1, 1), (2, 1), (3, 1), (8, 1), (3, 3), (16, 1), (17, 1)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_our_kernel_product_is_the_plain_product(rows, compiled, monkeypatch):
+    monkeypatch.setattr(matmul, "FLOAT_KERNEL", True)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(7, 37, generator=generator)
+    x = torch.randn(*rows, 37, generator=generator)
+    cpu_kernels.load()
+    torch._dynamo.reset()
+    linear = torch.compile(matmul.linear, dynamic=True, fullgraph=True) if compiled else matmul.linear
+    got = linear(x, weight)
+    assert got.shape == (*rows, 7)
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().t(), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_our_kernel_sums_each_output_alike_whatever_the_rows_and_threads():
+    """Each output is one thread's sum in a fixed order: a row's result does not depend on the
+    rows beside it or on how the outputs are split between threads."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(100, 576, generator=generator)
+    x = torch.randn(9, 576, generator=generator)
+    alone = torch.cat([cpu_kernels.float_product(row[None], weight) for row in x])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = cpu_kernels.float_product(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cpu_kernels.float_product(x, weight), alone) and torch.equal(one_thread, alone)
+
+
+def test_our_kernel_keeps_fp32_weights_plain_and_leaves_bf16_to_packing(monkeypatch):
+    monkeypatch.setattr(matmul, "FLOAT_KERNEL", True)
+    assert not any(matmul.packing_pays(rows, compiled, torch.float32) for rows in (1, 8, 64) for compiled in (False, True))
+    assert matmul.packing_pays(8, False, torch.bfloat16) == (matmul.MKL_MAX_ROWS < 8)
 
 
 @needs_onednn
@@ -28,7 +76,7 @@ def test_packed_product_is_the_plain_product(rows, dtype, tolerance):
 @pytest.mark.parametrize("rows", [(1, 1), (3, 1), (2, 2), (5, 1), (2, 8)])
 @pytest.mark.parametrize("packed", [False, True] if torch.backends.mkldnn.is_available() else [False])
 @pytest.mark.parametrize("mkl_max_rows", [0, 3])
-def test_compiled_product_is_the_plain_product(rows, packed, mkl_max_rows, monkeypatch):
+def test_compiled_product_is_the_plain_product(rows, packed, mkl_max_rows, monkeypatch, without_our_kernel):
     """Compiled: one row by a plain weight summed by the compiler (or MKL's, on Intel), else oneDNN's product."""
     monkeypatch.setattr(matmul, "MKL_MAX_ROWS", mkl_max_rows)
     generator = torch.Generator().manual_seed(0)
@@ -40,23 +88,25 @@ def test_compiled_product_is_the_plain_product(rows, packed, mkl_max_rows, monke
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
-def test_packing_pays_eagerly_and_for_large_compiled_batches(monkeypatch):
+def test_packing_pays_eagerly_and_for_large_compiled_batches(monkeypatch, without_our_kernel):
     monkeypatch.setattr(matmul, "MKL_MAX_ROWS", 0)
-    assert matmul.packing_pays(1, compiled=False) and matmul.packing_pays(64, compiled=False)
-    assert not matmul.packing_pays(matmul.SUMMED_MAX_ROWS, compiled=True)
-    assert matmul.packing_pays(matmul.SUMMED_MAX_ROWS + 1, compiled=True)
+    fp32 = torch.float32
+    assert matmul.packing_pays(1, False, fp32) and matmul.packing_pays(64, False, fp32)
+    assert not matmul.packing_pays(matmul.SUMMED_MAX_ROWS, True, fp32)
+    assert matmul.packing_pays(matmul.SUMMED_MAX_ROWS + 1, True, fp32)
 
 
-def test_few_row_jobs_keep_plain_weights_where_mkl_multiplies_few_rows_fastest(monkeypatch):
+def test_few_row_jobs_keep_plain_weights_where_mkl_multiplies_few_rows_fastest(monkeypatch, without_our_kernel):
     monkeypatch.setattr(matmul, "MKL_MAX_ROWS", 3)
-    assert not matmul.packing_pays(1, compiled=False) and not matmul.packing_pays(1, compiled=True)
-    assert not matmul.packing_pays(3, compiled=False) and not matmul.packing_pays(3, compiled=True)
-    assert matmul.packing_pays(4, compiled=False) and matmul.packing_pays(8, compiled=True)
+    fp32 = torch.float32
+    assert not matmul.packing_pays(1, False, fp32) and not matmul.packing_pays(1, True, fp32)
+    assert not matmul.packing_pays(3, False, fp32) and not matmul.packing_pays(3, True, fp32)
+    assert matmul.packing_pays(4, False, fp32) and matmul.packing_pays(8, True, fp32)
 
 
 @pytest.mark.parametrize("rows", [(1, 1), (3, 1), (4, 1), (512,)])
 @pytest.mark.parametrize("mkl_max_rows", [0, 3])
-def test_eager_product_by_a_plain_weight_is_the_plain_product(rows, mkl_max_rows, monkeypatch):
+def test_eager_product_by_a_plain_weight_is_the_plain_product(rows, mkl_max_rows, monkeypatch, without_our_kernel):
     """MKL's for up to 3 rows on Intel, oneDNN's otherwise where oneDNN is built in: the same product."""
     monkeypatch.setattr(matmul, "MKL_MAX_ROWS", mkl_max_rows)
     generator = torch.Generator().manual_seed(0)
@@ -84,7 +134,7 @@ def test_only_cpu_fp32_and_bf16_weights_are_packed():
 
 
 @needs_onednn
-def test_loader_packs_every_linear_layer_and_nothing_else(checkpoints, tokenizer_path):
+def test_loader_packs_every_linear_layer_and_nothing_else(checkpoints, tokenizer_path, without_our_kernel):
     llama = Llama.build(str(checkpoints["llama3", 2]), tokenizer_path, max_seq_len=16, max_batch_size=4)
     for name, tensor in llama.model.state_dict().items():
         assert tensor.is_mkldnn == (name.split(".")[-2] in LINEAR_LAYERS), name
@@ -93,7 +143,8 @@ def test_loader_packs_every_linear_layer_and_nothing_else(checkpoints, tokenizer
 
 
 @needs_onednn
-def test_packed_weights_are_the_checkpoint_tensors_stacked_and_converted(checkpoints, tokenizer_path):
+def test_packed_weights_are_the_checkpoint_tensors_stacked_and_converted(checkpoints, tokenizer_path,
+                                                                        without_our_kernel):
     """wq/wk/wv and w1/w3 stacked in one reused buffer per loading thread, bf16 turned into the
     model's dtype, then packed: every packed weight must still be exactly its checkpoint parts."""
     folder = checkpoints["llama3", 1]

@@ -4,7 +4,6 @@ groups and how long to wait for them, and printing once per job."""
 import contextlib
 import io
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -17,6 +16,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
+
+from ..cpu_kernels import cxx_compiler_found
 
 # How long a rank waits for the others at process-group start-up or in any one collective before
 # giving up with an error instead of hanging; generous because ranks load shards at their own pace.
@@ -103,7 +104,7 @@ def decode_compilation(device: torch.device) -> DecodeCompilation:
 
 def require_cxx_compiler(what: str, otherwise: str) -> None:
     """Refuse `what` up front when torch.compile's CPU code generation has no C++ compiler to run."""
-    if not (os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
+    if not cxx_compiler_found():
         raise ValueError(
             f"{what} needs a C++ compiler for torch.compile's generated code, and none was found "
             f"(g++, c++, clang++ or $CXX); install one (e.g. apt install g++) or {otherwise}"

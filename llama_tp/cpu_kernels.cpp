@@ -1,0 +1,212 @@
+// Matrix products for decoding (a few rows of fp32 activations) on CPUs with AVX-512, where
+// reading the weight is the cost: both kernels keep several independent sums in flight and ask
+// for the weight ahead of their reads. Streamed from memory, the demo model's layers took 20-25%
+// less time with the weight asked for 8 KB ahead than with the hardware's prefetching alone.
+//
+// float_product: a plain fp32 weight [out, in], as MKL and oneDNN also read it. Each output's
+// row is summed in registers of 16 inputs and the registers summed at the end.
+//
+// int8_product: grouped int8 weights (quantize.py) in blocks of 16 output channels, each block
+// input-major: q[block][input][lane]. One 16-byte load then holds one input's weights for 16
+// outputs, which widen into one register of 16 floats, and no sum ever runs across a register.
+// scales and zeros are [block][group][lane]. With a group's weights w = q * scale + zero,
+//   y = sum over groups of scale * (q . x over the group) + zero * (sum of x over the group),
+// so the inner loop is one widening and one multiply-add per 16 weights and row.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // floats per AVX-512 register
+constexpr int64_t kPrefetchBytes = 8192;
+
+void prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T0); }
+
+// ---- float_product ----
+
+// Rows of x multiplied in one pass over the weight rows of a few outputs, which stay in cache
+// for the next pass: 8 rows x 2 outputs make 16 sums, which with the weight and x registers fit
+// the 32 registers.
+constexpr int kFloatRowsPerPass = 8;
+// Outputs (weight rows) read side by side: 4 for one or two rows, whose sums would otherwise
+// wait on each other, 2 for more.
+constexpr int64_t kOutputsPerRow[2] = {4, 2};
+constexpr int64_t kOutputsPerTask = 16;  // outputs a thread takes at a time
+
+// y[r][o] = x[r] . w[o] for Rows rows and Outputs outputs (row strides width; y's y_stride).
+template <int Rows, int Outputs>
+void float_rows(const float* w, const float* x, int64_t width, float* y, int64_t y_stride) {
+  __m512 sum[Rows][Outputs];
+  for (int r = 0; r < Rows; ++r)
+    for (int o = 0; o < Outputs; ++o) sum[r][o] = _mm512_setzero_ps();
+  const int64_t ahead = std::max<int64_t>(Outputs * width, kPrefetchBytes / sizeof(float));
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) {
+    __m512 weights[Outputs];
+    for (int o = 0; o < Outputs; ++o) {
+      prefetch(w + o * width + i + ahead);
+      weights[o] = _mm512_loadu_ps(w + o * width + i);
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 inputs = _mm512_loadu_ps(x + r * width + i);
+      for (int o = 0; o < Outputs; ++o) sum[r][o] = _mm512_fmadd_ps(weights[o], inputs, sum[r][o]);
+    }
+  }
+  if (i < width) {  // the last inputs, fewer than a register
+    const __mmask16 tail = static_cast<__mmask16>((1u << (width - i)) - 1);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 inputs = _mm512_maskz_loadu_ps(tail, x + r * width + i);
+      for (int o = 0; o < Outputs; ++o)
+        sum[r][o] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + o * width + i), inputs, sum[r][o]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int o = 0; o < Outputs; ++o) y[r * y_stride + o] = _mm512_reduce_add_ps(sum[r][o]);
+}
+
+using FloatRows = void (*)(const float*, const float*, int64_t, float*, int64_t);
+
+template <int Outputs>
+constexpr FloatRows kFloatRows[kFloatRowsPerPass] = {
+    float_rows<1, Outputs>, float_rows<2, Outputs>, float_rows<3, Outputs>, float_rows<4, Outputs>,
+    float_rows<5, Outputs>, float_rows<6, Outputs>, float_rows<7, Outputs>, float_rows<8, Outputs>};
+
+// The kernels for a pass of `rows` rows and `outputs` outputs, the outputs split as 4, 2 or 1.
+void float_pass(const float* w, const float* x, int64_t width, float* y, int64_t y_stride, int rows,
+                int64_t outputs) {
+  for (int64_t o = 0; o < outputs;) {
+    const int64_t step = outputs - o >= 4 ? 4 : outputs - o >= 2 ? 2 : 1;
+    const FloatRows* kernels = step == 4 ? kFloatRows<4> : step == 2 ? kFloatRows<2> : kFloatRows<1>;
+    kernels[rows - 1](w + o * width, x, width, y + o, y_stride);
+    o += step;
+  }
+}
+
+// x [rows, width] fp32 times w [out_features, width] fp32, transposed: y [rows, out_features].
+at::Tensor float_product(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [rows, width]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
+              "w must be contiguous fp32 [out_features, width]");
+  const int64_t rows = x.size(0), width = x.size(1), out_features = w.size(0);
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const float *w_data = w.data_ptr<float>(), *x_data = x.data_ptr<float>();
+  float* y_data = y.data_ptr<float>();
+  const int64_t outputs_per_step = kOutputsPerRow[rows > 2];
+  const int64_t tasks = (out_features + kOutputsPerTask - 1) / kOutputsPerTask;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(end * kOutputsPerTask, out_features);
+    for (int64_t o = begin * kOutputsPerTask; o < last; o += outputs_per_step) {
+      const int64_t outputs = std::min(outputs_per_step, last - o);
+      for (int64_t row = 0; row < rows; row += kFloatRowsPerPass) {
+        const int pass_rows = static_cast<int>(std::min<int64_t>(kFloatRowsPerPass, rows - row));
+        float_pass(w_data + o * width, x_data + row * width, width, y_data + row * out_features + o,
+                   out_features, pass_rows, outputs);
+      }
+    }
+  });
+  return y;
+}
+
+// ---- int8_product ----
+
+// Rows multiplied in one pass over a block: 4 rows x 4 partial sums + a weight fit the 32 registers.
+constexpr int kRowsPerPass = 4;
+constexpr int kPartials = 4;  // independent sums per row, so multiply-adds do not wait on each other
+
+__m512 widen(const int8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+
+// y[r][lane] for one block and Rows rows of x (row stride width), storing the lanes in `lanes`.
+template <int Rows>
+void block_product(const int8_t* q, const float* scales, const float* zeros, const float* x,
+                   const float* x_sums, int64_t width, int64_t groups, float* y, int64_t y_stride,
+                   __mmask16 lanes) {
+  const int64_t size = width / groups;
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* q_group = q + g * size * kLanes;
+    const float* x_group = x + g * size;
+    __m512 dot[Rows][kPartials];
+    for (int r = 0; r < Rows; ++r)
+      for (int p = 0; p < kPartials; ++p) dot[r][p] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + kPartials <= size; i += kPartials) {  // one 64-byte cache line of weights
+      prefetch(q_group + i * kLanes + kPrefetchBytes);
+      for (int p = 0; p < kPartials; ++p) {
+        const __m512 w = widen(q_group + (i + p) * kLanes);
+        for (int r = 0; r < Rows; ++r)
+          dot[r][p] = _mm512_fmadd_ps(w, _mm512_set1_ps(x_group[r * width + i + p]), dot[r][p]);
+      }
+    }
+    for (; i < size; ++i) {  // groups narrower than kPartials inputs
+      const __m512 w = widen(q_group + i * kLanes);
+      for (int r = 0; r < Rows; ++r)
+        dot[r][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(x_group[r * width + i]), dot[r][0]);
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + g * kLanes);
+    const __m512 zero = _mm512_loadu_ps(zeros + g * kLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(dot[r][0], dot[r][1]), _mm512_add_ps(dot[r][2], dot[r][3]));
+      acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * y_stride, lanes, acc[r]);
+}
+
+using BlockProduct = void (*)(const int8_t*, const float*, const float*, const float*, const float*,
+                              int64_t, int64_t, float*, int64_t, __mmask16);
+constexpr BlockProduct kBlockProducts[kRowsPerPass] = {block_product<1>, block_product<2>, block_product<3>,
+                                                       block_product<4>};
+
+// x [rows, width] fp32 times the blocked weight, transposed: y [rows, out_features] fp32.
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                        const at::Tensor& zeros, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [rows, width]");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kLanes && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "q must be contiguous int8 [blocks, width, 16]");
+  const int64_t rows = x.size(0), width = x.size(1), blocks = q.size(0), groups = scales.size(1);
+  TORCH_CHECK(q.size(1) == width && width % groups == 0 && blocks * kLanes >= out_features, "shapes do not match");
+  TORCH_CHECK(scales.sizes() == zeros.sizes() && scales.size(0) == blocks && scales.size(2) == kLanes &&
+              scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat &&
+              scales.is_contiguous() && zeros.is_contiguous(), "scales and zeros must be contiguous fp32 [blocks, groups, 16]");
+  const at::Tensor x_sums = x.view({rows, groups, width / groups}).sum(2).contiguous();  // rows, groups
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const int8_t* q_data = q.data_ptr<int8_t>();
+  const float *scale_data = scales.data_ptr<float>(), *zero_data = zeros.data_ptr<float>();
+  const float *x_data = x.data_ptr<float>(), *x_sum_data = x_sums.data_ptr<float>();
+  float* y_data = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t filled = std::min(kLanes, out_features - block * kLanes);  // the last block may be partial
+      const __mmask16 lanes = static_cast<__mmask16>((1u << filled) - 1);
+      for (int64_t row = 0; row < rows; row += kRowsPerPass) {  // the block stays in cache between passes
+        const int pass_rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, rows - row));
+        kBlockProducts[pass_rows - 1](q_data + block * width * kLanes, scale_data + block * groups * kLanes,
+                                      zero_data + block * groups * kLanes, x_data + row * width,
+                                      x_sum_data + row * groups, width, groups,
+                                      y_data + row * out_features + block * kLanes, out_features, lanes);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llama_tp, m) {
+  m.def("float_product(Tensor x, Tensor w) -> Tensor");
+  m.def("int8_product(Tensor x, Tensor q, Tensor scales, Tensor zeros, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llama_tp, CPU, m) {
+  m.impl("float_product", float_product);
+  m.impl("int8_product", int8_product);
+}

@@ -1,0 +1,60 @@
+"""Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
+rows by an fp32 weight (float_product) or by grouped int8 weights (int8_kernel.py), which
+torch.utils.cpp_extension compiles on first use (10-25 s, then cached in ~/.cache/torch_extensions).
+
+Both are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
+torch.compile calls them as they are.
+"""
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def cxx_compiler_found() -> bool:
+    """Whether a C++ compiler is there, for these kernels and torch.compile's CPU code alike."""
+    return bool(os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++")))
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on this device: a CPU with AVX-512, as torch itself detects it, and
+    a C++ compiler to build them with."""
+    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512" and cxx_compiler_found()
+
+
+@functools.cache
+def load() -> None:
+    """Compile (or take from torch's extension cache) and load the kernels: call it before
+    torch.compile traces a call to them."""
+    from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
+
+    if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH: take the ninja package's
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(
+        name="llama_tp_cpu_kernels",
+        sources=[str(Path(__file__).with_name("cpu_kernels.cpp"))],
+        extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # OpenMP: at::parallel_for's threads
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+
+    @torch.library.register_fake("llama_tp::float_product")
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("llama_tp::int8_product")
+    def _(x, q, scales, zeros, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+
+def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] times an fp32 weight [out, in] transposed, both fp32."""
+    if not torch.compiler.is_compiling():  # compiled code is traced after load_model's load()
+        load()
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # rows, in
+    return torch.ops.llama_tp.float_product(rows, weight).view(*x.shape[:-1], weight.shape[0])
