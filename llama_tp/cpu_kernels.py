@@ -9,6 +9,7 @@ torch.compile calls them as they are.
 import functools
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +32,9 @@ def load() -> None:
     torch.compile traces a call to them."""
     from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
 
+    from .parallel import print0  # imported here: parallel's compiler check comes from this module
+
+    start = time.perf_counter()
     if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH: take the ninja package's
         import ninja
 
@@ -42,6 +46,8 @@ def load() -> None:
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
     )
+    if time.perf_counter() - start > 2:  # built, not taken from the cache
+        print0(f"compiled llama_tp's CPU kernels in {time.perf_counter() - start:.0f} s (once: they are cached)")
 
     @torch.library.register_fake("llama_tp::float_product")
     def _(x, w):
