@@ -3,7 +3,8 @@ rows by an fp32 weight (float_product) or by grouped int8 weights (int8_kernel.p
 torch.utils.cpp_extension compiles on first use (10-25 s, then cached in ~/.cache/torch_extensions).
 
 Both are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
-torch.compile calls them as they are.
+torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
+(torch's kernels do the work instead), should they fail to build.
 """
 
 import functools
@@ -21,9 +22,10 @@ def cxx_compiler_found() -> bool:
 
 
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernels run on this device: a CPU with AVX-512, as torch itself detects it, and
-    a C++ compiler to build them with."""
-    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512" and cxx_compiler_found()
+    """Whether the kernels run on this device: a CPU with AVX-512, as torch itself detects it, a
+    C++ compiler to build them with, and LLAMA_TP_CPU_KERNELS not set to 0."""
+    return (device.type == "cpu" and os.environ.get("LLAMA_TP_CPU_KERNELS", "1") != "0"
+            and torch.backends.cpu.get_cpu_capability() == "AVX512" and cxx_compiler_found())
 
 
 @functools.cache
@@ -39,13 +41,19 @@ def load() -> None:
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(
-        name="llama_tp_cpu_kernels",
-        sources=[str(Path(__file__).with_name("cpu_kernels.cpp"))],
-        extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # OpenMP: at::parallel_for's threads
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
+    try:
+        cpp_extension.load(
+            name="llama_tp_cpu_kernels",
+            sources=[str(Path(__file__).with_name("cpu_kernels.cpp"))],
+            extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # OpenMP: at::parallel_for's threads
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as error:  # a compiler, linker or ninja failure, whatever torch raises for it
+        raise RuntimeError(
+            f"building llama_tp's CPU kernels failed ({type(error).__name__}: {str(error).strip()[:300]}); "
+            "fix the C++ toolchain (g++ or $CXX, ninja), or set LLAMA_TP_CPU_KERNELS=0 to use torch's kernels"
+        ) from error
     if time.perf_counter() - start > 2:  # built, not taken from the cache
         print0(f"compiled llama_tp's CPU kernels in {time.perf_counter() - start:.0f} s (once: they are cached)")
 

@@ -1,6 +1,10 @@
 """The linear layers' products: our fp32 kernel's, MKL's and oneDNN's on packed weights are all
 F.linear's, and the loader packs weights only where that pays."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,6 +54,24 @@ def test_our_kernel_sums_each_output_alike_whatever_the_rows_and_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(cpu_kernels.float_product(x, weight), alone) and torch.equal(one_thread, alone)
+
+
+def test_our_kernels_are_left_out_when_the_environment_says_so():
+    script = "from llama_tp import cpu_kernels, matmul; import torch; print(matmul.FLOAT_KERNEL, cpu_kernels.runs_on(torch.device('cpu')))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                            env={**os.environ, "LLAMA_TP_CPU_KERNELS": "0"})
+    assert result.stdout.split() == ["False", "False"]
+
+
+def test_a_failed_build_names_the_way_out(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken(**options):
+        raise RuntimeError("Error building extension 'llama_tp_cpu_kernels'")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with pytest.raises(RuntimeError, match="building llama_tp's CPU kernels failed.*LLAMA_TP_CPU_KERNELS=0"):
+        cpu_kernels.load.__wrapped__()  # past the cache of the build that worked
 
 
 def test_our_kernel_keeps_fp32_weights_plain_and_leaves_bf16_to_packing(monkeypatch):
