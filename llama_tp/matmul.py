@@ -92,8 +92,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool = False) -> torch
 
     packed: whether weight is in oneDNN's layout, which torch.compile cannot tell from the tensor.
     """
-    if not packed and not weight.is_mkldnn and kernel_runs(x.device, weight.dtype):  # decoding: ours; prompts: MKL
-        return cpu_kernels.float_product(x, weight) if x.shape[:-1].numel() <= KERNEL_MAX_ROWS else F.linear(x, weight)
+    if not packed and not weight.is_mkldnn and kernel_runs(x.device, weight.dtype):
+        if x.shape[:-1].numel() <= KERNEL_MAX_ROWS and weight.is_contiguous():  # decoding
+            return cpu_kernels.float_product(x, weight)
+        return F.linear(x, weight)  # prompts: MKL, as transformers does
     if torch.compiler.is_compiling() and x.device.type == "cpu":
         if not packed and x.shape[:-1].numel() <= SUMMED_MAX_ROWS:
             return F.linear(x, weight) if MKL_MAX_ROWS else _summed_product(x, weight)

@@ -40,6 +40,15 @@ def test_our_kernel_product_is_the_plain_product(rows, compiled, monkeypatch):
 
 
 @needs_kernel
+def test_a_transposed_weight_view_is_multiplied_too(monkeypatch):
+    monkeypatch.setattr(matmul, "FLOAT_KERNEL", True)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 7, generator=generator).t()  # 7 x 37, not contiguous
+    x = torch.randn(2, 37, generator=generator)
+    torch.testing.assert_close(matmul.linear(x, weight), x @ weight.t())
+
+
+@needs_kernel
 def test_our_kernel_sums_each_output_alike_whatever_the_rows_and_threads():
     """Each output is one thread's sum in a fixed order: a row's result does not depend on the
     rows beside it or on how the outputs are split between threads."""
