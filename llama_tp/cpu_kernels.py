@@ -1,6 +1,7 @@
 """Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
-rows by an fp32 weight (float_product) or by grouped int8 weights (int8_kernel.py), which
-torch.utils.cpp_extension compiles on first use (10-25 s, then cached in ~/.cache/torch_extensions).
+rows by an fp32 weight (float_product) or by grouped int8 weights (int8_kernel.py), and an RMS
+norm in one pass (rms_norm), which torch.utils.cpp_extension compiles on first use (10-25 s,
+then cached in ~/.cache/torch_extensions).
 
 Both are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
 torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
@@ -26,6 +27,10 @@ def runs_on(device: torch.device) -> bool:
     C++ compiler to build them with, and LLAMA_TP_CPU_KERNELS not set to 0."""
     return (device.type == "cpu" and os.environ.get("LLAMA_TP_CPU_KERNELS", "1") != "0"
             and torch.backends.cpu.get_cpu_capability() == "AVX512" and cxx_compiler_found())
+
+
+# Asked once: the model asks before every norm and product.
+ON_THIS_CPU = runs_on(torch.device("cpu"))
 
 
 @functools.cache
@@ -61,6 +66,10 @@ def load() -> None:
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
 
+    @torch.library.register_fake("llama_tp::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
         return x.new_empty(x.shape[0], out_features)
@@ -72,3 +81,10 @@ def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         load()
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # rows, in
     return torch.ops.llama_tp.float_product(rows, weight).view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm of fp32 x [..., dim] over its last dimension, times an fp32 weight [dim]."""
+    load()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # rows, dim
+    return torch.ops.llama_tp.rms_norm(rows, weight, eps).view(x.shape)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .args import ModelArgs
 from .parallel import EmbeddingLayout, column_parallel_linear, parallel_embedding, row_parallel_linear
 
@@ -27,6 +28,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 == self.weight.dtype:  # one call instead of three
+            if cpu_kernels.ON_THIS_CPU and x.device.type == "cpu" and not torch.compiler.is_compiling():
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)  # one pass instead of six
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
