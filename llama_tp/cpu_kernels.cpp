@@ -30,6 +30,9 @@ constexpr int64_t kPrefetchBytes = 8192;
 
 void prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T0); }
 
+// The first n lanes of a register (all 16 for n >= 16): for a row's last inputs, a block's outputs.
+__mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= kLanes ? 0xFFFF : (1u << n) - 1); }
+
 // ---- float_product ----
 
 // Rows of x multiplied in one pass over the weight rows of a few outputs, which stay in cache
@@ -61,7 +64,7 @@ void float_rows(const float* w, const float* x, int64_t width, float* y, int64_t
     }
   }
   if (i < width) {  // the last inputs, fewer than a register
-    const __mmask16 tail = static_cast<__mmask16>((1u << (width - i)) - 1);
+    const __mmask16 tail = first_lanes(width - i);
     for (int r = 0; r < Rows; ++r) {
       const __m512 inputs = _mm512_maskz_loadu_ps(tail, x + r * width + i);
       for (int o = 0; o < Outputs; ++o)
@@ -136,13 +139,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       float* out = y_data + row * dim;
       __m512 squares = _mm512_setzero_ps();
       for (int64_t i = 0; i < dim; i += kLanes) {
-        const __mmask16 lanes = static_cast<__mmask16>(dim - i >= kLanes ? 0xFFFF : (1u << (dim - i)) - 1);
+        const __mmask16 lanes = first_lanes(dim - i);
         const __m512 values = _mm512_maskz_loadu_ps(lanes, in + i);
         squares = _mm512_fmadd_ps(values, values, squares);
       }
       const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / dim + static_cast<float>(eps)));
       for (int64_t i = 0; i < dim; i += kLanes) {
-        const __mmask16 lanes = static_cast<__mmask16>(dim - i >= kLanes ? 0xFFFF : (1u << (dim - i)) - 1);
+        const __mmask16 lanes = first_lanes(dim - i);
         const __m512 normed = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, in + i), scale);
         _mm512_mask_storeu_ps(out + i, lanes, _mm512_mul_ps(normed, _mm512_maskz_loadu_ps(lanes, w_data + i)));
       }
@@ -224,8 +227,7 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& q, const at::Tens
   float* y_data = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      const int64_t filled = std::min(kLanes, out_features - block * kLanes);  // the last block may be partial
-      const __mmask16 lanes = static_cast<__mmask16>((1u << filled) - 1);
+      const __mmask16 lanes = first_lanes(out_features - block * kLanes);  // the last block may be partial
       for (int64_t row = 0; row < rows; row += kRowsPerPass) {  // the block stays in cache between passes
         const int pass_rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, rows - row));
         kBlockProducts[pass_rows - 1](q_data + block * width * kLanes, scale_data + block * groups * kLanes,

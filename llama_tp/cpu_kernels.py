@@ -22,15 +22,15 @@ def cxx_compiler_found() -> bool:
     return bool(os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++")))
 
 
+# Asked once, at import: the model asks before every norm and product. A CPU with AVX-512, as
+# torch itself detects it, a C++ compiler to build the kernels with, and LLAMA_TP_CPU_KERNELS not 0.
+ON_THIS_CPU = (os.environ.get("LLAMA_TP_CPU_KERNELS", "1") != "0"
+               and torch.backends.cpu.get_cpu_capability() == "AVX512" and cxx_compiler_found())
+
+
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernels run on this device: a CPU with AVX-512, as torch itself detects it, a
-    C++ compiler to build them with, and LLAMA_TP_CPU_KERNELS not set to 0."""
-    return (device.type == "cpu" and os.environ.get("LLAMA_TP_CPU_KERNELS", "1") != "0"
-            and torch.backends.cpu.get_cpu_capability() == "AVX512" and cxx_compiler_found())
-
-
-# Asked once: the model asks before every norm and product.
-ON_THIS_CPU = runs_on(torch.device("cpu"))
+    """Whether the kernels run on this device (ON_THIS_CPU)."""
+    return ON_THIS_CPU and device.type == "cpu"
 
 
 @functools.cache

@@ -59,7 +59,7 @@ MKL_MAX_ROWS = 3 if _intel_cpu() else 0
 # through the demo model's layers on this project's Intel Xeon machine it took 19.6 ms for one
 # row (MKL 20.6), 26.6 for 8 (oneDNN on packed weights 29.9, MKL 49) and 43 for 16 (MKL 51,
 # oneDNN packed 38); at 32 rows MKL is faster. Not measured on AMD CPUs, which keep oneDNN.
-FLOAT_KERNEL = _intel_cpu() and cpu_kernels.ON_THIS_CPU
+FLOAT_KERNEL = _intel_cpu() and cpu_kernels.runs_on(torch.device("cpu"))
 KERNEL_MAX_ROWS = 16
 
 

@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 == self.weight.dtype:  # one call instead of three
-            if cpu_kernels.ON_THIS_CPU and x.device.type == "cpu" and not torch.compiler.is_compiling():
+            if cpu_kernels.runs_on(x.device) and not torch.compiler.is_compiling():
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)  # one pass instead of six
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference does.

@@ -8,11 +8,12 @@ checkpoint: int8_checkpoint.py).
   kept almost exactly: the demo model's greedy answers do not change, where one grid per output
   channel changed 7 of 10 (python -m llama_tp.answer_agreement).
   On a CPU with AVX-512, products of up to int8_kernel.MAX_ROWS rows (decoding) run our C++
-  kernel, which reads the int8 weight once (int8_kernel.py, cpu_kernels.py). On other CPUs, a one-row product
-  runs torch.compile's kernel for grouped_product, which does the same more slowly. Other
-  products convert the weight back to the activations' dtype in one compiled pass and multiply
-  it through oneDNN. All are compiled on first use (seconds; they need a C++ compiler, as
-  --compile does). Elsewhere the weight is converted back on the fly: that saves memory, not time.
+  kernel, which reads the int8 weight once (int8_kernel.py, cpu_kernels.py). On other CPUs, a
+  one-row product runs torch.compile's kernel for grouped_product, which does the same more
+  slowly. Other products convert the weight back to the activations' dtype in one compiled pass
+  and multiply it through oneDNN. All are compiled on first use (seconds; they need a C++
+  compiler, as --compile does). Elsewhere the weight is converted back on the fly: that saves
+  memory, not time.
 - "int8_dynamic": one grid per output channel, multiplied by fbgemm's int8 kernel, which also
   rounds each input row to int8 on the fly (dynamic quantization): 2-4x transformers' fp32 at
   batch 1, but its greedy answers drift from fp32's. CPU and fp32 only.
