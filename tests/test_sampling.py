@@ -8,6 +8,11 @@ def test_temperature_zero_is_argmax():
     assert torch.equal(next_token(logits, temperature=0, top_p=0.9), logits.argmax(-1))
 
 
+def test_greedy_takes_the_first_of_equal_best_like_argmax():
+    logits = torch.tensor([[0.0, 2.0, 5.0, 5.0, 1.0], [7.0, 7.0, 7.0, 7.0, 7.0]])
+    assert next_token(logits, temperature=0, top_p=0.9).tolist() == [2, 0]
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([[0.05, 0.5, 0.3, 0.15]])
     torch.manual_seed(0)
