@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from llama_tp import Llama
+from llama_tp import Llama, model
 
 PROMPTS = [[1, 450, 4996, 17354, 1701], [1, 306, 4658], [1, 18637, 29892, 3186, 29991, 910, 338]]
 
@@ -100,18 +100,26 @@ def test_compiled_int8_decoding_equals_eager_int8(checkpoints, tokenizer_path, e
     assert_same_greedy(compiled_int8, eager_int8)
 
 
-def test_static_shapes_compile_one_step_for_every_position(checkpoints, tokenizer_path, eager):
+def test_static_shapes_compile_one_step_for_every_position(checkpoints, tokenizer_path, eager, monkeypatch):
     """The CUDA-graph layout (the whole cache under a mask) gives the same logits, and every
-    one-token step at a batch size reuses one compiled graph: nothing depends on the position."""
+    one-token step at a batch size reuses one compiled graph: nothing depends on the position,
+    nor on which group of layers runs (one layer a group here, so two groups)."""
     torch._dynamo.reset()
+    monkeypatch.setattr(model, "MAX_LAYERS_PER_CALL", 1)
     llama = build(str(checkpoints["llama3", 1]), tokenizer_path, compile=False)
     llama.model.compile_decoding(static_shapes=True, dynamic=False)
+    assert len(llama.model.decode_layer_groups) == 2
     torch._dynamo.utils.counters.clear()
     logits = step_logits(llama)
     assert logits.keys() == eager()[0].keys()
     for batch in logits:
         for got, want in zip(logits[batch], eager()[0][batch], strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # A layer's graph and the head's, for batch 3 and for batch 1, however many positions were
+    # A group's graph and the head's, for batch 3 and for batch 1, however many positions were
     # stepped through.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 * 2
+
+
+@pytest.mark.parametrize("n_layers, size", [(30, 10), (32, 8), (80, 10), (22, 2), (7, 7), (13, 1)])
+def test_layers_per_call_splits_the_layers_into_equal_groups(n_layers, size):
+    assert model.layers_per_call(n_layers) == size
