@@ -95,11 +95,13 @@ class DecodeCompilation:
 
 def decode_compilation(device: torch.device) -> DecodeCompilation:
     """CUDA graphs on GPUs (they replay a step without launching its kernels one by one, but need
-    the same shapes every step); on CPU, code generation for a step whose length may grow."""
+    the same shapes every step); on CPU, code generation for a step whose length may grow, with
+    the code that calls the kernels in C++ too (cpp_wrapper): a demo-model step at batch 1 took
+    24.1 ms instead of 25.1, for 4 s more of compiling when nothing is cached."""
     if device.type == "cuda":
         return DecodeCompilation({"mode": "reduce-overhead"}, static_shapes=True)
     require_cxx_compiler("compile=True on CPU", "leave compile off")
-    return DecodeCompilation({"dynamic": True}, static_shapes=False)
+    return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, static_shapes=False)
 
 
 def require_cxx_compiler(what: str, otherwise: str) -> None:
