@@ -1,9 +1,10 @@
 """Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
 rows by an fp32 weight (float_product) or by grouped int8 weights (int8_kernel.py), and an RMS
 norm in one pass (rms_norm), which torch.utils.cpp_extension compiles on first use (10-25 s,
-then cached in ~/.cache/torch_extensions).
+then cached in ~/.cache/torch_extensions), together with the ranks' exchange through shared
+memory (parallel/shared_memory.cpp).
 
-Both are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
+All are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
 torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
 (torch's kernels do the work instead), should they fail to build.
 """
@@ -49,7 +50,8 @@ def load() -> None:
     try:
         cpp_extension.load(
             name="llama_tp_cpu_kernels",
-            sources=[str(Path(__file__).with_name("cpu_kernels.cpp"))],
+            sources=[str(Path(__file__).with_name("cpu_kernels.cpp")),
+                     str(Path(__file__).parent / "parallel" / "shared_memory.cpp")],
             extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # OpenMP: at::parallel_for's threads
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -73,6 +75,14 @@ def load() -> None:
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("llama_tp::shared_sum")
+    def _(x, buffer, rank, world_size, capacity, timeout_seconds):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("llama_tp::shared_gather")
+    def _(x, buffer, rank, world_size, capacity, timeout_seconds):
+        return x.new_empty(*x.shape[:-1], x.shape[-1] * world_size)
 
 
 def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,13 @@ the same bits on every rank, call after call."""
 
 import os
 import socket
+import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from llama_tp import parallel
+from llama_tp import cpu_kernels, parallel
 from llama_tp.parallel import collectives
 from llama_tp.parallel.shared_memory import SharedMemorySum
 
@@ -19,12 +20,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, native: bool) -> None:
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
     parallel.init()
     results = []
     for call in range(5):  # both parities of the double buffer, several times
+        if rank == 1:
+            time.sleep(0.05)  # late: rank 0 must wait for its tensor, not read what its slot held before
         x = torch.full((3, 1, 7), float(rank + 1)) * (call + 1) + torch.arange(7) / 3
         results.append(parallel.all_reduce(x))
     big = torch.ones(SharedMemorySum.CAPACITY + 1) * (rank + 1)  # too big: through gloo
@@ -34,12 +37,22 @@ def _worker(rank: int, port: int, out: str) -> None:
         results.append(parallel.all_reduce(torch.ones(4)))
     results.append(parallel.all_gather_last_dim(big)[SharedMemorySum.CAPACITY - 1 : SharedMemorySum.CAPACITY + 3])
     assert isinstance(collectives._shared_sum(), SharedMemorySum)
+    assert collectives._shared_sum().native == native
     torch.save(results, f"{out}.{rank}")
 
 
-def test_shared_memory_all_reduce(tmp_path):
+# The C++ exchange is built with our CPU kernels, so it runs where they do; the Python one anywhere.
+EXCHANGES = pytest.mark.parametrize("native", [
+    pytest.param(True, id="cpp", marks=pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="our kernels need AVX-512")),
+    pytest.param(False, id="python"),
+])
+
+
+@EXCHANGES
+def test_shared_memory_all_reduce(tmp_path, monkeypatch, native):
+    monkeypatch.setenv("LLAMA_TP_CPU_KERNELS", "1" if native else "0")  # read by the spawned processes
     out = str(tmp_path / "sums")
-    mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(_free_port(), out, native), nprocs=2, start_method="spawn")
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
     for call, (a, b) in enumerate(zip(*ranks[:2])):
         assert torch.equal(a, b)  # the same bits on both ranks
@@ -53,9 +66,11 @@ def test_shared_memory_all_reduce(tmp_path):
     assert ranks[0][12].tolist() == [1.0, 1.0, 2.0, 2.0]  # too big: through gloo, in rank order
 
 
-def test_shared_memory_wait_for_a_missing_rank_times_out(tmp_path):
+@EXCHANGES
+def test_shared_memory_wait_for_a_missing_rank_times_out(tmp_path, native):
     path = tmp_path / "buffer"
     path.write_bytes(b"")
     alone = SharedMemorySum(str(path), rank=0, world_size=2, timeout_seconds=0.2)
+    alone.native = native
     with pytest.raises(RuntimeError, match="rank 0 waited 0.2 s for the other ranks' tensors"):
         alone(torch.ones(4))

@@ -1,7 +1,6 @@
 """The sums and gathers of a forward pass: through shared memory between the ranks of one x86 host,
 through torch.distributed elsewhere, and as torch.library operators under torch.compile."""
 
-import functools
 import os
 import platform
 from typing import Optional
@@ -23,6 +22,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """
     if model_parallel_size() == 1:
         return x
+    shared = _shared_memory_for(x)
+    if shared is not None and shared.native:  # a C++ operator, which compiled steps call as it is
+        return shared(x)
     return torch.ops.llama_tp.all_reduce(x) if torch.compiler.is_compiling() else _all_reduce(x)
 
 
@@ -30,6 +32,9 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Every model-parallel rank's x [..., n] side by side in rank order: [..., world_size * n]."""
     if model_parallel_size() == 1:
         return x
+    shared = _shared_memory_for(x)
+    if shared is not None and shared.native:
+        return shared.gather(x)
     return torch.ops.llama_tp.all_gather_last_dim(x) if torch.compiler.is_compiling() else _all_gather(x)
 
 
@@ -74,10 +79,25 @@ def _shared_memory_for(x: torch.Tensor) -> Optional[SharedMemorySum]:
     return None
 
 
-@functools.cache
+_shared: Optional[SharedMemorySum] = None
+_shared_decided = False
+
+
 def _shared_sum() -> Optional[SharedMemorySum]:
-    """Made on the first all_reduce, which every rank reaches together."""
-    return _create_shared_sum() if _all_ranks_share_memory() else None
+    """The shared buffer, or None where the ranks share no memory. Made on the first eager call
+    (every rank makes its first all_reduce together); compiled code only reads it, as tracing
+    must not talk to the other ranks."""
+    global _shared, _shared_decided
+    if not _shared_decided and not torch.compiler.is_compiling():
+        _shared = _create_shared_sum() if _all_ranks_share_memory() else None
+        _shared_decided = True
+    return _shared
+
+
+def forget_shared_sum() -> None:
+    """Drop the buffer, with the process group it was made for."""
+    global _shared, _shared_decided
+    _shared, _shared_decided = None, False
 
 
 def _all_ranks_share_memory() -> bool:

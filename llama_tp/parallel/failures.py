@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
 
-from .collectives import _shared_sum
+from .collectives import forget_shared_sum
 from .group import _host_groups, collective_timeout
 
 @contextmanager
@@ -123,7 +123,7 @@ def leave() -> None:
     if dist.is_initialized():
         wait_for_every_rank()
         fairscale_mp.destroy_model_parallel()
-        _shared_sum.cache_clear()
+        forget_shared_sum()
         dist.destroy_process_group()
         _host_groups.clear()
 

@@ -1,8 +1,9 @@
 """All-reduce and all-gather of float32 tensors between the processes of one x86 host, through shared memory.
 
 gloo's loopback TCP takes about 250 us per all-reduce, and decoding one token makes two per
-layer; a sum through a shared buffer takes tens of microseconds. parallel.all_reduce decides
-when to use it and sets it up.
+layer; a sum through a shared buffer takes tens of microseconds in Python, a few in C++
+(shared_memory.cpp, built with our CPU kernels where they run). parallel.all_reduce decides when
+to use it and sets it up.
 """
 
 import os
@@ -10,6 +11,8 @@ import tempfile
 import time
 
 import torch
+
+from .. import cpu_kernels
 
 
 class SharedMemorySum:
@@ -22,6 +25,9 @@ class SharedMemorySum:
     that is, has finished reading this one: two buffers are enough. Used on x86 only, whose total
     store order shows the other ranks a rank's data before its flag, and its flag before they read
     the data.
+
+    Where our CPU kernels run, the exchange is theirs (torch.ops.llama_tp.shared_sum and
+    shared_gather), which compiled decoding steps call as they are; elsewhere it is Python's.
     """
 
     CAPACITY = 2**18  # floats per slot: a decode step's activations; prompts beyond go through gloo
@@ -29,33 +35,42 @@ class SharedMemorySum:
     def __init__(self, path: str, rank: int, world_size: int, timeout_seconds: float):
         flags_bytes = 64 * world_size  # one cache line per rank's flag
         total = flags_bytes + 2 * world_size * self.CAPACITY * 4
-        buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        self.buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         # Flags are read and written as Python ints through a memoryview: a tensor op per poll
         # costs microseconds, and a decode step makes two exchanges per layer.
-        self.flags = memoryview(buffer[:flags_bytes].numpy()).cast("q")  # rank r's flag at [8 * r]
-        self.slots = buffer[flags_bytes:].view(torch.float32).view(2, world_size, self.CAPACITY)
+        self.flags = memoryview(self.buffer[:flags_bytes].numpy()).cast("q")  # rank r's flag at [8 * r]
+        self.slots = self.buffer[flags_bytes:].view(torch.float32).view(2, world_size, self.CAPACITY)
         self.slot_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.rank, self.world_size = rank, world_size
-        self.calls, self.timeout_seconds = 0, timeout_seconds
+        self.rank, self.world_size, self.timeout_seconds = rank, world_size, timeout_seconds
+        self.native = cpu_kernels.ON_THIS_CPU
+        if self.native:
+            cpu_kernels.load()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x."""
+        if self.native:
+            return torch.ops.llama_tp.shared_sum(x, *self._native_args())
         return self._exchange(x).sum(dim=0).view_as(x)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x [..., n] side by side in rank order: [..., world_size * n]."""
+        if self.native:
+            return torch.ops.llama_tp.shared_gather(x, *self._native_args())
         slots = self._exchange(x)  # world_size, numel
         return torch.cat([slot.view_as(x) for slot in slots], dim=-1)
 
+    def _native_args(self) -> tuple:
+        return self.buffer, self.rank, self.world_size, self.CAPACITY, self.timeout_seconds
+
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Publish x and wait for every rank's: [world_size, x.numel()], valid until the call after next."""
-        self.calls += 1
-        slots, mine = self._views(self.calls % 2, x.numel())
+        call = self.flags[8 * self.rank] + 1  # the flag counts this rank's calls, whichever code made them
+        slots, mine = self._views(call % 2, x.numel())
         mine.copy_(x.reshape(-1))
-        self.flags[8 * self.rank] = self.calls
+        self.flags[8 * self.rank] = call
         deadline = None
         for rank in range(self.world_size):
-            while self.flags[8 * rank] < self.calls:
+            while self.flags[8 * rank] < call:
                 os.sched_yield()  # the other ranks may need this core to get here
                 deadline = deadline or time.monotonic() + self.timeout_seconds
                 if time.monotonic() > deadline:
