@@ -229,10 +229,10 @@ class Transformer(nn.Module):
         """Run one-token steps through torch.compile, in equal groups of consecutive layers, then
         the output head.
 
-        Every group shares one compiled graph, so compiling costs one group's time: 1-2 s a layer
-        when nothing is cached. Each call of a compiled graph costs 100-200 us of checks before
-        it runs, which is 15% of a step of the demo model at one layer per call, and 3% in three
-        groups of ten (MAX_LAYERS_PER_CALL).
+        Every group shares one compiled graph, so compiling costs one group's time: about 1 s a
+        layer when nothing is cached. Each call of a compiled graph costs 100-200 us of checks
+        before it runs, which is 15% of a step of the demo model at one layer per call, and 2% in
+        three groups of ten (MAX_LAYERS_PER_CALL).
 
         static_shapes: attend to the whole cache under a mask, so that every step has the same
         shapes, as CUDA graphs need; otherwise only to the positions filled so far.
