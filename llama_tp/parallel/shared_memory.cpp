@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -29,7 +30,7 @@ Exchange publish_and_wait(const at::Tensor& x, const at::Tensor& buffer, int64_t
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.numel() <= capacity, "x must be fp32 and fit a slot");
   uint8_t* base = buffer.data_ptr<uint8_t>();
   int64_t* flags = reinterpret_cast<int64_t*>(base);
-  float* slots = reinterpret_cast<float*>(base + 64 * world_size);
+  float* slots = reinterpret_cast<float*>(base + kFlagStride * sizeof(int64_t) * world_size);
   const int64_t call = __atomic_load_n(&flags[kFlagStride * rank], __ATOMIC_RELAXED) + 1;
   float* parity = slots + (call % 2) * world_size * capacity;
   const at::Tensor contiguous = x.contiguous();
