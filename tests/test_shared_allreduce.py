@@ -2,7 +2,9 @@
 the same bits on every rank, call after call."""
 
 import os
+import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -67,10 +69,51 @@ def test_shared_memory_all_reduce(tmp_path, monkeypatch, native):
 
 
 @EXCHANGES
-def test_shared_memory_wait_for_a_missing_rank_times_out(tmp_path, native):
+def test_shared_memory_wait_for_a_missing_rank_times_out_and_lets_other_threads_run(tmp_path, native):
+    """Other threads run meanwhile: the launcher watchdog (parallel.group) is one."""
     path = tmp_path / "buffer"
     path.write_bytes(b"")
-    alone = SharedMemorySum(str(path), rank=0, world_size=2, timeout_seconds=0.2)
+    alone = SharedMemorySum(str(path), rank=0, world_size=2, timeout_seconds=0.5)
     alone.native = native
-    with pytest.raises(RuntimeError, match="rank 0 waited 0.2 s for the other ranks' tensors"):
+    ticks, stop = [], threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.01):
+            ticks.append(time.monotonic())
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 0 timed out after 0.5 s waiting for the other ranks' tensors"):
+            alone(torch.ones(4))
+        end = time.monotonic()
+    finally:
+        stop.set()
+        thread.join()
+    assert sum(start < t < end for t in ticks) > 10  # about 50 if the thread ran throughout
+
+
+def test_an_exchange_that_waited_too_long_is_reported_as_a_lost_rank():
+    eager = RuntimeError("rank 0 timed out after 600 s waiting for the other ranks' tensors")
+    # A compiled step's wrapper replaces the C++ exchange's message with its own.
+    compiled = RuntimeError('aoti_torch_call_dispatcher("llama_tp::shared_sum", "", dispatch_vars.data()) '
+                            "API call failed at /tmp/torchinductor/x.main.cpp, line 28")
+    assert parallel.is_peer_failure(eager) and parallel.is_peer_failure(compiled)
+    assert "gave up waiting for the other processes of this job" in parallel.describe_peer_failure(eager)
+    assert "lost contact with another process of this job" in parallel.describe_peer_failure(compiled)
+    assert not parallel.is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+@EXCHANGES
+def test_ctrl_c_stops_a_rank_waiting_for_the_others(tmp_path, native):
+    """A rank stopped by Ctrl-C first never publishes: the others must not wait for it until the timeout."""
+    path = tmp_path / "buffer"
+    path.write_bytes(b"")
+    alone = SharedMemorySum(str(path), rank=0, world_size=2, timeout_seconds=30)
+    alone.native = native
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
         alone(torch.ones(4))
+    assert time.monotonic() - start < 5

@@ -16,6 +16,7 @@ from fairscale.nn.model_parallel import initialize as fairscale_mp
 
 from .collectives import forget_shared_sum
 from .group import _host_groups, collective_timeout
+from .shared_memory import is_exchange_timeout
 
 @contextmanager
 def agreement(step: str) -> Iterator[None]:
@@ -51,9 +52,12 @@ def is_peer_failure(error: BaseException) -> bool:
     """Whether error is a collective failing because another rank is gone or too slow.
 
     NCCL and the process-group store raise DistError; gloo raises a plain RuntimeError
-    ("Connection closed by peer", "Timed out waiting ...") whose text names its gloo source file.
+    ("Connection closed by peer", "Timed out waiting ...") whose text names its gloo source file;
+    so does our shared-memory exchange when it waits too long.
     """
-    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and ("gloo" in str(error) or is_exchange_timeout(error))
 
 
 def check_same_on_every_rank(what: str, value: Any) -> None:

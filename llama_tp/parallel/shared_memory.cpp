@@ -6,6 +6,7 @@
 // call) heads cache line r; then two parities of world_size slots of `capacity` floats each.
 
 #include <immintrin.h>
+#include <pybind11/pybind11.h>
 #include <sched.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -18,6 +19,21 @@ namespace {
 
 constexpr int64_t kFlagStride = 8;  // int64s per flag: one cache line each
 constexpr int kSpinsBeforeYield = 64;
+constexpr double kSignalCheckSeconds = 0.01;
+
+// Run Python's signal handlers, as the interpreter does between bytecodes: Ctrl-C must stop a
+// rank that waits for another which Ctrl-C stopped first. Their exception (KeyboardInterrupt)
+// is thrown on for torch to hand back to Python.
+void check_python_signals() {
+  if (!Py_IsInitialized()) return;
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  if (PyErr_CheckSignals() != 0) {
+    pybind11::error_already_set raised;  // takes the pending exception
+    PyGILState_Release(gil);
+    throw raised;
+  }
+  PyGILState_Release(gil);
+}
 
 struct Exchange {
   const float* slots;  // this call's parity: [world_size][capacity]
@@ -37,6 +53,7 @@ Exchange publish_and_wait(const at::Tensor& x, const at::Tensor& buffer, int64_t
   std::memcpy(parity + rank * capacity, contiguous.data_ptr<float>(), x.numel() * sizeof(float));
   __atomic_store_n(&flags[kFlagStride * rank], call, __ATOMIC_RELEASE);  // the data before the flag
   const auto start = std::chrono::steady_clock::now();
+  double signals_checked = 0;  // seconds into the wait
   for (int64_t other = 0; other < world_size; ++other) {
     int spins = 0;
     while (__atomic_load_n(&flags[kFlagStride * other], __ATOMIC_ACQUIRE) < call) {
@@ -47,8 +64,12 @@ Exchange publish_and_wait(const at::Tensor& x, const at::Tensor& buffer, int64_t
       spins = 0;
       sched_yield();  // the other ranks may need this core to get here
       const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
-      TORCH_CHECK(waited.count() < timeout_seconds, "rank ", rank, " waited ", timeout_seconds,
-                  " s for the other ranks' tensors");
+      if (waited.count() > signals_checked + kSignalCheckSeconds) {
+        check_python_signals();
+        signals_checked = waited.count();
+      }
+      TORCH_CHECK(waited.count() < timeout_seconds, "rank ", rank, " timed out after ", timeout_seconds,
+                  " s waiting for the other ranks' tensors");
     }
   }
   return {parity, capacity};

@@ -75,7 +75,7 @@ class SharedMemorySum:
                 deadline = deadline or time.monotonic() + self.timeout_seconds
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"rank {self.rank} waited {self.timeout_seconds:g} s for the other ranks' tensors"
+                        f"rank {self.rank} timed out after {self.timeout_seconds:g} s waiting for the other ranks' tensors"
                     )
         return slots
 
@@ -94,3 +94,10 @@ def new_buffer_path() -> str:
     handle = tempfile.NamedTemporaryFile(prefix="llama_tp_allreduce_", dir=directory, delete=False)
     handle.close()
     return handle.name
+
+
+def is_exchange_timeout(error: BaseException) -> bool:
+    """Whether error is an exchange that waited too long for another rank: ours in Python or C++,
+    or a compiled step's call of the C++ one, whose wrapper keeps only its own message."""
+    text = str(error)
+    return "waiting for the other ranks' tensors" in text or "llama_tp::shared_" in text
