@@ -68,13 +68,19 @@ def test_shared_memory_all_reduce(tmp_path, monkeypatch, native):
     assert ranks[0][12].tolist() == [1.0, 1.0, 2.0, 2.0]  # too big: through gloo, in rank order
 
 
+def rank_0_of_2_alone(tmp_path, native: bool, timeout_seconds: float) -> SharedMemorySum:
+    """Rank 0's end of a fresh buffer that rank 1 never joins."""
+    path = tmp_path / "buffer"
+    path.write_bytes(b"")
+    alone = SharedMemorySum(str(path), rank=0, world_size=2, timeout_seconds=timeout_seconds)
+    alone.native = native
+    return alone
+
+
 @EXCHANGES
 def test_shared_memory_wait_for_a_missing_rank_times_out_and_lets_other_threads_run(tmp_path, native):
     """Other threads run meanwhile: the launcher watchdog (parallel.group) is one."""
-    path = tmp_path / "buffer"
-    path.write_bytes(b"")
-    alone = SharedMemorySum(str(path), rank=0, world_size=2, timeout_seconds=0.5)
-    alone.native = native
+    alone = rank_0_of_2_alone(tmp_path, native, timeout_seconds=0.5)
     ticks, stop = [], threading.Event()
 
     def tick() -> None:
@@ -108,10 +114,7 @@ def test_an_exchange_that_waited_too_long_is_reported_as_a_lost_rank():
 @EXCHANGES
 def test_ctrl_c_stops_a_rank_waiting_for_the_others(tmp_path, native):
     """A rank stopped by Ctrl-C first never publishes: the others must not wait for it until the timeout."""
-    path = tmp_path / "buffer"
-    path.write_bytes(b"")
-    alone = SharedMemorySum(str(path), rank=0, world_size=2, timeout_seconds=30)
-    alone.native = native
+    alone = rank_0_of_2_alone(tmp_path, native, timeout_seconds=30)
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
