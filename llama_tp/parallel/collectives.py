@@ -22,20 +22,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """
     if model_parallel_size() == 1:
         return x
-    shared = _shared_memory_for(x)
-    if shared is not None and shared.native:  # a C++ operator, which compiled steps call as it is
-        return shared(x)
-    return torch.ops.llama_tp.all_reduce(x) if torch.compiler.is_compiling() else _all_reduce(x)
+    if torch.compiler.is_compiling() and not _native_exchange_for(x):
+        return torch.ops.llama_tp.all_reduce(x)
+    return _all_reduce(x)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Every model-parallel rank's x [..., n] side by side in rank order: [..., world_size * n]."""
     if model_parallel_size() == 1:
         return x
-    shared = _shared_memory_for(x)
-    if shared is not None and shared.native:
-        return shared.gather(x)
-    return torch.ops.llama_tp.all_gather_last_dim(x) if torch.compiler.is_compiling() else _all_gather(x)
+    if torch.compiler.is_compiling() and not _native_exchange_for(x):
+        return torch.ops.llama_tp.all_gather_last_dim(x)
+    return _all_gather(x)
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -55,8 +53,9 @@ def _all_gather(x: torch.Tensor) -> torch.Tensor:
 
 
 # Registered as operators, opaque to torch.compile: a compiled step calls them without breaking
-# its graph around host-side waiting it cannot trace. Eagerly the functions are called directly,
-# which spares the operator dispatch (4-5 us a call, 62 calls a step).
+# its graph around host-side waiting it cannot trace (where the C++ exchange, itself an operator,
+# does not serve the tensor). Eagerly the functions are called directly, which spares the
+# operator dispatch (4-5 us a call, 62 calls a step).
 _all_reduce_op = torch.library.custom_op("llama_tp::all_reduce", _all_reduce, mutates_args=())
 _all_gather_op = torch.library.custom_op("llama_tp::all_gather_last_dim", _all_gather, mutates_args=())
 
@@ -69,6 +68,12 @@ def _(x: torch.Tensor) -> torch.Tensor:
 @_all_gather_op.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] * model_parallel_size())
+
+
+def _native_exchange_for(x: torch.Tensor) -> bool:
+    """Whether x goes through the C++ exchange, an operator that compiled steps call as it is."""
+    shared = _shared_memory_for(x)
+    return shared is not None and shared.native
 
 
 def _shared_memory_for(x: torch.Tensor) -> Optional[SharedMemorySum]:

@@ -35,13 +35,9 @@ void check_python_signals() {
   PyGILState_Release(gil);
 }
 
-struct Exchange {
-  const float* slots;  // this call's parity: [world_size][capacity]
-  int64_t capacity;
-};
-
 // Publish x in this rank's slot for its next call, then wait until every rank has published it.
-Exchange publish_and_wait(const at::Tensor& x, const at::Tensor& buffer, int64_t rank, int64_t world_size,
+// Returns the slots of the call's parity: [world_size][capacity].
+const float* publish_and_wait(const at::Tensor& x, const at::Tensor& buffer, int64_t rank, int64_t world_size,
                           int64_t capacity, double timeout_seconds) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.numel() <= capacity, "x must be fp32 and fit a slot");
   uint8_t* base = buffer.data_ptr<uint8_t>();
@@ -72,19 +68,19 @@ Exchange publish_and_wait(const at::Tensor& x, const at::Tensor& buffer, int64_t
                   " s waiting for the other ranks' tensors");
     }
   }
-  return {parity, capacity};
+  return parity;
 }
 
 // The sum of every rank's x, added in rank order so that every rank gets the same bits.
 at::Tensor shared_sum(const at::Tensor& x, const at::Tensor& buffer, int64_t rank, int64_t world_size,
                       int64_t capacity, double timeout_seconds) {
-  const Exchange exchange = publish_and_wait(x, buffer, rank, world_size, capacity, timeout_seconds);
+  const float* slots = publish_and_wait(x, buffer, rank, world_size, capacity, timeout_seconds);
   at::Tensor total = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   float* out = total.data_ptr<float>();
   const int64_t n = x.numel();
-  std::memcpy(out, exchange.slots, n * sizeof(float));
+  std::memcpy(out, slots, n * sizeof(float));
   for (int64_t other = 1; other < world_size; ++other) {
-    const float* slot = exchange.slots + other * exchange.capacity;
+    const float* slot = slots + other * capacity;
     for (int64_t i = 0; i < n; ++i) out[i] += slot[i];
   }
   return total;
@@ -93,7 +89,7 @@ at::Tensor shared_sum(const at::Tensor& x, const at::Tensor& buffer, int64_t ran
 // Every rank's x [..., n] side by side in rank order: [..., world_size * n].
 at::Tensor shared_gather(const at::Tensor& x, const at::Tensor& buffer, int64_t rank, int64_t world_size,
                          int64_t capacity, double timeout_seconds) {
-  const Exchange exchange = publish_and_wait(x, buffer, rank, world_size, capacity, timeout_seconds);
+  const float* slots = publish_and_wait(x, buffer, rank, world_size, capacity, timeout_seconds);
   std::vector<int64_t> sizes = x.sizes().vec();
   const int64_t width = sizes.back(), rows = width == 0 ? 0 : x.numel() / width;
   sizes.back() = width * world_size;
@@ -101,7 +97,7 @@ at::Tensor shared_gather(const at::Tensor& x, const at::Tensor& buffer, int64_t 
   float* out = gathered.data_ptr<float>();
   for (int64_t row = 0; row < rows; ++row) {
     for (int64_t other = 0; other < world_size; ++other) {
-      std::memcpy(out + (row * world_size + other) * width, exchange.slots + other * exchange.capacity + row * width,
+      std::memcpy(out + (row * world_size + other) * width, slots + other * capacity + row * width,
                   width * sizeof(float));
     }
   }
