@@ -12,7 +12,7 @@ products itself (see SUMMED_MAX_ROWS), reading plain weights closer to the memor
 oneDNN does. On Intel CPUs MKL takes its own fast paths: on an Intel Xeon machine of this project
 it read the demo model's weights at 23-25 GB/s for 1-3 rows, against 18-20 for oneDNN's packed
 weights, but at 15 for 4 rows against oneDNN's 19. And our own kernel (cpu_kernels.cpp) reads
-them at 26-27 GB/s, the speed of a plain copy, for 1-2 rows, and multiplies 8 rows in 11% less
+them at 26-27 GB/s, the speed of a plain copy, for 1-2 rows, and multiplies 8 rows in 27% less
 time than oneDNN's packed kernel. So on Intel CPUs with AVX-512 products of up to
 KERNEL_MAX_ROWS rows by an fp32 weight go to our kernel, prompts to MKL (within about 10% of
 oneDNN on packed weights there, and as fast as transformers), and weights stay plain, which
@@ -56,11 +56,12 @@ def _intel_cpu() -> bool:
 MKL_MAX_ROWS = 3 if _intel_cpu() else 0
 
 # Whether fp32 products of few rows go to our kernel here: an Intel CPU it runs on. Streamed
-# through the demo model's layers on this project's Intel Xeon machine it took 19.6 ms for one
-# row (MKL 20.6), 26.6 for 8 (oneDNN on packed weights 29.9, MKL 49) and 43 for 16 (MKL 51,
-# oneDNN packed 38); at 32 rows MKL is faster. Not measured on AMD CPUs, which keep oneDNN.
+# through the demo model's layers on this project's Intel Xeon machine it took 19.4 ms for one
+# row (MKL 21.2), 24.3 for 8 (oneDNN on packed weights 33.1, MKL 49), 36 for 16 (MKL 51,
+# oneDNN packed 41) and 55 for 32 (MKL 60); at 48 rows MKL is faster (69 against 76). Not
+# measured on AMD CPUs, which keep oneDNN.
 FLOAT_KERNEL = _intel_cpu() and cpu_kernels.runs_on(torch.device("cpu"))
-KERNEL_MAX_ROWS = 16
+KERNEL_MAX_ROWS = 32
 
 
 def kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
