@@ -111,10 +111,20 @@ def test_an_exchange_that_waited_too_long_is_reported_as_a_lost_rank():
     assert not parallel.is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt even where pytest started with SIGINT ignored, as a shell starts
+    its background jobs."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @EXCHANGES
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_stops_a_rank_waiting_for_the_others(tmp_path, native):
     """A rank stopped by Ctrl-C first never publishes: the others must not wait for it until the timeout."""
-    alone = rank_0_of_2_alone(tmp_path, native, timeout_seconds=30)
+    alone = rank_0_of_2_alone(tmp_path, native, timeout_seconds=10)
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
