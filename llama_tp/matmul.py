@@ -1,23 +1,21 @@
 """The linear layers' matrix products, through the fastest kernel the device offers.
 
-On CPU, `F.linear` goes to MKL's sgemm, which on an AMD EPYC machine of this project reads fp32
-weights at about 15 GB/s for one row (on one thread, whatever the thread count) and slower still
-for 2-16. oneDNN's inner product on a weight reordered once into its blocked layout reads them at
-25-39 GB/s for 1-8 rows there and multiplies a 512-row prompt twice as fast. So on CPU the loader
-packs each linear layer's weight for oneDNN, and `linear` sends every CPU product there (a plain
-weight too, such as int8 converted on the fly: 1.5-2x faster than MKL); elsewhere nothing changes.
+Decoding multiplies a few rows at a time, so reading the weight is the cost. On CPUs with AVX-512
+our own kernel (cpu_kernels.cpp) reads fp32 weights at about the speed of a plain copy: streamed
+through the demo model's layers it took 19.4 ms for one row on this project's Intel Xeon machine
+(MKL 21.2, oneDNN on packed weights 23-25) and 20.5 on its AMD EPYC (Zen 4) machine (oneDNN on
+packed weights 27.7, MKL 49.6). So there products of up to KERNEL_MAX_ROWS rows by an fp32 weight
+go to our kernel, and weights stay plain, which also makes loading twice as fast. Prompts go to
+MKL on Intel CPUs (within about 10% of oneDNN's packed kernel there, and as transformers does)
+and to oneDNN on the plain weight elsewhere (on the AMD machine 15-20% faster than MKL for
+128-512 rows, and 2-16% slower than on a packed weight).
 
-Decoding a few rows at a time is the exception. On AMD, compiled, inductor writes one-row
-products itself (see SUMMED_MAX_ROWS), reading plain weights closer to the memory's speed than
-oneDNN does. On Intel CPUs MKL takes its own fast paths: on an Intel Xeon machine of this project
-it read the demo model's weights at 23-25 GB/s for 1-3 rows, against 18-20 for oneDNN's packed
-weights, but at 15 for 4 rows against oneDNN's 19. And our own kernel (cpu_kernels.cpp) reads
-them at 26-27 GB/s, the speed of a plain copy, for 1-2 rows, and multiplies 8 rows in 27% less
-time than oneDNN's packed kernel. So on Intel CPUs with AVX-512 products of up to
-KERNEL_MAX_ROWS rows by an fp32 weight go to our kernel, prompts to MKL (within about 10% of
-oneDNN on packed weights there, and as fast as transformers), and weights stay plain, which
-also makes loading twice as fast. On other Intel CPUs products of up to MKL_MAX_ROWS rows stay
-MKL's, and models built for so few rows keep plain weights.
+Without our kernel, on CPU the loader packs each linear layer's weight once into oneDNN's blocked
+layout, and `linear` sends CPU products there: on an AMD EPYC machine without AVX-512 it read
+weights at 25-39 GB/s for 1-8 rows, where MKL read 15, and multiplied a 512-row prompt twice as
+fast. Two exceptions: compiled, inductor writes one-row products itself (see SUMMED_MAX_ROWS),
+and on Intel CPUs MKL's fast paths read 1-3 rows faster than oneDNN (MKL_MAX_ROWS), so models
+built for so few rows keep plain weights. Elsewhere nothing changes.
 """
 
 import torch
@@ -52,15 +50,17 @@ def _intel_cpu() -> bool:
         return False
 
 
-# Products of up to this many rows go to MKL (F.linear on plain weights), eager and compiled alike.
-MKL_MAX_ROWS = 3 if _intel_cpu() else 0
+# Asked once, as _ONEDNN is.
+_INTEL = _intel_cpu()
 
-# Whether fp32 products of few rows go to our kernel here: an Intel CPU it runs on. Streamed
-# through the demo model's layers on this project's Intel Xeon machine it took 19.4 ms for one
-# row (MKL 21.2), 24.3 for 8 (oneDNN on packed weights 33.1, MKL 49), 36 for 16 (MKL 51,
-# oneDNN packed 41) and 55 for 32 (MKL 60); at 48 rows MKL is faster (69 against 76). Not
-# measured on AMD CPUs, which keep oneDNN.
-FLOAT_KERNEL = _intel_cpu() and cpu_kernels.runs_on(torch.device("cpu"))
+# Products of up to this many rows go to MKL (F.linear on plain weights), eager and compiled alike.
+MKL_MAX_ROWS = 3 if _INTEL else 0
+
+# Whether fp32 products of few rows go to our kernel here: wherever it runs. On the Intel machine
+# it took 24.3 ms for 8 rows (oneDNN on packed weights 33.1, MKL 49), 36 for 16 (MKL 51,
+# oneDNN packed 41) and 55 for 32 (MKL 60); on the AMD one 20.9 for 8 (oneDNN packed 31.8), 31.2
+# for 16 (35.4) and 55.8 for 32 (56.9). At 48 rows MKL is faster (69 against 76 on Intel).
+FLOAT_KERNEL = cpu_kernels.runs_on(torch.device("cpu"))
 KERNEL_MAX_ROWS = 32
 
 
@@ -96,7 +96,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool = False) -> torch
     if not packed and not weight.is_mkldnn and kernel_runs(x.device, weight.dtype):
         if x.shape[:-1].numel() <= KERNEL_MAX_ROWS and weight.is_contiguous():  # decoding
             return cpu_kernels.float_product(x, weight)
-        return F.linear(x, weight)  # prompts: MKL, as transformers does
+        if _INTEL:
+            return F.linear(x, weight)  # prompts: MKL, as transformers does; elsewhere oneDNN's, below
     if torch.compiler.is_compiling() and x.device.type == "cpu":
         if not packed and x.shape[:-1].numel() <= SUMMED_MAX_ROWS:
             return F.linear(x, weight) if MKL_MAX_ROWS else _summed_product(x, weight)
