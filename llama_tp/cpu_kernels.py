@@ -1,8 +1,9 @@
 """Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
 rows by an fp32 weight (float_product) or by grouped int8 weights (int8_kernel.py), and an RMS
-norm in one pass (rms_norm), which torch.utils.cpp_extension compiles on first use (10-25 s,
-then cached in ~/.cache/torch_extensions), together with the ranks' exchange through shared
-memory (parallel/shared_memory.cpp).
+norm in one pass (rms_norm); one new token's attention to the cache (attention_kernel.cpp,
+decode_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
+in ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
+(parallel/shared_memory.cpp).
 
 All are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
 torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
@@ -51,6 +52,7 @@ def load() -> None:
         cpp_extension.load(
             name="llama_tp_cpu_kernels",
             sources=[str(Path(__file__).with_name("cpu_kernels.cpp")),
+                     str(Path(__file__).with_name("attention_kernel.cpp")),
                      str(Path(__file__).parent / "parallel" / "shared_memory.cpp")],
             extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # OpenMP: at::parallel_for's threads
             extra_ldflags=["-fopenmp"],
@@ -71,6 +73,10 @@ def load() -> None:
     @torch.library.register_fake("llama_tp::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("llama_tp::decode_attention")
+    def _(q, keys, values):
+        return torch.empty_like(q)
 
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
@@ -98,3 +104,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     load()
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # rows, dim
     return torch.ops.llama_tp.rms_norm(rows, weight, eps).view(x.shape)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One new token per row attending to every cached position: q [bsz, heads, 1, head_dim] and
+    keys, values [bsz, kv heads, positions, head_dim], all fp32, head_dim a multiple of 16; as
+    scaled_dot_product_attention(q, keys, values, enable_gqa=True)."""
+    if not torch.compiler.is_compiling():
+        load()
+    bsz, heads, _, head_dim = q.shape
+    out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), keys, values)
+    return out.view(bsz, heads, 1, head_dim)

@@ -143,14 +143,22 @@ class Attention(nn.Module):
         # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         keys, values = self.cache.update(positions, k, v, end)
-        # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the masked
-        # half), and a single new token sees everything cached up to end.
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1,
-            enable_gqa=self.n_local_heads != self.n_local_kv_heads,
-        )
+        if seqlen == 1 and mask is None and self._decode_kernel_runs(keys):
+            out = cpu_kernels.decode_attention(q, keys, values)  # the whole cache up to end
+        else:
+            # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
+            # masked half), and a single new token sees everything cached up to end.
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1,
+                enable_gqa=self.n_local_heads != self.n_local_kv_heads,
+            )
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
         return self.wo(out)
+
+    def _decode_kernel_runs(self, keys: torch.Tensor) -> bool:
+        """Whether one new token attends through our CPU kernel: fp32, and head_dim a multiple of
+        its 16-float registers."""
+        return cpu_kernels.runs_on(keys.device) and keys.dtype == torch.float32 and self.head_dim % 16 == 0
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,120 @@
+// Attention of one new token per row to the keys and values cached so far, on CPUs with AVX-512.
+//
+// torch's CPU attention (flash attention, scaled_dot_product_attention) took about 190 us per
+// layer for the demo model at batch 8 in a decoding step, where the cached keys and values
+// (1.8 MB a layer at 150 positions) read from memory in about 70: 18% of the step. It is built
+// for many queries at once; here each query is a single row, so a pass over the keys makes every
+// score of the kv head's queries, a vectorized exp turns them into weights, and a pass over the
+// values sums them.
+//
+// q [batch, heads, head_dim] contiguous; keys and values [batch, kv heads, positions, head_dim],
+// any strides with head_dim contiguous (a slice of the preallocated cache). Query head h reads kv
+// head h / (heads / kv heads), as scaled_dot_product_attention's enable_gqa has it.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // floats per AVX-512 register
+
+// e^x for x <= 0 (scores less their maximum), to about 2 ulp: x = n ln 2 + f with |f| <= ln 2 / 2,
+// e^f by its Taylor series to the 7th power, then scaled by 2^n (which flushes to 0 far below).
+__m512 exp_of_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below this e^x is 0 in fp32 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 in two parts, so that n ln 2 is exact to fp32's precision
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+__mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= kLanes ? 0xFFFF : (1u << n) - 1); }
+
+// The `group` query heads q[group][head_dim] of one kv head attend to its `positions` keys and
+// values (row stride `stride`); out[group][head_dim]. scores: room for group * positions floats.
+void attend(const float* q, const float* keys, const float* values, int64_t stride, int64_t positions,
+            int64_t group, int64_t head_dim, float* scores, float* out) {
+  const int64_t registers = head_dim / kLanes;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (int64_t t = 0; t < positions; ++t) {  // each key read once for every query of the group
+    const float* key = keys + t * stride;
+    for (int64_t j = 0; j < group; ++j) {
+      __m512 dot = _mm512_setzero_ps();
+      for (int64_t r = 0; r < registers; ++r)
+        dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * head_dim + r * kLanes), _mm512_loadu_ps(key + r * kLanes), dot);
+      scores[j * positions + t] = _mm512_reduce_add_ps(dot) * scale;
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* row = scores + j * positions;
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < positions; t += kLanes)
+      most = _mm512_mask_max_ps(most, first_lanes(positions - t), most, _mm512_maskz_loadu_ps(first_lanes(positions - t), row + t));
+    const __m512 highest = _mm512_set1_ps(_mm512_reduce_max_ps(most));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < positions; t += kLanes) {
+      const __mmask16 lanes = first_lanes(positions - t);
+      const __m512 weights = exp_of_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + t), highest));
+      _mm512_mask_storeu_ps(row + t, lanes, weights);
+      total = _mm512_mask_add_ps(total, lanes, total, weights);
+    }
+    const float inverse_total = 1.0f / _mm512_reduce_add_ps(total);
+    for (int64_t r = 0; r < registers; ++r) {  // out = the values weighted by the scores
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < positions; ++t)
+        sum = _mm512_fmadd_ps(_mm512_set1_ps(row[t]), _mm512_loadu_ps(values + t * stride + r * kLanes), sum);
+      _mm512_storeu_ps(out + j * head_dim + r * kLanes, _mm512_mul_ps(sum, _mm512_set1_ps(inverse_total)));
+    }
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [batch, heads, head_dim]");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.strides() == values.strides() &&
+              keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.stride(3) == 1,
+              "keys and values must be fp32 [batch, kv heads, positions, head_dim] alike, head_dim contiguous");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = keys.size(1), positions = keys.size(2);
+  TORCH_CHECK(keys.size(0) == batch && keys.size(3) == head_dim && heads % kv_heads == 0 &&
+              head_dim % kLanes == 0 && positions > 0, "shapes do not match");
+  const int64_t group = heads / kv_heads;
+  at::Tensor out = at::empty_like(q);
+  const float *q_data = q.data_ptr<float>(), *k_data = keys.data_ptr<float>(), *v_data = values.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * positions);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, kv = task % kv_heads;
+      const int64_t offset = b * keys.stride(0) + kv * keys.stride(1);
+      const int64_t first = (b * heads + kv * group) * head_dim;
+      attend(q_data + first, k_data + offset, v_data + offset, keys.stride(2), positions, group, head_dim,
+             scores.data(), out_data + first);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llama_tp, m) {
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llama_tp, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+}
