@@ -3,19 +3,19 @@
 Decoding multiplies a few rows at a time, so reading the weight is the cost. On CPUs with AVX-512
 our own kernel (cpu_kernels.cpp) reads fp32 weights at about the speed of a plain copy: streamed
 through the demo model's layers it took 19.4 ms for one row on this project's Intel Xeon machine
-(MKL 21.2, oneDNN on packed weights 23-25) and 20.5 on its AMD EPYC (Zen 4) machine (oneDNN on
-packed weights 27.7, MKL 49.6). So there products of up to KERNEL_MAX_ROWS rows by an fp32 weight
-go to our kernel, and weights stay plain, which also makes loading twice as fast. Prompts go to
-MKL on Intel CPUs (within about 10% of oneDNN's packed kernel there, and as transformers does)
-and to oneDNN on the plain weight elsewhere (on the AMD machine 15-20% faster than MKL for
-128-512 rows, and 2-16% slower than on a packed weight).
+(MKL 21.2) and 20.5 on its AMD EPYC (Zen 4) machine (oneDNN on packed weights 27.7, MKL 49.6).
+So there products of up to KERNEL_MAX_ROWS rows by an fp32 weight go to our kernel, and weights
+stay plain, which also makes loading twice as fast. Prompts go to MKL on Intel CPUs (within about
+10% of oneDNN's packed kernel there, and as transformers does) and to oneDNN on the plain weight
+elsewhere (on the AMD machine 15-20% faster than MKL for 128-512 rows, and 2-16% slower than on
+a packed weight).
 
 Without our kernel, on CPU the loader packs each linear layer's weight once into oneDNN's blocked
-layout, and `linear` sends CPU products there: on an AMD EPYC machine without AVX-512 it read
-weights at 25-39 GB/s for 1-8 rows, where MKL read 15, and multiplied a 512-row prompt twice as
-fast. Two exceptions: compiled, inductor writes one-row products itself (see SUMMED_MAX_ROWS),
-and on Intel CPUs MKL's fast paths read 1-3 rows faster than oneDNN (MKL_MAX_ROWS), so models
-built for so few rows keep plain weights. Elsewhere nothing changes.
+layout, and `linear` sends CPU products there: on the AMD EPYC machine of this project until
+2026-11-22 it read weights at 25-39 GB/s for 1-8 rows, where MKL read 15, and multiplied a
+512-row prompt twice as fast. Two exceptions: compiled, inductor writes one-row products itself
+(see SUMMED_MAX_ROWS), and on Intel CPUs MKL's fast paths read 1-3 rows faster than oneDNN
+(MKL_MAX_ROWS), so models built for so few rows keep plain weights.
 """
 
 import torch
