@@ -54,7 +54,7 @@ class Llama:
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
         compile: run decoding steps through torch.compile. Off by default: on this project's CPUs
-            with AVX-512 (Intel, and AMD Zen 4) steps ran 1.1-1.3x faster at batch 1 and 8 (our
+            with AVX-512 (Intel, and AMD Zen 4) steps ran 1.2-1.4x faster at batch 1 and 8 (our
             kernel's products, the rest fused), but only after 6-26 s of compiling, which a job
             of a few hundred tokens does not win back.
         """
