@@ -91,6 +91,9 @@ class KVCache(nn.Module):
         for buffer in (self.k, self.v):
             # A compiled step (CUDA graphs above all) then writes the cache in place, never a copy.
             torch._dynamo.mark_static_address(buffer)
+        # Whether one new token attends through our CPU kernel (attention_kernel.cpp): fp32, and
+        # heads a multiple of its 16-float registers wide. Decided here, not at every layer's step.
+        self.kernel_attends = cpu_kernels.runs_on(device) and dtype == torch.float32 and head_dim % 16 == 0
         self.register_buffer("rows", torch.arange(max_batch_size, device=device), persistent=False)
         self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
 
@@ -143,7 +146,7 @@ class Attention(nn.Module):
         # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         keys, values = self.cache.update(positions, k, v, end)
-        if seqlen == 1 and mask is None and self._decode_kernel_runs(keys):
+        if seqlen == 1 and mask is None and self.cache.kernel_attends:
             out = cpu_kernels.decode_attention(q, keys, values)  # the whole cache up to end
         else:
             # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
@@ -154,11 +157,6 @@ class Attention(nn.Module):
             )
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
         return self.wo(out)
-
-    def _decode_kernel_runs(self, keys: torch.Tensor) -> bool:
-        """Whether one new token attends through our CPU kernel: fp32, and head_dim a multiple of
-        its 16-float registers."""
-        return cpu_kernels.runs_on(keys.device) and keys.dtype == torch.float32 and self.head_dim % 16 == 0
 
 
 class FeedForward(nn.Module):
