@@ -155,9 +155,17 @@ class Llama:
         if min_len == batch.total_len > 1 and logprobs:  # nothing to generate: score the prompts
             logits = self.model.forward(batch.tokens[:, :-1], 0)
             batch.token_logprobs[:, 1:] = _logprobs_of(logits, batch.tokens[:, 1:])
+        # Plain greedy decoding needs no logits gathered: each rank offers the best of its slice
+        # of the vocabulary (parallel.vocab_argmax).
+        on_slices = options.takes_best_logit and not logprobs and batch.top_ids is None
         for cur_pos in range(min_len, batch.total_len):
-            logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs)
-            batch.tokens[:, cur_pos] = self._next_tokens(batch, logits[:, -1], cur_pos, options, stop_tokens, generator)
+            logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs,
+                                        vocab_slice=on_slices)
+            if on_slices:
+                sampled = parallel.vocab_argmax(logits[:, -1])
+            else:
+                sampled = self._sample(batch, logits[:, -1], cur_pos, options, stop_tokens, generator)
+            batch.tokens[:, cur_pos] = torch.where(batch.is_prompt[:, cur_pos], batch.tokens[:, cur_pos], sampled)
             if logprobs:
                 batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _logprobs_of(
                     logits, batch.tokens[:, prev_pos + 1 : cur_pos + 1]
@@ -168,9 +176,9 @@ class Llama:
             if batch.all_ended:
                 break
 
-    def _next_tokens(self, batch: Batch, logits: torch.Tensor, cur_pos: int, options: SamplingOptions,
-                     stop_tokens: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-        """The token at cur_pos of every row, from the last logits [bsz, vocab], with all options applied."""
+    def _sample(self, batch: Batch, logits: torch.Tensor, cur_pos: int, options: SamplingOptions,
+                stop_tokens: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+        """A token for cur_pos of every row, from the last logits [bsz, vocab], with all options applied."""
         history = batch.tokens[:, :cur_pos] if options.repetition_penalty != 1.0 else None
         suppress = None
         # Decided from the host-side lengths: no mask, and no device sync, once every row is past
@@ -184,7 +192,7 @@ class Llama:
             batch.top_ids[:, cur_pos], batch.top_probs[:, cur_pos] = top_candidates(
                 logits, options, batch.top_ids.shape[-1], history, suppress
             )
-        return torch.where(batch.is_prompt[:, cur_pos], batch.tokens[:, cur_pos], sampled)
+        return sampled
 
     def text_completion(
         self,

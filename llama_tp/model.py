@@ -13,7 +13,8 @@ from torch import nn
 
 from . import cpu_kernels
 from .args import ModelArgs
-from .parallel import EmbeddingLayout, column_parallel_linear, parallel_embedding, row_parallel_linear
+from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, parallel_embedding,
+                       row_parallel_linear)
 
 
 # The model's linear layers, by attribute name: what quantization replaces and packing lays out.
@@ -199,7 +200,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = parallel_embedding(args.vocab_size, args.dim, embedding_layout)
         self.layers = nn.ModuleList(TransformerBlock(args, model_parallel_size) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=True)
+        # Each rank's slice of the vocabulary, gathered in run_head unless the caller picks from slices.
+        self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=False)
         self.max_batch_size = 0
         self.max_seq_len = 0
         # One new token per row: eager, or compile_decoding's (which runs the layers in groups).
@@ -253,11 +255,14 @@ class Transformer(nn.Module):
         self.static_decode_shapes = static_shapes
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False,
+                vocab_slice: bool = False) -> torch.Tensor:
         """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen] placed at start_pos.
 
         last_only: only the last position's logits, [bsz, 1, vocab]: all that picking the next
         token needs, and it spares a prompt's worth of the largest matrix product.
+        vocab_slice: only this rank's slice of the vocabulary, [..., vocab // world size] from
+        column rank * vocab // world size, not gathered from the other ranks (parallel.vocab_argmax).
         """
         bsz, seqlen = tokens.shape
         end = start_pos + seqlen
@@ -282,7 +287,7 @@ class Transformer(nn.Module):
             h = run(layers, h, positions, end, rotary, mask)
         if last_only:
             h = h[:, -1:]  # bsz, 1, dim
-        return head(self.norm, self.output, h)
+        return head(self.norm, self.output, h, gather=not vocab_slice)
 
 
 def layers_per_call(n_layers: int) -> int:
@@ -298,6 +303,8 @@ def run_layers(layers: nn.ModuleList, h: torch.Tensor, positions: torch.Tensor, 
     return h
 
 
-def run_head(norm: RMSNorm, output: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The last norm and the vocabulary projection: logits in fp32."""
-    return output(norm(h)).float()
+def run_head(norm: RMSNorm, output: nn.Module, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
+    """The last norm and the vocabulary projection: logits in fp32, of the whole vocabulary
+    (gathered from every rank) or of this rank's slice."""
+    logits = output(norm(h))
+    return (all_gather_last_dim(logits) if gather else logits).float()

@@ -41,6 +41,12 @@ class SamplingOptions:
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, found {self.seed!r}")
 
+    @property
+    def takes_best_logit(self) -> bool:
+        """Whether the next token is simply the model's best logit: greedy (a temperature that
+        rounds to 0 in the logits' fp32), with no repetition penalty and no minimum length."""
+        return self.temperature < torch.finfo(torch.float32).tiny and self.repetition_penalty == 1.0 and not self.min_gen_len
+
     def generator(self, device: torch.device) -> Optional[torch.Generator]:
         """A private random generator for a per-call seed, or None for the global one."""
         if self.seed is None:

@@ -8,7 +8,7 @@ together; `layers`: fairscale's parallel layers; `collectives`: their sums and g
 `shared_memory` between the ranks of one host.
 """
 
-from .collectives import all_gather_last_dim, all_reduce
+from .collectives import all_gather_last_dim, all_reduce, vocab_argmax
 from .failures import (
     agreement,
     check_same_on_every_rank,
@@ -60,5 +60,6 @@ __all__ = [
     "require_cxx_compiler",
     "resolve_dtype",
     "row_parallel_linear",
+    "vocab_argmax",
     "wait_for_every_rank",
 ]

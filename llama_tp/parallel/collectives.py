@@ -36,6 +36,25 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return _all_gather(x)
 
 
+def vocab_argmax(local_logits: torch.Tensor) -> torch.Tensor:
+    """Each row's best token over the whole vocabulary, from this rank's slice of the logits
+    [bsz, vocab // world size] (Transformer.forward's vocab_slice): token ids [bsz], the first
+    of equal best, as max over the whole row picks.
+
+    Each rank's best logit and its index are exchanged, not the slices: at world size 2 and
+    batch 8 a step then moves 64 bytes instead of 768 KB (the demo model's 49152 logits a row).
+    """
+    best, index = local_logits.max(dim=-1)  # bsz
+    if model_parallel_size() == 1:
+        return index
+    index = index + model_parallel_rank() * local_logits.shape[-1]
+    # The index rides beside its logit as a float32's bits: the exchange copies them as they are.
+    pairs = torch.stack((best, index.to(torch.int32).view(torch.float32)), dim=-1)  # bsz, 2
+    every_rank = all_gather_last_dim(pairs).view(len(pairs), model_parallel_size(), 2)
+    winner = every_rank[..., 0].max(dim=-1, keepdim=True).indices  # the first rank with the best: its ids are lowest
+    return every_rank[..., 1].gather(-1, winner).view(torch.int32).flatten().long()
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     shared = _shared_memory_for(x)
     if shared is not None:
