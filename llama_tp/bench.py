@@ -54,6 +54,18 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
+def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a plain read (a sum) draws from memory: decoding only reads its weights,
+    and a core can wait on only so many reads at once, so this may fall short of the copy."""
+    data = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * data.element_size() / best
+
+
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights one decoded token reads on this rank: everything but the embedding table,
     fbgemm's packed int8 weights (int8_dynamic) included."""
@@ -66,19 +78,25 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def roofline(model: torch.nn.Module, world_size: int) -> dict:
-    """Decode tokens per second that memory bandwidth allows: weight bytes per token over copy bandwidth.
+    """Decode tokens per second that memory bandwidth allows: weight bytes per token over copy
+    bandwidth; and the same at the rate of a plain read.
 
-    Every rank copies at once, as every rank reads its weights at once when decoding; the slowest
-    rank's weights over its share of the bandwidth bound the job.
+    Every rank copies (then reads) at once, as every rank reads its weights at once when
+    decoding; the slowest rank's weights over its share of the bandwidth bound the job.
     """
-    parallel.broadcast_object(None)  # start together
-    bandwidth = copy_bandwidth()
-    per_rank = [parallel.broadcast_object((bandwidth, weight_bytes_per_token(model)), src=rank)
-                for rank in range(world_size)]
+    per_rank = []
+    for measure in (copy_bandwidth, read_bandwidth):
+        parallel.broadcast_object(None)  # start together
+        bandwidth = measure()
+        per_rank.append([parallel.broadcast_object((bandwidth, weight_bytes_per_token(model)), src=rank)
+                         for rank in range(world_size)])
+    copy, read = per_rank
     return {
-        "copy_bandwidth_bytes_per_s": sum(b for b, _ in per_rank),
-        "weight_bytes_per_token": sum(w for _, w in per_rank),
-        "decode_tokens_per_s": min(b / w for b, w in per_rank),
+        "copy_bandwidth_bytes_per_s": sum(b for b, _ in copy),
+        "weight_bytes_per_token": sum(w for _, w in copy),
+        "decode_tokens_per_s": min(b / w for b, w in copy),
+        "read_bandwidth_bytes_per_s": sum(b for b, _ in read),
+        "read_decode_tokens_per_s": min(b / w for b, w in read),
     }
 
 
@@ -307,17 +325,13 @@ def main(
     report["cases"] = interleaved(cases, repeats)
     # Bandwidth drifts on a shared machine: measured before and after the timing, averaged.
     rooflines.append(roofline(model, placement.world_size))
-    report["roofline"] = {
-        "copy_bandwidth_bytes_per_s": statistics.mean(r["copy_bandwidth_bytes_per_s"] for r in rooflines),
-        "weight_bytes_per_token": rooflines[0]["weight_bytes_per_token"],
-        "decode_tokens_per_s": statistics.mean(r["decode_tokens_per_s"] for r in rooflines),
-        "samples": rooflines,
-    }
+    report["roofline"] = {key: statistics.mean(r[key] for r in rooflines) for key in rooflines[0]}
+    report["roofline"] |= {"weight_bytes_per_token": rooflines[0]["weight_bytes_per_token"], "samples": rooflines}
     if "decode_batch_1" in report["cases"]:
-        report["roofline"]["decode_batch_1_fractions"] = {
-            engine: speed / report["roofline"]["decode_tokens_per_s"]
-            for engine, speed in report["cases"]["decode_batch_1"]["tokens_per_s"].items()
-        }
+        for bound, key in (("decode_tokens_per_s", "decode_batch_1_fractions"),
+                           ("read_decode_tokens_per_s", "decode_batch_1_fractions_of_read")):
+            report["roofline"][key] = {engine: speed / report["roofline"][bound]
+                                       for engine, speed in report["cases"]["decode_batch_1"]["tokens_per_s"].items()}
     if hf_model is not None:
         report["greedy_agreement_with_hf"] = greedy_agreement(llama, hf_model, prompts[:, :DECODE_PROMPT_LEN], new_tokens)
     report["peak_rss_bytes_per_rank"] = [
@@ -371,11 +385,14 @@ def print_table(report: dict) -> None:
         hf = f"{speeds['hf']:.1f}" if "hf" in speeds else "-"
         print(f"{name:<18}{speeds['llama_tp']:>16.1f}{hf:>12}{result.get('ratio_vs_hf', float('nan')):>8.2f}")
     roofline = report["roofline"]
-    fractions = ", ".join(f"{engine} at {100 * fraction:.0f}%"
-                          for engine, fraction in roofline.get("decode_batch_1_fractions", {}).items())
+    fractions = ", ".join(
+        f"{engine} at {100 * fraction:.0f}% ({100 * roofline['decode_batch_1_fractions_of_read'][engine]:.0f}% of the read's)"
+        for engine, fraction in roofline.get("decode_batch_1_fractions", {}).items()
+    )
     print(f"roofline: {roofline['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copy, "
           f"{roofline['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token -> "
-          f"{roofline['decode_tokens_per_s']:.1f} tok/s; decode batch 1: {fractions or '-'}")
+          f"{roofline['decode_tokens_per_s']:.1f} tok/s (a plain read: {roofline['read_bandwidth_bytes_per_s'] / 1e9:.1f} "
+          f"GB/s -> {roofline['read_decode_tokens_per_s']:.1f} tok/s); decode batch 1: {fractions or '-'}")
     if "load" in report:
         load = report["load"]
         print(f"load: llama_tp {load['llama_tp']['seconds']:.2f} s, Meta's reference "

@@ -1,6 +1,7 @@
 """The benchmark runs on a tiny model and writes well-formed JSON; its transformers copy is the same model."""
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -52,12 +53,15 @@ def test_bench_writes_json(tiny_ckpt, tmp_path, capsys):
     assert roofline["weight_bytes_per_token"] == 4 * sum(  # fp32, everything but the embedding
         t.numel() for n, t in full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"]).items() if not n.startswith("tok_")
     )
-    assert roofline["copy_bandwidth_bytes_per_s"] > 0
-    assert roofline["decode_tokens_per_s"] == pytest.approx(roofline["copy_bandwidth_bytes_per_s"]
-                                                            / roofline["weight_bytes_per_token"])
-    for engine in ("llama_tp", "hf"):  # both engines against the same bound
+    for measured, bound in (("copy_bandwidth_bytes_per_s", "decode_tokens_per_s"),
+                            ("read_bandwidth_bytes_per_s", "read_decode_tokens_per_s")):
+        assert roofline[measured] > 0 and len(roofline["samples"]) == 2  # before and after the timing
+        assert roofline[measured] == pytest.approx(statistics.mean(r[measured] for r in roofline["samples"]))
+        assert roofline[bound] == pytest.approx(roofline[measured] / roofline["weight_bytes_per_token"])
+    for engine in ("llama_tp", "hf"):  # both engines against the same bounds
         speed = report["cases"]["decode_batch_1"]["tokens_per_s"][engine]
         assert roofline["decode_batch_1_fractions"][engine] == pytest.approx(speed / roofline["decode_tokens_per_s"])
+        assert roofline["decode_batch_1_fractions_of_read"][engine] == pytest.approx(speed / roofline["read_decode_tokens_per_s"])
     assert "load" not in report and report["load_seconds_in_process"] > 0  # fresh-process loads: too slow here
     assert len(report["peak_rss_bytes_per_rank"]) == 1
     assert "decode_batch_2" in stdout and "roofline" in stdout
