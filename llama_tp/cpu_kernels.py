@@ -68,7 +68,7 @@ def load() -> None:
 
     @torch.library.register_fake("llama_tp::float_product")
     def _(x, w):
-        return x.new_empty(x.shape[0], w.shape[0])
+        return x.new_empty(*x.shape[:-1], w.shape[0])
 
     @torch.library.register_fake("llama_tp::rms_norm")
     def _(x, weight, eps):
@@ -95,15 +95,13 @@ def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] times an fp32 weight [out, in] transposed, both fp32."""
     if not torch.compiler.is_compiling():  # compiled code is traced after load_model's load()
         load()
-    rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # rows, in
-    return torch.ops.llama_tp.float_product(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.llama_tp.float_product(x.contiguous(), weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm of fp32 x [..., dim] over its last dimension, times an fp32 weight [dim]."""
     load()
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # rows, dim
-    return torch.ops.llama_tp.rms_norm(rows, weight, eps).view(x.shape)
+    return torch.ops.llama_tp.rms_norm(x.contiguous(), weight, eps)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
