@@ -16,6 +16,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -109,12 +110,66 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
+// One head's channel pairs (2i, 2i+1) turned by the angles whose cos and sin are turns[i]:
+// apply_rotary's complex product.
+void rotate(const float* x, const float* turns, int64_t head_dim, float* out) {
+  for (int64_t i = 0; i < head_dim; i += 2) {
+    const float cos = turns[i], sin = turns[i + 1];
+    out[i] = x[i] * cos - x[i + 1] * sin;
+    out[i + 1] = x[i] * sin + x[i + 1] * cos;
+  }
+}
+
+// A one-token step's attention in one call, as apply_rotary, KVCache.update and decode_attention
+// do it in turn: each row's query and key heads turned to position end - 1, its keys and values
+// written into the caches there, then its queries attend to positions [0, end).
+// qkv [batch, 1, (heads + 2 kv heads) * head_dim]: the wqkv product, queries then keys then values;
+// turns [1, head_dim / 2, 2]: that position's cos and sin; caches [batch or more, kv heads,
+// positions, head_dim], contiguous. Returns [batch, 1, heads * head_dim].
+at::Tensor decode_step_attention(const at::Tensor& qkv, const at::Tensor& turns, at::Tensor& k_cache,
+                                 at::Tensor& v_cache, int64_t end, int64_t heads) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "the caches must be contiguous fp32 [batch, kv heads, positions, head_dim] alike");
+  const int64_t kv_heads = k_cache.size(1), capacity = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t batch = qkv.size(0), width = (heads + 2 * kv_heads) * head_dim;
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == width && qkv.scalar_type() == at::kFloat &&
+              qkv.is_contiguous(), "qkv must be contiguous fp32 [batch, 1, (heads + 2 kv heads) * head_dim]");
+  TORCH_CHECK(turns.numel() == head_dim && turns.scalar_type() == at::kFloat && turns.is_contiguous(),
+              "turns must be one position's contiguous fp32 cos and sin [1, head_dim / 2, 2]");
+  TORCH_CHECK(heads % kv_heads == 0 && head_dim % kLanes == 0 && batch <= k_cache.size(0) && 0 < end &&
+              end <= capacity, "shapes do not match");
+  const int64_t group = heads / kv_heads, position = end - 1;
+  at::Tensor out = at::empty({batch, 1, heads * head_dim}, qkv.options());
+  const float *qkv_data = qkv.data_ptr<float>(), *turn_data = turns.data_ptr<float>();
+  float *k_data = k_cache.data_ptr<float>(), *v_data = v_cache.data_ptr<float>(), *out_data = out.data_ptr<float>();
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t finish) {
+    std::vector<float> scores(group * end), queries(group * head_dim);
+    for (int64_t task = begin; task < finish; ++task) {
+      const int64_t b = task / kv_heads, kv = task % kv_heads;
+      const float* row = qkv_data + b * width;
+      const int64_t cached = (b * kv_heads + kv) * capacity * head_dim;  // this kv head's first position
+      rotate(row + (heads + kv) * head_dim, turn_data, head_dim, k_data + cached + position * head_dim);
+      const float* value = row + (heads + kv_heads + kv) * head_dim;
+      std::copy(value, value + head_dim, v_data + cached + position * head_dim);
+      for (int64_t j = 0; j < group; ++j)
+        rotate(row + (kv * group + j) * head_dim, turn_data, head_dim, queries.data() + j * head_dim);
+      attend(queries.data(), k_data + cached, v_data + cached, head_dim, end, group, head_dim, scores.data(),
+             out_data + (b * heads + kv * group) * head_dim);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_tp, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values) -> Tensor");
+  m.def("decode_step_attention(Tensor qkv, Tensor turns, Tensor(a!) k_cache, Tensor(b!) v_cache, int end, "
+        "int heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_tp, CPU, m) {
   m.impl("decode_attention", decode_attention);
+  m.impl("decode_step_attention", decode_step_attention);
 }

@@ -1,7 +1,8 @@
 """Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
 rows by an fp32 weight (float_product) or by grouped int8 weights (int8_kernel.py), and an RMS
 norm in one pass (rms_norm); one new token's attention to the cache (attention_kernel.cpp,
-decode_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
+decode_attention), and eagerly the whole step of it, rotation and cache write included
+(decode_step_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
 in ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
 (parallel/shared_memory.cpp).
 
@@ -78,6 +79,10 @@ def load() -> None:
     def _(q, keys, values):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("llama_tp::decode_step_attention")
+    def _(qkv, turns, k_cache, v_cache, end, heads):
+        return qkv.new_empty(qkv.shape[0], 1, heads * k_cache.shape[-1])
+
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
         return x.new_empty(x.shape[0], out_features)
@@ -113,3 +118,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     bsz, heads, _, head_dim = q.shape
     out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), keys, values)
     return out.view(bsz, heads, 1, head_dim)
+
+
+def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          end: int, heads: int) -> torch.Tensor:
+    """One new token per row at position end - 1, from its wqkv product qkv [bsz, 1, (heads + 2 kv
+    heads) * head_dim]: queries and keys turned by turns [1, head_dim // 2, 2] (cos, sin), keys
+    and values written into the caches [max bsz, kv heads, max positions, head_dim], then
+    attention to positions [0, end): [bsz, 1, heads * head_dim]. As apply_rotary, KVCache.update
+    and decode_attention do it in turn, in one call: fp32, head_dim a multiple of 16."""
+    load()
+    return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_cache, v_cache, end, heads)

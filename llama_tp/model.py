@@ -139,7 +139,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int, rotary: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        qk, v = self.wqkv(x).split(self.qk_v_widths, dim=-1)
+        qkv = self.wqkv(x)
+        if seqlen == 1 and mask is None and self.cache.kernel_attends and not torch.compiler.is_compiling():
+            # Eagerly, all that follows in one call of our kernel: 12 us a layer at batch 1 (36 at
+            # batch 8) against 59 (103) for some 20 small operations (compiled, they are fused).
+            out = cpu_kernels.decode_step_attention(qkv, rotary, self.cache.k, self.cache.v, end, self.n_local_heads)
+            return self.wo(out)
+        qk, v = qkv.split(self.qk_v_widths, dim=-1)
         # Queries and keys rotate alike: one rotation for both heads' worth.
         qk = apply_rotary(qk.view(bsz, seqlen, -1, self.head_dim), rotary)  # bsz, seqlen, heads + kv heads, head_dim
         q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
