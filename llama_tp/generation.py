@@ -54,9 +54,9 @@ class Llama:
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
         compile: run decoding steps through torch.compile. Off by default: on this project's CPUs
-            with AVX-512 (Intel, and AMD Zen 4) steps ran 1.2-1.4x faster at batch 1 and 8 (our
-            kernel's products, the rest fused), but only after 6-26 s of compiling, which a job
-            of a few hundred tokens does not win back.
+            with AVX-512 eager steps call our kernels for the products and for each layer's
+            attention step, and compiled ones (the rest fused) ran 1.07x as fast at batch 1 and
+            level at batch 8 on the AMD Zen 4 machine, after 7-26 s of compiling.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
