@@ -84,19 +84,18 @@ def roofline(model: torch.nn.Module, world_size: int) -> dict:
     Every rank copies (then reads) at once, as every rank reads its weights at once when
     decoding; the slowest rank's weights over its share of the bandwidth bound the job.
     """
-    per_rank = []
-    for measure in (copy_bandwidth, read_bandwidth):
-        parallel.broadcast_object(None)  # start together
-        bandwidth = measure()
-        per_rank.append([parallel.broadcast_object((bandwidth, weight_bytes_per_token(model)), src=rank)
-                         for rank in range(world_size)])
-    copy, read = per_rank
+    parallel.broadcast_object(None)  # start together
+    copy = copy_bandwidth()
+    parallel.broadcast_object(None)
+    read = read_bandwidth()
+    measured = (copy, read, weight_bytes_per_token(model))
+    per_rank = [parallel.broadcast_object(measured, src=rank) for rank in range(world_size)]
     return {
-        "copy_bandwidth_bytes_per_s": sum(b for b, _ in copy),
-        "weight_bytes_per_token": sum(w for _, w in copy),
-        "decode_tokens_per_s": min(b / w for b, w in copy),
-        "read_bandwidth_bytes_per_s": sum(b for b, _ in read),
-        "read_decode_tokens_per_s": min(b / w for b, w in read),
+        "copy_bandwidth_bytes_per_s": sum(c for c, _, _ in per_rank),
+        "weight_bytes_per_token": sum(w for _, _, w in per_rank),
+        "decode_tokens_per_s": min(c / w for c, _, w in per_rank),
+        "read_bandwidth_bytes_per_s": sum(r for _, r, _ in per_rank),
+        "read_decode_tokens_per_s": min(r / w for _, r, w in per_rank),
     }
 
 

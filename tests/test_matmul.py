@@ -22,8 +22,9 @@ def without_our_kernel(monkeypatch):
     monkeypatch.setattr(matmul, "FLOAT_KERNEL", False)
 
 
-# 37 inputs: two registers and a tail of 5; 7 outputs: a group of 4, then 2, then 1. 40 rows are
-# a prompt's, beside our kernel: MKL's product on Intel CPUs, oneDNN's on the plain weight elsewhere.
+# 37 inputs: two registers and a tail of 5; 7 outputs: a group of 4, then 2, then 1 (for one row,
+# one at a time). 40 rows are a prompt's, beside our kernel: MKL's product on Intel CPUs, oneDNN's
+# on the plain weight elsewhere.
 @needs_kernel
 @pytest.mark.parametrize("rows, intel", [((1, 1), False), ((2, 1), False), ((3, 1), False), ((8, 1), False),
                                          ((3, 3), False), ((16, 1), False), ((17, 1), False),
