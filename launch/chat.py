@@ -18,11 +18,12 @@ import termios
 from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional, Union
 
-from llama_tp import Dialog, Llama, demo
-from llama_tp.cli import run
+from llama_tp import Dialog, Llama
+from llama_tp.tools import demo
+from llama_tp.tools.cli import run
 from llama_tp.parallel import broadcast_object, collective_timeout, global_rank, print0
 from llama_tp.sampling import SamplingOptions
-from llama_tp.streaming import check_stop
+from llama_tp.text.streaming import check_stop
 
 CTRL_C = b"\x03"
 WAITING = False  # broadcast while no line has arrived yet; None means end of input

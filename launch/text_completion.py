@@ -6,10 +6,11 @@
 
 from typing import Optional
 
-from llama_tp import Llama, demo
-from llama_tp.cli import run
+from llama_tp import Llama
+from llama_tp.tools import demo
+from llama_tp.tools.cli import run
 from llama_tp.parallel import print0
-from llama_tp.prompts import batch_rows, load_prompts, prompt_record, write_json
+from llama_tp.tools.prompts import batch_rows, load_prompts, prompt_record, write_json
 
 EXAMPLE_PROMPTS = [
     # For these prompts, the expected answer is the natural continuation of the prompt

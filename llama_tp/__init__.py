@@ -1,7 +1,7 @@
 """llama_tp: tensor-parallel Llama inference on Meta-layout checkpoints."""
 
-from .chat_format import Dialog, Message
+from .text.chat_format import Dialog, Message
 from .generation import ChatPrediction, CompletionPrediction, Llama
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 __all__ = ["ChatPrediction", "CompletionPrediction", "Dialog", "Llama", "Message", "Tokenizer"]

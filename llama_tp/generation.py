@@ -10,16 +10,19 @@ from typing import Iterator, Optional, TypedDict
 import torch
 import torch.nn.functional as F
 
-from . import matmul, parallel
+from . import parallel
 from .args import ModelArgs
 from .batch import NO_TOKEN, Batch, Generated
-from .chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
 from .checkpoint import load_model, open_checkpoint
+from .kernels import matmul
+from .logs import logger
+from .memory import plan, report
 from .model import Transformer
 from .quantize import check_quantize
 from .sampling import SamplingOptions, choose_next, top_candidates
-from .streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
-from .tokenizer import load_tokenizer
+from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
+from .text.streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
+from .text.tokenizer import load_tokenizer
 
 class CompletionPrediction(TypedDict, total=False):
     generation: str
@@ -77,19 +80,16 @@ class Llama:
             args = args.with_vocab_size(tokenizer.n_words)
             args.check_model_parallel_size(placement.world_size)
             dtype = parallel.resolve_dtype(dtype, placement.device)
-            # Imported here: `python -m llama_tp.plan` must not find the module already imported by the package.
-            from .plan import plan, report
-
             checkpoint = open_checkpoint(ckpt_dir, args)  # an int8 checkpoint loads as int8
-            parallel.print0(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
-                                        quantize or checkpoint.quantization)))
+            logger.info(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
+                               quantize or checkpoint.quantization)))
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             if compile:
                 compile_decoding(model, placement.device)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
-        parallel.print0(f"Loaded in {time.perf_counter() - start:.2f} seconds")
+        logger.info(f"Loaded in {time.perf_counter() - start:.2f} seconds")
         return Llama(model, tokenizer, chat_format_for(tokenizer, record))
 
     def __init__(self, model: Transformer, tokenizer, formatter=None):

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
 from .args import ModelArgs
+from .kernels import cpu_kernels
 from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, parallel_embedding,
                        row_parallel_linear)
 

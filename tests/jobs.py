@@ -21,7 +21,7 @@ from typing import Optional
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = PROJECT_ROOT / "launch"
 # Imported once by the fork server, so forked ranks start in milliseconds.
-WARM_MODULES = ["fire", "llama_tp", "llama_tp.cli", "llama_tp.generation"]
+WARM_MODULES = ["fire", "llama_tp", "llama_tp.tools.cli", "llama_tp.generation"]
 
 
 @dataclass
@@ -134,15 +134,15 @@ def start_torchrun(script: Path, args: list[str], stderr_path: Path) -> subproce
     )
 
 
-def wait_for_line(job: subprocess.Popen, text: str, timeout: float) -> None:
-    """Read the job's stdout until a line holds text; fail if it ends or takes longer."""
+def wait_for_log_line(job: subprocess.Popen, stderr_path: Path, text: str, timeout: float) -> None:
+    """Wait until the job's stderr (where the library logs) holds text; fail if it ends or takes longer."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        line = job.stdout.readline()
-        if text in line:
+        if text in stderr_path.read_text():
             return
-        if not line and job.poll() is not None:
-            raise AssertionError(f"the job ended (exit {job.returncode}) before printing {text!r}")
+        if job.poll() is not None:
+            raise AssertionError(f"the job ended (exit {job.returncode}) before logging {text!r}")
+        time.sleep(0.1)
     raise AssertionError(f"no {text!r} within {timeout} s")
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_tp import Llama, cpu_kernels
+from llama_tp import Llama
+from llama_tp.kernels import cpu_kernels
 from llama_tp.model import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="our kernels need AVX-512")

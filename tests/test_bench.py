@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from distributed import run_world
-from llama_tp import bench_world_sizes, parallel
+from llama_tp import parallel
+from llama_tp.tools import bench_world_sizes
 from llama_tp.args import ModelArgs
-from llama_tp.bench import compare_loading, load_meta_reference, main, weight_bytes_per_token
-from llama_tp.bench_hf import build_hf_model
+from llama_tp.tools.bench import compare_loading, load_meta_reference, main, weight_bytes_per_token
+from llama_tp.tools.bench_hf import build_hf_model
 from llama_tp.checkpoint import TOLERATED_EXTRA_KEYS, load_model
-from llama_tp.sharding import COLUMN_PARALLEL, ROW_PARALLEL
+from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from tiny_checkpoint import TINY_LLAMA3, full_weights, write_checkpoint
 
 

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from llama_tp.chat_format import ChatMLFormat, ChatRecord, chat_format_for, read_chat_record
-from llama_tp.convert.chat_template import chat_format_of, default_system_prompt
-from llama_tp.hf_tokenizer import HFTokenizer
-from llama_tp.tokenizer import load_tokenizer
+from llama_tp.text.chat_format import ChatMLFormat, ChatRecord, chat_format_for, read_chat_record
+from llama_tp.tools.convert.chat_template import chat_format_of, default_system_prompt
+from llama_tp.text.hf_tokenizer import HFTokenizer
+from llama_tp.text.tokenizer import load_tokenizer
 from test_convert_hf import CHATML_TEMPLATE, byte_level_tokenizer
 from tiny_checkpoint import LLAMA2_TOKENIZER
 

@@ -12,9 +12,9 @@ from gguf.quants import quantize
 from transformers.integrations.gguf.dequant import dequantize as transformers_dequantize
 
 from llama_tp.args import ModelArgs
-from llama_tp.convert.gguf import dequantized, llama31_rope
-from llama_tp.convert.writer import ffn_params, shard_of
-from llama_tp.tokenizer import load_tokenizer
+from llama_tp.tools.convert.gguf import dequantized, llama31_rope
+from llama_tp.tools.convert.writer import ffn_params, shard_of
+from llama_tp.text.tokenizer import load_tokenizer
 
 ROWS, COLS = 4, 512  # two 256-value super-blocks per row for the K types
 # Largest error of one quantised value for N(0, 1) data: about half a quantisation step.

@@ -16,8 +16,8 @@ from gguf.quants import quantize
 from tokenizers import Tokenizer
 
 from llama_tp import Llama
-from llama_tp.chat_format import ChatMLFormat
-from llama_tp.convert.__main__ import main as convert
+from llama_tp.text.chat_format import ChatMLFormat
+from llama_tp.tools.convert.__main__ import main as convert
 from test_convert_gguf import K_BLOCK, random_k_blocks
 from test_convert_hf import CHATML_TEMPLATE, byte_level_tokenizer
 

@@ -10,9 +10,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_tp import Llama
-from llama_tp.chat_format import ChatMLFormat
-from llama_tp.checkpoint import split_dim
-from llama_tp.convert.__main__ import main as convert
+from llama_tp.text.chat_format import ChatMLFormat
+from llama_tp.checkpoint.sharding import split_dim
+from llama_tp.tools.convert.__main__ import main as convert
 from tiny_checkpoint import LLAMA2_TOKENIZER
 
 CHATML_TEMPLATE = (

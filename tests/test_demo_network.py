@@ -15,7 +15,8 @@ import pytest
 import torch
 import transformers
 
-from llama_tp import Llama, demo
+from llama_tp import Llama
+from llama_tp.tools import demo
 from llama_tp.args import ModelArgs
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,8 @@ PROMPTS = ["What is the capital of France?", "Hello 12345 world!!", " two  space
 # Rank 0 prints the greedy answer as JSON; every rank prepares the demo model at once.
 CHAT_SCRIPT = """
 import json
-from llama_tp import Llama, demo
+from llama_tp import Llama
+from llama_tp.tools import demo
 from llama_tp.parallel import print0
 ckpt_dir, tokenizer_path = demo.model_paths(None, None)
 llama = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=96, max_batch_size=1)

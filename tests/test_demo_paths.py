@@ -4,7 +4,7 @@ import zipfile
 
 import pytest
 
-from llama_tp import demo
+from llama_tp.tools import demo
 
 
 def test_demo_paths_given_paths_win_and_half_a_pair_is_refused():

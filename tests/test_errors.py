@@ -22,7 +22,7 @@ CHAT = LAUNCH / "chat_completion.py"
 # A chat script that sends one malformed dialog: the launch scripts only send their examples.
 BAD_DIALOG_SCRIPT = '''
 from llama_tp import Llama
-from llama_tp.cli import run
+from llama_tp.tools.cli import run
 
 def main(ckpt_dir: str, tokenizer_path: str):
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=64, max_batch_size=2)
@@ -35,7 +35,7 @@ run(main)
 RANK_PROMPTS_SCRIPT = '''
 import os
 from llama_tp import Llama
-from llama_tp.cli import run
+from llama_tp.tools.cli import run
 
 def main(ckpt_dir: str, tokenizer_path: str):
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=64, max_batch_size=2)

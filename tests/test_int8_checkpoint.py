@@ -11,12 +11,13 @@ from tokenizers import Tokenizer
 from llama_tp import Llama
 from llama_tp.args import ModelArgs
 from llama_tp.checkpoint import load_shard, shard_paths
-from llama_tp.convert.__main__ import main as convert
-from llama_tp.convert.writer import shard_of
-from llama_tp.int8_checkpoint import check_int8_split
-from llama_tp.quantize import Int8Linear, quantize_int8
-from llama_tp.reshard import reshard
-from llama_tp.sharding import COLUMN_PARALLEL, ROW_PARALLEL
+from llama_tp.tools.convert.__main__ import main as convert
+from llama_tp.tools.convert.writer import shard_of
+from llama_tp.checkpoint.int8 import check_int8_split
+from llama_tp.kernels.int8 import quantize_int8
+from llama_tp.quantize import Int8Linear
+from llama_tp.tools.reshard import reshard
+from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from distributed import run_world
 from test_convert_gguf_model import write_tiny_gguf
 from test_convert_hf import byte_level_tokenizer, hf_folder
@@ -169,7 +170,7 @@ def test_int8_checkpoint_gives_exactly_load_time_int8(one_process):
 
 def test_loading_an_int8_checkpoint_says_so_once(folders, capsys):
     Llama.build(folders["int8-1"], str(LLAMA2_TOKENIZER), max_seq_len=8, max_batch_size=1)
-    assert capsys.readouterr().out.count("stores its linear layers as int8: loading them as int8") == 1
+    assert capsys.readouterr().err.count("stores its linear layers as int8: loading them as int8") == 1
 
 
 def _on_two_ranks(folders: dict[str, str]) -> dict:

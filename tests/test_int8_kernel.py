@@ -5,8 +5,9 @@ layer gives the same outputs through it, eager and compiled, as through torch.co
 import pytest
 import torch
 
-from llama_tp import cpu_kernels, int8_kernel
-from llama_tp.quantize import Int8Linear, dequantize, quantize_int8
+from llama_tp.kernels import cpu_kernels, int8
+from llama_tp.kernels.int8 import dequantize, quantize_int8
+from llama_tp.quantize import Int8Linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.runs_on(torch.device("cpu")), reason="the kernel needs AVX-512")
 
@@ -24,19 +25,19 @@ def test_product_equals_the_exact_product_of_the_grouped_weight(out_features, wi
     cpu_kernels.load()
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(100 + rows))
     expected = x.double() @ dequantize(q, scales, zeros, torch.float64).t()
-    got = int8_kernel.product(x, *int8_kernel.blocks(q, scales, zeros), out_features)
+    got = int8.product(x, *int8.blocks(q, scales, zeros), out_features)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6 * width)  # fp32 sums of `width` terms
 
 
 def test_blocks_convert_back_to_the_same_weight():
     q, scales, zeros = _weight(40, 96, seed=0)
-    blocked = int8_kernel.blocks(q, scales, zeros)
+    blocked = int8.blocks(q, scales, zeros)
     assert blocked[0].shape == (3, 96, 16) and blocked[1].shape == (3, 3, 16)
-    assert torch.equal(int8_kernel.dequantize(*blocked, 40, torch.float32), dequantize(q, scales, zeros, torch.float32))
+    assert torch.equal(int8.dequantize_blocks(*blocked, 40, torch.float32), dequantize(q, scales, zeros, torch.float32))
 
 
-@pytest.mark.parametrize("rows", [1, 8, int8_kernel.MAX_ROWS + 1])  # the last converts the weight back
+@pytest.mark.parametrize("rows", [1, 8, int8.MAX_ROWS + 1])  # the last converts the weight back
 @pytest.mark.parametrize("compiled", [False, True])
 def test_int8_layer_gives_the_same_outputs_through_the_kernel(rows, compiled):
     q, scales, zeros = _weight(40, 96, seed=1)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import LAUNCH, alive, rank_pids, start_torchrun, wait_for_line
+from jobs import LAUNCH, alive, rank_pids, start_torchrun, wait_for_log_line
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
 TEXT = LAUNCH / "text_completion.py"
@@ -30,9 +30,9 @@ def args_for(ckpt: Path) -> list[str]:
     return ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(LLAMA2_TOKENIZER), *LONG_RUN]
 
 
-def started(job, timeout: float = START_LIMIT) -> list[int]:
+def started(job, stderr: Path, timeout: float = START_LIMIT) -> list[int]:
     """Wait until the job has loaded the model; return its ranks' pids."""
-    wait_for_line(job, "Loaded in", timeout)
+    wait_for_log_line(job, stderr, "Loaded in", timeout)
     return list(rank_pids(job.pid).values())
 
 
@@ -56,7 +56,7 @@ def ended_within(job, ranks: list[int], seconds: float) -> float:
 def test_ctrl_c_during_generation_stops_every_rank(checkpoint: Path, tmp_path: Path):
     stderr = tmp_path / "stderr.txt"
     job = start_torchrun(TEXT, args_for(checkpoint), stderr)
-    ranks = started(job)
+    ranks = started(job, stderr)
     time.sleep(0.5)
     os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     assert ended_within(job, ranks, 15) < 15
@@ -92,7 +92,7 @@ def test_ctrl_c_while_a_rank_waits_on_its_shard_stops_every_rank(checkpoint: Pat
 def test_a_killed_rank_ends_the_job(checkpoint: Path, tmp_path: Path):
     stderr = tmp_path / "stderr.txt"
     job = start_torchrun(TEXT, args_for(checkpoint), stderr)
-    ranks = started(job)
+    ranks = started(job, stderr)
     time.sleep(0.5)
     os.kill(rank_pids(job.pid)[1], signal.SIGKILL)
     assert ended_within(job, ranks, 60) < 60
@@ -107,7 +107,7 @@ def test_a_killed_rank_ends_the_job(checkpoint: Path, tmp_path: Path):
 def test_a_killed_launcher_leaves_no_rank_behind(checkpoint: Path, tmp_path: Path):
     stderr = tmp_path / "stderr.txt"
     job = start_torchrun(TEXT, args_for(checkpoint), stderr)
-    ranks = started(job)
+    ranks = started(job, stderr)
     os.kill(job.pid, signal.SIGKILL)  # torchrun gets no chance to stop its ranks
     assert ended_within(job, ranks, 15) < 15
     text = stderr.read_text()

@@ -1,7 +1,7 @@
 import pytest
 
-from llama_tp.chat_format import Llama2ChatFormat
-from llama_tp.tokenizer import Tokenizer
+from llama_tp.text.chat_format import Llama2ChatFormat
+from llama_tp.text.tokenizer import Tokenizer
 
 # Pieces of the Llama 2 tokenizer, checked by hand against sp_model.id_to_piece.
 BOS, EOS = 1, 2

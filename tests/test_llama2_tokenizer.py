@@ -1,6 +1,6 @@
 import pytest
 
-from llama_tp.tokenizer import Tokenizer, load_tokenizer
+from llama_tp.text.tokenizer import Tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 import pytest
 
 from llama_tp import Llama
-from llama_tp.chat_format import Llama2ChatFormat, Llama3ChatFormat, chat_format_for
-from llama_tp.tokenizer import Tokenizer, load_tokenizer
+from llama_tp.text.chat_format import Llama2ChatFormat, Llama3ChatFormat, chat_format_for
+from llama_tp.text.tokenizer import Tokenizer, load_tokenizer
 from tiny_checkpoint import LLAMA2_TOKENIZER, SHARED_DATA
 
 BEGIN, START, END, EOT = 128000, 128006, 128007, 128009

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llama_tp.tokenizer import Llama3Tokenizer, Tokenizer, load_tokenizer, split_long_runs
+from llama_tp.text.tokenizer import Llama3Tokenizer, Tokenizer, load_tokenizer, split_long_runs
 from tiny_checkpoint import LLAMA2_TOKENIZER, SHARED_DATA
 
 LLAMA3_TOKENIZER = SHARED_DATA / "llama3-tokenizer.model"

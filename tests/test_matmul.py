@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_tp import Llama, cpu_kernels, matmul
+from llama_tp import Llama
+from llama_tp.kernels import cpu_kernels, matmul
 from llama_tp.model import LINEAR_LAYERS
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
@@ -71,7 +72,7 @@ def test_our_kernel_sums_each_output_alike_whatever_the_rows_and_threads():
 
 
 def test_our_kernels_are_left_out_when_the_environment_says_so():
-    script = "from llama_tp import cpu_kernels, matmul; import torch; print(matmul.FLOAT_KERNEL, cpu_kernels.runs_on(torch.device('cpu')))"
+    script = "from llama_tp.kernels import cpu_kernels, matmul; import torch; print(matmul.FLOAT_KERNEL, cpu_kernels.runs_on(torch.device('cpu')))"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                             env={**os.environ, "LLAMA_TP_CPU_KERNELS": "0"})
     assert result.stdout.split() == ["False", "False"]

@@ -9,9 +9,9 @@ import torch
 
 from llama_tp import Llama
 from llama_tp.args import ModelArgs
-from llama_tp.plan import main as plan_main
-from llama_tp.plan import params_per_rank, plan
-from llama_tp.reshard import reshard
+from llama_tp.memory import params_per_rank, plan
+from llama_tp.tools.plan import main as plan_main
+from llama_tp.tools.reshard import reshard
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
 from torchrun import ROOT
 
@@ -52,7 +52,7 @@ def test_per_rank_parameters_equal_a_shard(tmp_path, params, layout, world_size)
 def test_plan_matches_the_built_model_and_build_prints_it(tmp_path, capsys):
     write_checkpoint(tmp_path, TINY_LLAMA3, full_weights(TINY_LLAMA3, 32000), 1, "vocab")
     llama = Llama.build(str(tmp_path), str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=3)
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err  # the library logs on stderr
     memory = plan(llama.model.args, 1, 3, 32, torch.float32)
     assert memory.weight_bytes == sum(p.numel() * p.element_size() for p in llama.model.parameters())
     caches = [layer.attention.cache for layer in llama.model.layers]
@@ -61,7 +61,6 @@ def test_plan_matches_the_built_model_and_build_prints_it(tmp_path, capsys):
     assert printed.index("Memory per process") < printed.index("Loaded in")
 
 
-@pytest.mark.filterwarnings("ignore:'llama_tp.plan' found in sys.modules")  # this file imported it already
 def test_planner_command_line(monkeypatch, capsys):
     """python -m llama_tp.plan, run in this process (a subprocess would only add the import time)."""
     monkeypatch.setattr(sys, "argv", ["plan", "--params", str(PARAMS / "llama-2-70b.json"), "--world_size", "8",
@@ -90,4 +89,4 @@ def test_int8_plan_matches_the_built_model_and_build_prints_it(tmp_path, capsys)
         llama = Llama.build(str(folder), str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=3, quantize=quantize)
         memory = plan(llama.model.args, 1, 3, 32, torch.float32, "int8")
         assert memory.weight_bytes == sum(t.nbytes for t in llama.model.state_dict().values())
-        assert "(1 process, int8 linear layers, other 4-byte weights, batch 3 x 32 tokens)" in capsys.readouterr().out
+        assert "(1 process, int8 linear layers, other 4-byte weights, batch 3 x 32 tokens)" in capsys.readouterr().err

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_tp import Llama
-from llama_tp.chat_format import Llama2ChatFormat
+from llama_tp.text.chat_format import Llama2ChatFormat
 from llama_tp.sampling import next_token, sample_top_p
-from llama_tp.tokenizer import Tokenizer
+from llama_tp.text.tokenizer import Tokenizer
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
 MAX_SEQ_LEN = 32

@@ -4,9 +4,11 @@ to fp32 and greedy answers do not change."""
 import pytest
 import torch
 
-from llama_tp import Llama, cpu_kernels
-from llama_tp.quantize import DynamicInt8Linear, Int8Linear, dequantize, grouped_product, quantize_int8
-from llama_tp.sharding import COLUMN_PARALLEL, ROW_PARALLEL
+from llama_tp import Llama
+from llama_tp.kernels import cpu_kernels
+from llama_tp.kernels.int8 import dequantize, grouped_product, quantize_int8
+from llama_tp.quantize import DynamicInt8Linear, Int8Linear
+from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from distributed import run_world
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llama_tp.reshard import reshard
+from llama_tp.tools.reshard import reshard
 from tiny_checkpoint import full_weights, write_checkpoint
 
 TESTS = Path(__file__).resolve().parent

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llama_tp.checkpoint import load_shard, shard_paths
-from llama_tp.reshard import reshard
+from llama_tp.tools.reshard import reshard
 from tiny_checkpoint import TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

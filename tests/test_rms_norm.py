@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_tp import cpu_kernels
+from llama_tp.kernels import cpu_kernels
 from llama_tp.model import RMSNorm
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="our kernels need AVX-512")

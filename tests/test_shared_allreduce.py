@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from llama_tp import cpu_kernels, parallel
+from llama_tp import parallel
+from llama_tp.kernels import cpu_kernels
 from llama_tp.parallel import collectives
 from llama_tp.parallel.shared_memory import SharedMemorySum
 

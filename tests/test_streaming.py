@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llama_tp import Llama
-from llama_tp.streaming import IncrementalDecoder, cut_at_stop
-from llama_tp.tokenizer import Tokenizer, load_tokenizer
+from llama_tp.text.streaming import IncrementalDecoder, cut_at_stop
+from llama_tp.text.tokenizer import Tokenizer, load_tokenizer
 from torchrun import one_thread  # noqa: F401  (a fixture)
 from tiny_checkpoint import LLAMA2_TOKENIZER, SHARED_DATA, TINY_LLAMA2, successor_weights, write_checkpoint
 

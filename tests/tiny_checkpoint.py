@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from llama_tp.args import ModelArgs
-from llama_tp.checkpoint import split_dim
+from llama_tp.checkpoint.sharding import split_dim
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 LLAMA2_TOKENIZER = SHARED_DATA / "llama2-tokenizer.model"

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
 
-from ..cpu_kernels import cxx_compiler_found
+from ..kernels.cpu_kernels import cxx_compiler_found
+from ..logs import set_rank as set_log_rank
 
 # How long a rank waits for the others at process-group start-up or in any one collective before
 # giving up with an error instead of hanging; generous because ranks load shards at their own pace.
@@ -126,6 +127,7 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
             f"every process holds one model slice, so run with --nproc_per_node "
             f"{model_parallel_size} or leave model_parallel_size unset"
         )
+    set_log_rank(rank)
     device = device_for(local_rank)
     if accelerator_available():
         torch.cuda.set_device(device)

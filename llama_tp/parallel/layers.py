@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Literal
 import torch
 from fairscale.nn.model_parallel import layers as fairscale_layers
 
-from .. import matmul
+from ..kernels import matmul
 from .collectives import all_gather_last_dim, all_reduce
 
 # Llama 2 checkpoints split the token embedding along the model dimension (fairscale's

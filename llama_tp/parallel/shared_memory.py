@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .. import cpu_kernels
+from ..kernels import cpu_kernels
 
 
 class SharedMemorySum:

@@ -3,7 +3,7 @@
 A checkpoint may have any number of shards: each rank assembles its own slice from the shards
 that hold parts of it (merging when there are more shards than ranks, splitting when fewer),
 reading them memory-mapped so that no rank ever holds the whole model. An int8 checkpoint
-(int8_checkpoint.py) loads straight into int8 layers.
+(checkpoint/int8.py) loads straight into int8 layers.
 """
 
 import math
@@ -16,13 +16,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import cpu_kernels, mapped_pages, matmul
-from .args import ModelArgs
-from .int8_checkpoint import check_int8_load, stored_quantization, unfilled_int8_layers
-from .model import LINEAR_LAYERS, Transformer
-from .parallel import EmbeddingLayout, Placement, print0
-from .quantize import Int8Linear, quantize_model, use_int8_kernel
-from .sharding import assemble_slice, split_dim  # noqa: F401  (split_dim: where tests and tools look for it)
+from ..args import ModelArgs
+from ..kernels import cpu_kernels, matmul
+from ..logs import logger
+from ..model import LINEAR_LAYERS, Transformer
+from ..parallel import EmbeddingLayout, Placement
+from ..quantize import Int8Linear, quantize_model, use_int8_kernel
+from . import mapped_pages
+from .int8 import check_int8_load, stored_quantization, unfilled_int8_layers
+from .sharding import assemble_slice
 
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
 TOLERATED_EXTRA_KEYS = ("rope.freqs",)
@@ -186,7 +188,7 @@ class Checkpoint(NamedTuple):
     paths: list[Path]
     args: ModelArgs  # with the checkpoint's vocabulary filled in
     layout: EmbeddingLayout
-    quantization: Optional[str]  # "int8" for an int8 checkpoint (int8_checkpoint.py)
+    quantization: Optional[str]  # "int8" for an int8 checkpoint (checkpoint/int8.py)
     first_shard: dict[str, torch.Tensor]  # memory-mapped, read once: opening a shard costs ~16 ms
 
 
@@ -238,7 +240,7 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
     world_size = placement.world_size
     if len(checkpoint.paths) != world_size:
         processes = f"{world_size} process" + "es" * (world_size > 1)
-        print0(f"resharding {len(checkpoint.paths)} shards onto {processes} while loading; `python -m "
+        logger.info(f"resharding {len(checkpoint.paths)} shards onto {processes} while loading; `python -m "
                f"llama_tp.reshard {ckpt_dir} DST_DIR --mp {world_size}` saves this work at every start")
     model = Transformer(checkpoint.args, world_size, checkpoint.layout)
     stored_int8 = checkpoint.quantization == "int8"

@@ -2,8 +2,8 @@
 
 from typing import Optional
 
+from ...checkpoint.int8 import check_storable
 from ..cli import run
-from ..int8_checkpoint import check_storable
 
 FORMATS = ("hf", "gguf")
 

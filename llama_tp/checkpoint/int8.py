@@ -1,10 +1,10 @@
-"""int8 checkpoints: the linear layers stored as quantize.py's grouped int8, written once and
+"""int8 checkpoints: the linear layers stored as grouped int8 (kernels/int8.py), written once and
 loaded as they are (1.25 bytes per weight on disk and while loading instead of 2 or 4).
 
 A Meta-layout folder in which every linear layer (wq, wk, wv, wo, w1, w2, w3, output) is stored
 as NAME.weight, int8 [out, in], with NAME.scales and NAME.zeros, fp32 [out, in / group]; the
 embedding and norms keep the checkpoint's float dtype. The groups are those of the whole,
-unsplit layer (quantize.group_size of its full width), and the shards split all three tensors
+unsplit layer (kernels.int8.group_size of its full width), and the shards split all three tensors
 as they split the weight: column-parallel layers by output rows (KV heads copied alike),
 row-parallel ones (wo, w2) by inputs, so their scales and zeros by groups. That needs every
 part of a row-parallel layer to hold whole groups: check_int8_split.
@@ -16,9 +16,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .args import ModelArgs
-from .parallel import communication_after, print0, require_cxx_compiler
-from .quantize import QUANTIZATIONS, Int8Linear, check_quantize, group_size, quantize_int8, replace_linear_layers
+from ..args import ModelArgs
+from ..kernels.int8 import group_size, quantize_int8
+from ..logs import logger
+from ..parallel import communication_after, require_cxx_compiler
+from ..quantize import QUANTIZATIONS, Int8Linear, check_quantize, replace_linear_layers
 from .sharding import COLUMN_PARALLEL, ROW_PARALLEL
 
 # What a checkpoint can store; int8_dynamic rounds the activations too, which only happens at run time.
@@ -105,7 +107,7 @@ def check_int8_load(ckpt_dir: Path, args: ModelArgs, world_size: int, device: to
     if device.type == "cpu":
         require_cxx_compiler(f"the int8 checkpoint {ckpt_dir} on CPU", "load a full-precision checkpoint")
     if quantize is None:
-        print0(f"{ckpt_dir} stores its linear layers as int8: loading them as int8 (quantize='int8')")
+        logger.info(f"{ckpt_dir} stores its linear layers as int8: loading them as int8 (quantize='int8')")
 
 
 def unfilled_int8_layers(model: nn.Module) -> nn.Module:

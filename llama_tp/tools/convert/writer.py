@@ -5,18 +5,17 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ..args import ModelArgs
-from ..chat_format import CHAT_RECORD_FILE, ChatRecord
-from ..checkpoint import split_dim
-from ..int8_checkpoint import check_int8_split, check_storable, int8_tensors
-from ..parallel import DTYPES
-from ..sharding import KV_PROJECTIONS
+from ...args import ModelArgs
+from ...checkpoint.int8 import check_int8_split, check_storable, int8_tensors
+from ...checkpoint.sharding import KV_PROJECTIONS, split_dim
+from ...logs import logger
+from ...parallel import DTYPES
+from ...text.chat_format import CHAT_RECORD_FILE, ChatRecord
 
 # Loads one whole tensor, already named and laid out as in Meta's checkpoints.
 TensorLoader = Callable[[], torch.Tensor]
@@ -91,7 +90,7 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
     Everything goes to a temporary folder beside dst that is renamed into place at the end, so
     dst either holds a complete checkpoint or does not exist. Each shard is built by loading every
     tensor again and keeping this rank's slice: memory holds one shard and one whole tensor.
-    quantize="int8" writes an int8 checkpoint (int8_checkpoint.py) of the weights in dtype: what
+    quantize="int8" writes an int8 checkpoint (checkpoint/int8.py) of the weights in dtype: what
     loading the dtype checkpoint with quantize="int8" in one process would hold.
     """
     check_storable(quantize)
@@ -146,4 +145,4 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
 
 def progress(message: str) -> None:
     """Conversion progress on stderr, so stdout stays the program's output."""
-    print(f"llama_tp.convert: {message}", file=sys.stderr, flush=True)
+    logger.info(f"llama_tp.convert: {message}")

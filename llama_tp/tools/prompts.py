@@ -6,8 +6,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from .chat_format import Dialog, check_dialog
-from .parallel import global_rank
+from ..parallel import global_rank
+from ..text.chat_format import Dialog, check_dialog
 
 
 def batch_rows(max_batch_size: int, n_prompts: int, stream: bool) -> int:

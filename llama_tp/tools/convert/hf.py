@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from ..chat_format import ChatRecord
-from ..hf_tokenizer import HFTokenizer, read_json_object
-from . import require
+from ...optional import require
+from ...text.chat_format import ChatRecord
+from ...text.hf_tokenizer import HFTokenizer, read_json_object
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
 from .writer import TensorLoader, ffn_params, meta_name, resolve_dtype, write_checkpoint
 
@@ -31,7 +31,7 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     """Convert a Hugging Face Llama folder into a Meta-layout checkpoint folder with mp shards.
 
     dtype defaults to the precision config.json names (bf16 if it names none); quantize="int8"
-    writes an int8 checkpoint (int8_checkpoint.py).
+    writes an int8 checkpoint (checkpoint/int8.py).
     """
     src = Path(source)
     config = _read_json(src / "config.json", required=True)

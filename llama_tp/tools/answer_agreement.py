@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from . import demo, parallel
+from .. import parallel
+from ..generation import Llama
+from ..quantize import QUANTIZATIONS, check_quantize
+from . import demo
 from .cli import run
-from .generation import Llama
-from .quantize import QUANTIZATIONS, check_quantize
 
 QUESTIONS = (
     "What is the capital of France?",

@@ -3,7 +3,7 @@
 import json
 from typing import Optional
 
-from . import require
+from ...optional import require
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 CONTROL, USER_DEFINED = 3, 4

@@ -1,5 +1,5 @@
 """Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
-rows by an fp32 weight (float_product) or by grouped int8 weights (int8_kernel.py), and an RMS
+rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py), and an RMS
 norm in one pass (rms_norm); one new token's attention to the cache (attention_kernel.cpp,
 decode_attention), and eagerly the whole step of it, rotation and cache write included
 (decode_step_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from ..logs import logger
 
 
 def cxx_compiler_found() -> bool:
@@ -42,8 +44,6 @@ def load() -> None:
     torch.compile traces a call to them."""
     from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
 
-    from .parallel import print0  # imported here: parallel's compiler check comes from this module
-
     start = time.perf_counter()
     if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH: take the ninja package's
         import ninja
@@ -54,7 +54,7 @@ def load() -> None:
             name="llama_tp_cpu_kernels",
             sources=[str(Path(__file__).with_name("cpu_kernels.cpp")),
                      str(Path(__file__).with_name("attention_kernel.cpp")),
-                     str(Path(__file__).parent / "parallel" / "shared_memory.cpp")],
+                     str(Path(__file__).parents[1] / "parallel" / "shared_memory.cpp")],
             extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # OpenMP: at::parallel_for's threads
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -65,7 +65,7 @@ def load() -> None:
             "fix the C++ toolchain (g++ or $CXX, ninja), or set LLAMA_TP_CPU_KERNELS=0 to use torch's kernels"
         ) from error
     if time.perf_counter() - start > 2:  # built, not taken from the cache
-        print0(f"compiled llama_tp's CPU kernels in {time.perf_counter() - start:.0f} s (once: they are cached)")
+        logger.info(f"compiled llama_tp's CPU kernels in {time.perf_counter() - start:.0f} s (once: they are cached)")
 
     @torch.library.register_fake("llama_tp::float_product")
     def _(x, w):

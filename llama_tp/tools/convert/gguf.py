@@ -12,10 +12,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..args import ModelArgs
-from ..chat_format import ChatRecord
-from ..model import rotary_frequencies
-from . import gguf_vocab, require
+from ...args import ModelArgs
+from ...model import rotary_frequencies
+from ...optional import require
+from ...text.chat_format import ChatRecord
+from . import gguf_vocab
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
 from .writer import TensorLoader, ffn_params, meta_name, progress, resolve_dtype, write_checkpoint
 
@@ -35,7 +36,7 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
     """Convert a GGUF Llama file into a Meta-layout checkpoint folder with mp shards.
 
     dtype defaults to fp32: dequantised values are exact only there. quantize="int8" writes an
-    int8 checkpoint (int8_checkpoint.py): weights from GGUF's 4- and 8-bit blocks fit its grids.
+    int8 checkpoint (checkpoint/int8.py): weights from GGUF's 4- and 8-bit blocks fit its grids.
     """
     path = Path(source)
     if not path.is_file():

@@ -1,14 +1,14 @@
 """Which tensor is split along which dimension, and the pieces of which shards make up a rank's slice.
 
-Pure functions over shapes and in-memory shards; reading files is checkpoint.py's business.
+Pure functions over shapes and in-memory shards; reading files is loading.py's business.
 """
 
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .args import ModelArgs
-from .parallel import EmbeddingLayout
+from ..args import ModelArgs
+from ..parallel import EmbeddingLayout
 
 # Split along the output dimension (dim 0) by fairscale's ColumnParallelLinear ...
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "output")

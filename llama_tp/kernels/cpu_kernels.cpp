@@ -12,7 +12,7 @@
 //
 // rms_norm: the norm in one pass over each row, where torch's takes six.
 //
-// int8_product: grouped int8 weights (quantize.py) in blocks of 16 output channels, each block
+// int8_product: grouped int8 weights (int8.py) in blocks of 16 output channels, each block
 // input-major: q[block][input][lane]. One 16-byte load then holds one input's weights for 16
 // outputs, which widen into one register of 16 floats, and no sum ever runs across a register.
 // scales and zeros are [block][group][lane]. With a group's weights w = q * scale + zero,

