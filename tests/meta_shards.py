@@ -9,15 +9,17 @@ from llama_tp.args import ModelArgs
 from llama_tp.checkpoint.sharding import split_dim
 
 
-def meta_shards(weights: dict[str, torch.Tensor], args: ModelArgs, layout: str, n: int) -> list[dict]:
+def meta_shards(weights: dict[str, torch.Tensor], args: ModelArgs, layout: str, n: int,
+                head_copies: bool = True) -> list[dict]:
     """Split whole weights n ways as Meta does; above the KV head count, each shard keeps a copy
-    of the head its query heads use (the layout llama_tp runs with at that world size)."""
+    of the head its query heads use (the layout llama_tp runs with at that world size), or, without
+    head_copies, an even share of wk's and wv's rows, as a tool that splits every tensor alike does."""
     shards = []
     for rank in range(n):
         shard = {}
         for name, tensor in weights.items():
             dim = split_dim(name, layout)
-            if name.split(".")[-2] in ("wk", "wv") and n > args.kv_heads:
+            if name.split(".")[-2] in ("wk", "wv") and n > args.kv_heads and head_copies:
                 head = rank * args.kv_heads // n
                 shard[name] = tensor[head * args.head_dim : (head + 1) * args.head_dim].clone()
             else:

@@ -18,9 +18,11 @@ TESTS = Path(__file__).resolve().parent
 PROJECT_ROOT = TESTS.parent
 VOCAB = 32000  # the Llama 2 tokenizer's, which every checkpoint here is loaded with
 CASES = {
-    "llama2": (TINY_LLAMA2, "dim"),
-    "llama3": (TINY_LLAMA3, "vocab"),
-    "kv2": (TINY_LLAMA3 | {"n_kv_heads": 2}, "vocab"),  # world size 4 copies each KV head to two ranks
+    "llama2": (TINY_LLAMA2, "dim", True),
+    "llama3": (TINY_LLAMA3, "vocab", True),
+    "kv2": (TINY_LLAMA3 | {"n_kv_heads": 2}, "vocab", True),  # world size 4 copies each KV head to two ranks
+    # 4 shards holding half a KV head each, as a tool that splits every tensor's rows evenly writes them
+    "kv2_half_heads": (TINY_LLAMA3 | {"n_kv_heads": 2}, "vocab", False),
 }
 SHARD_COUNTS = (1, 2, 4)
 WORLD_SIZES = (1, 2, 4)
@@ -31,11 +33,11 @@ def results(tmp_path_factory) -> dict[int, dict]:
     """{world size: {"case/shards": {"logits", "tokens"}}}, from one worker process for all of them."""
     root = tmp_path_factory.mktemp("reshard_load")
     checkpoints = {}
-    for case, (params, layout) in CASES.items():
+    for case, (params, layout, head_copies) in CASES.items():
         args = ModelArgs.from_dict(params).with_vocab_size(VOCAB)
         weights = full_weights(params, VOCAB, seed=1)
         for n in SHARD_COUNTS:
-            shards = meta_shards(weights, args, layout, n)
+            shards = meta_shards(weights, args, layout, n, head_copies)
             checkpoints[f"{case}/{n}"] = str(write_shards(root / case / str(n), params, shards))
     manifest = root / "manifest.json"
     manifest.write_text(json.dumps({"checkpoints": checkpoints, "tokenizer": str(LLAMA2_TOKENIZER), "out": str(root)}))

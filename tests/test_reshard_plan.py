@@ -11,10 +11,11 @@ from tiny_checkpoint import TINY_LLAMA2, TINY_LLAMA3, full_weights
 CPU = torch.device("cpu")
 VOCAB = 256  # small: these tests check index arithmetic, not numerics
 TINY_KV2 = TINY_LLAMA3 | {"n_kv_heads": 2, "vocab_size": VOCAB}  # fewer KV heads than ranks at world size 4
-CASES = {
-    "llama2": (TINY_LLAMA2, "dim"),
-    "llama3": (TINY_LLAMA3 | {"vocab_size": VOCAB}, "vocab"),
-    "kv2": (TINY_KV2, "vocab"),
+CASES = {  # params, embedding layout, whether shards beyond the KV heads hold copies of whole heads
+    "llama2": (TINY_LLAMA2, "dim", True),
+    "llama3": (TINY_LLAMA3 | {"vocab_size": VOCAB}, "vocab", True),
+    "kv2": (TINY_KV2, "vocab", True),
+    "kv2_half_heads": (TINY_KV2, "vocab", False),  # an even split of wk's and wv's rows
 }
 
 
@@ -31,14 +32,14 @@ def test_ranges_and_pieces():
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_shard_count_to_every_world_size(case):
-    params, layout = CASES[case]
+    params, layout, head_copies = CASES[case]
     args = ModelArgs.from_dict(params).with_vocab_size(VOCAB)
     weights = full_weights(params, VOCAB)
     counts = [n for n in (1, 2, 4, 8) if args.splits_over(n)]
     for n_shards in counts:
-        shards = meta_shards(weights, args, layout, n_shards)
+        shards = meta_shards(weights, args, layout, n_shards, head_copies)
         for world_size in counts:
-            expected = meta_shards(weights, args, layout, world_size)
+            expected = meta_shards(weights, args, layout, world_size)  # loaded as copies of whole heads
             for rank in range(world_size):
                 opened = []
                 got = assemble_slice(lambda s: opened.append(s) or shards[s], n_shards, args, layout,
@@ -48,12 +49,12 @@ def test_every_shard_count_to_every_world_size(case):
                     assert torch.equal(got[name], tensor), (case, n_shards, world_size, rank, name)
                     assert got[name].untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
                 assert len(opened) == len(set(opened)), "a shard was opened twice"
-                if n_shards == world_size:
+                if n_shards == world_size and head_copies:  # half heads: a whole head is in two files
                     assert sorted(set(opened) - {0}) in ([], [rank]), "a rank read another rank's file"
 
 
 def test_dtype_conversion_and_no_copy_of_whole_tensors():
-    params, layout = CASES["llama3"]
+    params, layout, _ = CASES["llama3"]
     args = ModelArgs.from_dict(params).with_vocab_size(VOCAB)
     shards = meta_shards(full_weights(params, VOCAB), args, layout, 2)
     same = assemble_slice(lambda s: shards[s], 2, args, layout, 1, 2, CPU)
@@ -63,7 +64,7 @@ def test_dtype_conversion_and_no_copy_of_whole_tensors():
 
 
 def test_mismatched_shards_are_refused():
-    params, layout = CASES["llama3"]
+    params, layout, _ = CASES["llama3"]
     args = ModelArgs.from_dict(params).with_vocab_size(VOCAB)
     shards = meta_shards(full_weights(params, VOCAB), args, layout, 2)
     shards[1]["layers.1.feed_forward.w2.weight"] = shards[1]["layers.1.feed_forward.w2.weight"][:, :-1]

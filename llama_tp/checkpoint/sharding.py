@@ -38,10 +38,15 @@ class Piece(NamedTuple):
     length: int
 
 
-def shard_ranges(name: str, full_size: int, args: ModelArgs, n_shards: int) -> list[tuple[int, int]]:
-    """The [start, stop) of the full tensor's split dimension that each of n_shards holds."""
-    if name.split(".")[-2] in KV_PROJECTIONS and n_shards > args.kv_heads:
-        # More shards than KV heads: shard r keeps a copy of the one head its query heads use.
+def shard_ranges(name: str, full_size: int, args: ModelArgs, n_shards: int,
+                 head_copies: bool = True) -> list[tuple[int, int]]:
+    """The [start, stop) of the full tensor's split dimension that each of n_shards holds.
+
+    head_copies: with more shards than KV heads, whether each shard of wk/wv holds a copy of the
+    one head its query heads use (Meta's and llama_tp's layout), rather than an even split of the
+    rows (half a head each, as a tool that splits every tensor alike writes them).
+    """
+    if name.split(".")[-2] in KV_PROJECTIONS and n_shards > args.kv_heads and head_copies:
         group = n_shards // args.kv_heads
         return [((r // group) * args.head_dim, (r // group + 1) * args.head_dim) for r in range(n_shards)]
     assert full_size % n_shards == 0, f"{name}: {full_size} does not split {n_shards} ways"
@@ -73,7 +78,7 @@ def full_size(name: str, shard_size: int, args: ModelArgs, n_shards: int) -> int
     if name.split(".")[-2] in KV_PROJECTIONS:
         # Checked against params.json: replicated heads would otherwise go unnoticed.
         expected = args.kv_heads * args.head_dim
-        if shard_size * min(n_shards, args.kv_heads) != expected:
+        if shard_size * min(n_shards, args.kv_heads) != expected and shard_size * n_shards != expected:
             raise ValueError(
                 f"{name} has {shard_size} rows per shard in a {n_shards}-shard checkpoint, which does "
                 f"not make {args.kv_heads} KV heads of size {args.head_dim}; check that params.json "
@@ -81,6 +86,12 @@ def full_size(name: str, shard_size: int, args: ModelArgs, n_shards: int) -> int
             )
         return expected
     return shard_size * n_shards
+
+
+def holds_head_copies(name: str, shard_size: int, args: ModelArgs, n_shards: int) -> bool:
+    """Whether shards of wk/wv that outnumber the KV heads hold whole heads (copies), told from
+    their rows: a head's worth, where an even split of the rows holds less."""
+    return n_shards <= args.kv_heads or shard_size == args.head_dim
 
 
 def slice_plan(name: str, shard_shape: tuple[int, ...], args: ModelArgs, layout: EmbeddingLayout,
@@ -95,7 +106,8 @@ def slice_plan(name: str, shard_shape: tuple[int, ...], args: ModelArgs, layout:
         return None, [Piece(prefer, 0, 0)]  # the whole tensor: offset and length unused
     size = full_size(name, shard_shape[dim], args, n_shards)
     want = shard_ranges(name, size, args, world_size)[rank]
-    return dim, pieces_for(want, shard_ranges(name, size, args, n_shards), prefer)
+    copies = dim == 0 and holds_head_copies(name, shard_shape[0], args, n_shards)
+    return dim, pieces_for(want, shard_ranges(name, size, args, n_shards, copies), prefer)
 
 
 def assemble_slice(open_shard: Callable[[int], dict[str, torch.Tensor]], n_shards: int, args: ModelArgs,
