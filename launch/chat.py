@@ -19,11 +19,11 @@ from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional, Union
 
 from llama_tp import Dialog, Llama
+from llama_tp.parallel import broadcast_object, collective_timeout, global_rank, print0
+from llama_tp.sampling import check_given
+from llama_tp.text.streaming import check_stop
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
-from llama_tp.parallel import broadcast_object, collective_timeout, global_rank, print0
-from llama_tp.sampling import SamplingOptions
-from llama_tp.text.streaming import check_stop
 
 CTRL_C = b"\x03"
 WAITING = False  # broadcast while no line has arrived yet; None means end of input
@@ -125,13 +125,13 @@ def fit(dialog: Dialog, generator: Llama, room: int) -> tuple[Dialog, int]:
 def main(
     ckpt_dir: Optional[str] = None,
     tokenizer_path: Optional[str] = None,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
     max_seq_len: int = 2048,
     max_gen_len: Optional[int] = None,
     system: Optional[str] = None,
     top_k: Optional[int] = None,
-    repetition_penalty: float = 1.0,
+    repetition_penalty: Optional[float] = None,
     stop: Optional[list[str]] = None,
     min_gen_len: int = 0,
     seed: Optional[int] = None,
@@ -145,14 +145,15 @@ def main(
         ckpt_dir: folder with params.json and consolidated.XX.pth shards of a chat model; leave
             out both paths to chat with the built-in demo model (SmolLM2-135M-Instruct).
         tokenizer_path: the tokenizer file that came with the checkpoint.
-        temperature: sampling temperature; 0 is greedy.
-        top_p: nucleus sampling threshold in (0, 1].
+        temperature: sampling temperature; 0 is greedy. Sampling settings left out are the
+            model's recommended ones (a converted model's llama_tp.json), else Meta's (0.6).
+        top_p: nucleus sampling threshold in (0, 1] (default: the model's, else 0.9).
         max_seq_len: the conversation window in tokens; older turns are dropped to stay inside it.
         max_gen_len: most tokens per reply; by default a quarter of max_seq_len is kept free for
             the reply, and it may run on to the end of the window.
         system: a system prompt to start with (change it with /system TEXT).
-        top_k: sample only among the k most likely tokens (default: no limit).
-        repetition_penalty: >1 discourages tokens already in the dialog (1: off).
+        top_k: sample only among the k most likely tokens (default: the model's, else no limit).
+        repetition_penalty: >1 discourages tokens already in the dialog (default: the model's, else 1: off).
         stop: strings that end a reply, e.g. '["User:"]'; the reply is cut before them.
         min_gen_len: the end-of-turn token is impossible before this many tokens.
         seed: seed for sampling (default: the seed Llama.build sets).
@@ -168,7 +169,8 @@ def main(
             "lower --max_gen_len or raise --max_seq_len"
         )
     # Mistakes in the options surface now rather than at the first reply.
-    SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed).check()
+    check_given(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                min_gen_len=min_gen_len, seed=seed)
     check_stop(stop)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1,

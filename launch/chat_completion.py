@@ -7,9 +7,9 @@
 from typing import Optional
 
 from llama_tp import Dialog, Llama
+from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
-from llama_tp.parallel import print0
 from llama_tp.tools.prompts import batch_rows, load_prompts, prompt_record, write_json
 
 EXAMPLE_DIALOGS: list[Dialog] = [
@@ -38,15 +38,15 @@ EXAMPLE_DIALOGS: list[Dialog] = [
 def main(
     ckpt_dir: Optional[str] = None,
     tokenizer_path: Optional[str] = None,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
     max_seq_len: int = 512,
     max_batch_size: int = 4,
     max_gen_len: Optional[int] = None,
     prompts_file: Optional[str] = None,
     output_json: Optional[str] = None,
     top_k: Optional[int] = None,
-    repetition_penalty: float = 1.0,
+    repetition_penalty: Optional[float] = None,
     stop: Optional[list[str]] = None,
     min_gen_len: int = 0,
     seed: Optional[int] = None,
@@ -61,16 +61,17 @@ def main(
         ckpt_dir: folder with params.json and consolidated.XX.pth shards; leave out both paths
             to run the built-in demo model (SmolLM2-135M-Instruct, fetched and converted once).
         tokenizer_path: the tokenizer file that came with the checkpoint.
-        temperature: sampling temperature; 0 is greedy.
-        top_p: nucleus sampling threshold in (0, 1].
+        temperature: sampling temperature; 0 is greedy. Sampling settings left out are the
+            model's recommended ones (a converted model's llama_tp.json), else Meta's (0.6).
+        top_p: nucleus sampling threshold in (0, 1] (default: the model's, else 0.9).
         max_seq_len: longest dialog plus reply, in tokens.
         max_batch_size: most dialogs decoded together (one with --stream).
         max_gen_len: most tokens per reply; by default up to the end of the context.
         prompts_file: a JSON list of dialogs, each a list of {"role", "content"} messages;
             without it, a few built-in examples.
         output_json: rank 0 writes a JSON list here, per dialog {prompt, generation, token_ids}.
-        top_k: sample only among the k most likely tokens (default: no limit).
-        repetition_penalty: >1 discourages tokens already in the dialog (1: off).
+        top_k: sample only among the k most likely tokens (default: the model's, else no limit).
+        repetition_penalty: >1 discourages tokens already in the dialog (default: the model's, else 1: off).
         stop: strings that end a reply, e.g. '["User:"]'; the reply is cut before them.
         min_gen_len: the end-of-turn token is impossible before this many tokens.
         seed: seed for this run's sampling (default: the seed Llama.build sets).

@@ -14,13 +14,14 @@ from . import parallel
 from .args import ModelArgs
 from .batch import NO_TOKEN, Batch, Generated
 from .checkpoint import load_model, open_checkpoint
+from .checkpoint.record import read_record
 from .kernels import matmul
 from .logs import logger
 from .memory import plan, report
 from .model import Transformer
 from .quantize import check_quantize
 from .sampling import SamplingOptions, choose_next, top_candidates
-from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, read_chat_record
+from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
 from .text.streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
 from .text.tokenizer import load_tokenizer
 
@@ -75,7 +76,7 @@ class Llama:
         with parallel.agreement("loading the model"):
             args = ModelArgs.load(ckpt_dir / "params.json")
             tokenizer = load_tokenizer(tokenizer_path)
-            record = read_chat_record(ckpt_dir)  # a converted model's chat format and stop tokens
+            record = read_record(ckpt_dir)  # a converted model's chat format, stop tokens, sampling
             tokenizer.stop_tokens = tokenizer.stop_tokens | set(record.stop_tokens)
             args = args.with_vocab_size(tokenizer.n_words)
             args.check_model_parallel_size(placement.world_size)
@@ -90,36 +91,50 @@ class Llama:
                 compile_decoding(model, placement.device)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         logger.info(f"Loaded in {time.perf_counter() - start:.2f} seconds")
-        return Llama(model, tokenizer, chat_format_for(tokenizer, record))
+        formatter = chat_format_for(tokenizer, record.chat_format, record.default_system_prompt)
+        return Llama(model, tokenizer, formatter, record.sampling)
 
-    def __init__(self, model: Transformer, tokenizer, formatter=None):
+    def __init__(self, model: Transformer, tokenizer, formatter=None, sampling_defaults: Optional[dict] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = formatter or chat_format_for(tokenizer)
+        # The model's recommended temperature, top_p, top_k, repetition_penalty (checkpoint/record.py)
+        self.sampling_defaults = dict(sampling_defaults or {})
+
+    def sampling_options(self, temperature: Optional[float] = None, top_p: Optional[float] = None,
+                         top_k: Optional[int] = None, repetition_penalty: Optional[float] = None,
+                         min_gen_len: int = 0, seed: Optional[int] = None) -> SamplingOptions:
+        """The options for these arguments: each one left at None is the model's recommended
+        setting if its llama_tp.json has one, else Meta's default (SamplingOptions')."""
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty)
+        chosen = self.sampling_defaults | {name: value for name, value in given.items() if value is not None}
+        return SamplingOptions(**chosen, min_gen_len=min_gen_len, seed=seed)
 
     @torch.inference_mode()
     def generate(
         self,
         prompt_tokens: list[list[int]],
         max_gen_len: int,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
         logprobs: bool = False,
         echo: bool = False,
         top_k: Optional[int] = None,
-        repetition_penalty: float = 1.0,
+        repetition_penalty: Optional[float] = None,
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
     ) -> tuple[list[list[int]], Optional[list[list[float]]]]:
         """Continue each prompt by up to max_gen_len tokens, stopping at the tokenizer's stop tokens.
 
-        More prompts than max_batch_size are run in consecutive batches.
+        More prompts than max_batch_size are run in consecutive batches. Sampling settings left
+        at None are the model's recommended ones (its llama_tp.json), else Meta's: temperature
+        0.6, top_p 0.9, no top-k cut, no repetition penalty (see sampling_options).
         Returns the generated tokens (prompt included with echo) and, with logprobs, the log
         probability of each returned token. A row that produces one of the `stop` strings ends
         with the token that completed it (text_completion then cuts the text before the string).
         """
-        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         stop = check_stop(stop)
         self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo))
         generated = self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo)
@@ -197,13 +212,13 @@ class Llama:
     def text_completion(
         self,
         prompts: list[str],
-        temperature: float = 0.6,
-        top_p: float = 0.9,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
         echo: bool = False,
         top_k: Optional[int] = None,
-        repetition_penalty: float = 1.0,
+        repetition_penalty: Optional[float] = None,
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
@@ -218,7 +233,7 @@ class Llama:
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
-        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         stop = check_stop(stop)
         prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
         self._check_generate_args(prompt_tokens, max_gen_len, options)
@@ -243,12 +258,12 @@ class Llama:
     def chat_completion(
         self,
         dialogs: list[Dialog],
-        temperature: float = 0.6,
-        top_p: float = 0.9,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
         top_k: Optional[int] = None,
-        repetition_penalty: float = 1.0,
+        repetition_penalty: Optional[float] = None,
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
@@ -260,7 +275,7 @@ class Llama:
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
-        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         stop = check_stop(stop)
         prompt_tokens = [self._encode_dialog(dialog, index) for index, dialog in enumerate(dialogs)]
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
@@ -291,35 +306,35 @@ class Llama:
     def stream_text_completion(
         self,
         prompt: str,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
         max_gen_len: Optional[int] = None,
         top_k: Optional[int] = None,
-        repetition_penalty: float = 1.0,
+        repetition_penalty: Optional[float] = None,
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
     ) -> TextStream:
         """text_completion of one prompt as a stream of text pieces (see TextStream)."""
         prompt_tokens = self.tokenizer.encode(prompt, bos=True, eos=False)
-        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         return self._stream(prompt_tokens, max_gen_len, options, stop)
 
     def stream_chat_completion(
         self,
         dialog: Dialog,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
         max_gen_len: Optional[int] = None,
         top_k: Optional[int] = None,
-        repetition_penalty: float = 1.0,
+        repetition_penalty: Optional[float] = None,
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
     ) -> TextStream:
         """The assistant's reply to one dialog as a stream of text pieces (see TextStream)."""
         prompt_tokens = self.formatter.encode_dialog_prompt(dialog)
-        options = SamplingOptions(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         if self.formatter.is_unsafe(dialog):
             options.check()
             return TextStream(_refusal)

@@ -54,6 +54,11 @@ class SamplingOptions:
         return torch.Generator(device=device).manual_seed(self.seed)
 
 
+def check_given(**settings) -> None:
+    """Refuse a bad value among the settings given; None is one left to the model's or Meta's default."""
+    SamplingOptions(**{name: value for name, value in settings.items() if value is not None}).check()
+
+
 def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Sample from the smallest set of most likely tokens whose probability reaches p.
 

@@ -4,7 +4,10 @@ import json
 
 import pytest
 
-from llama_tp.text.chat_format import ChatMLFormat, ChatRecord, chat_format_for, read_chat_record
+from llama_tp import Llama
+from llama_tp.checkpoint.record import ModelRecord, read_record
+from llama_tp.sampling import SamplingOptions
+from llama_tp.text.chat_format import ChatMLFormat, chat_format_for
 from llama_tp.tools.convert.chat_template import chat_format_of, default_system_prompt
 from llama_tp.text.hf_tokenizer import HFTokenizer
 from llama_tp.text.tokenizer import load_tokenizer
@@ -69,14 +72,28 @@ def test_convert_chat_chatml_prompt_layout(tokenizer):
 
 
 def test_convert_chat_record_round_trip_and_errors(tmp_path, tokenizer):
-    assert read_chat_record(tmp_path) == ChatRecord()  # Meta's own checkpoints have none
+    assert read_record(tmp_path) == ModelRecord()  # Meta's own checkpoints have none
     (tmp_path / "llama_tp.json").write_text(json.dumps({"chat_format": "chatml", "stop_tokens": [2]}))
-    record = read_chat_record(tmp_path)
-    assert record == ChatRecord(chat_format="chatml", stop_tokens=(2,))
-    assert isinstance(chat_format_for(tokenizer, record), ChatMLFormat)
+    record = read_record(tmp_path)
+    assert record == ModelRecord(chat_format="chatml", stop_tokens=(2,))
+    assert isinstance(chat_format_for(tokenizer, record.chat_format), ChatMLFormat)
+    written = ModelRecord("chatml", "Be brief.", (7, 2, 7), "model.gguf", {"temperature": 0.2, "top_k": 40})
+    (tmp_path / "llama_tp.json").write_text(written.to_json())
+    assert read_record(tmp_path) == ModelRecord("chatml", "Be brief.", (2, 7), "model.gguf", {"temperature": 0.2, "top_k": 40})
     for bad, message in (({"chat_format": "vicuna"}, "chat_format 'vicuna' is not one of"),
                          ({"stop_tokens": "2"}, "stop_tokens must be a list of token ids"),
-                         ({"chat_fromat": "chatml"}, "keys among")):
+                         ({"chat_fromat": "chatml"}, "keys among"),
+                         ({"sampling": {"temp": 0.7}}, "sampling setting 'temp' is not one of temperature, top_p"),
+                         ({"sampling": {"top_k": 0.5}}, "sampling top_k must be a int, found 0.5")):
         (tmp_path / "llama_tp.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=message):
-            read_chat_record(tmp_path)
+            read_record(tmp_path)
+
+
+def test_recommended_sampling_fills_what_the_caller_leaves_out(tokenizer):
+    meta = Llama(None, tokenizer)  # no record: Meta's defaults
+    assert meta.sampling_options() == SamplingOptions(temperature=0.6, top_p=0.9, top_k=None, repetition_penalty=1.0)
+    tuned = Llama(None, tokenizer, sampling_defaults={"temperature": 0.2, "top_k": 40, "repetition_penalty": 1.1})
+    assert tuned.sampling_options() == SamplingOptions(temperature=0.2, top_p=0.9, top_k=40, repetition_penalty=1.1)
+    chosen = tuned.sampling_options(temperature=0, top_k=0, repetition_penalty=1.0, seed=3)  # 0: no top-k cut
+    assert chosen == SamplingOptions(temperature=0, top_p=0.9, top_k=0, repetition_penalty=1.0, seed=3)

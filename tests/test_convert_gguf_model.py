@@ -55,6 +55,8 @@ def write_tiny_gguf(path, tokenizer_json: dict, vocab: list[str]) -> None:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_float32("general.sampling.temp", 0.25)  # the makers' recommended sampling, recorded
+    writer.add_int32("general.sampling.top_k", 30)
 
     def add(name: str, rows: int, cols: int, kind: Q) -> None:
         values = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
@@ -104,7 +106,8 @@ def test_convert_gguf_model_tokenizer_and_chat_record(tiny):
         assert llama.tokenizer.encode(text, bos=True, eos=False) == reference.encode(text)
     record = json.loads((root / "mp1" / "llama_tp.json").read_text())
     assert record == {"chat_format": "chatml", "default_system_prompt": "You are tiny.", "stop_tokens": [2],
-                      "converted_from": "tiny.gguf"}
+                      "converted_from": "tiny.gguf", "sampling": {"temperature": 0.25, "top_k": 30}}
+    assert llama.sampling_defaults == {"temperature": 0.25, "top_k": 30}
     assert isinstance(llama.formatter, ChatMLFormat)
     params = json.loads((root / "mp1" / "params.json").read_text())
     assert params["rope_theta"] == 20000.0 and params["n_kv_heads"] == KV_HEADS

@@ -60,6 +60,10 @@ def hf_folder(folder: Path, tied: bool) -> LlamaForCausalLM:
             parameter.copy_(1 + 0.1 * torch.randn_like(parameter) if "norm" in name else 0.1 * torch.randn_like(parameter))
     # Several safetensors files with an index, as large models are published.
     model.save_pretrained(folder, max_shard_size="200KB" if tied else "50MB")
+    if tied:  # the makers' recommended sampling, which the converter records
+        generation = json.loads((folder / "generation_config.json").read_text())
+        generation |= {"do_sample": True, "temperature": 0.3, "top_p": 0.8, "repetition_penalty": 1.05}
+        (folder / "generation_config.json").write_text(json.dumps(generation))
     return model
 
 
@@ -86,6 +90,8 @@ def test_convert_hf_logits_equal_transformers(converted):
         assert isinstance(llama.formatter, ChatMLFormat)
         assert llama.formatter.default_system_prompt == "You are tiny."
         assert llama.tokenizer.stop_tokens == {0, 2}  # <|endoftext|> (eos) and <|im_end|>
+    recommended = {"temperature": 0.3, "top_p": 0.8, "repetition_penalty": 1.05} if tied else {}
+    assert llama.sampling_defaults == recommended
 
 
 def test_convert_hf_shards_concatenate_to_the_single_shard(converted, tmp_path):

@@ -10,14 +10,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 import transformers
 
 from llama_tp import Llama
-from llama_tp.tools import demo
 from llama_tp.args import ModelArgs
+from llama_tp.tools import demo
 
 PROJECT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -27,6 +28,7 @@ PROMPTS = ["What is the capital of France?", "Hello 12345 world!!", " two  space
 # Rank 0 prints the greedy answer as JSON; every rank prepares the demo model at once.
 CHAT_SCRIPT = """
 import json
+from typing import Optional
 from llama_tp import Llama
 from llama_tp.tools import demo
 from llama_tp.parallel import print0
@@ -78,6 +80,7 @@ def test_demo_network_converted_params_describe_smollm2(demo_mp1):
     record = json.loads((demo_mp1 / "llama_tp.json").read_text())
     assert record["chat_format"] == "chatml"
     assert record["default_system_prompt"] == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert record["sampling"] == demo.SAMPLING  # what chat_completion uses when the caller gives none
 
 
 def test_demo_network_world_size_1_answers_paris(llama):
@@ -132,3 +135,27 @@ def test_demo_network_second_request_reuses_the_conversion(demo_home, demo_mp1):
     before = shard.stat().st_mtime_ns
     assert demo.demo_checkpoint(1, home=demo_home) == demo_mp1
     assert shard.stat().st_mtime_ns == before
+
+
+def repeated_phrase(text: str, words: int = 6, times: int = 3) -> Optional[str]:
+    """A run of `words` words that text holds `times` times or more: the sign of a loop."""
+    tokens = text.split()
+    phrases = [" ".join(tokens[i : i + words]) for i in range(len(tokens) - words + 1)]
+    return next((phrase for phrase in phrases if phrases.count(phrase) >= times), None)
+
+
+def test_demo_network_answers_at_its_own_sampling_settings_do_not_loop(demo_mp1):
+    """At Meta's defaults (temperature 0.6, no repetition penalty) the haiku dialog loops; the demo's
+    recorded settings, which chat_completion takes when given none, keep all four answers apart."""
+    llama = Llama.build(str(demo_mp1), str(demo_mp1 / "tokenizer.json"), max_seq_len=320, max_batch_size=4)
+    dialogs = [
+        [{"role": "user", "content": "what is the recipe of mayonnaise?"}],
+        [{"role": "system", "content": "Always answer with Haiku"},
+         {"role": "user", "content": "I am going to Paris, what should I see?"}],
+        [{"role": "system", "content": "Always answer with emojis"},
+         {"role": "user", "content": "How to go from Beijing to NY?"}],
+        [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
+    ]
+    for result in llama.chat_completion(dialogs, max_gen_len=200, seed=0):
+        answer = result["generation"]["content"]
+        assert repeated_phrase(answer) is None, answer

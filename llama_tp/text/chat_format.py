@@ -1,8 +1,5 @@
 """Turning a dialog into the prompt token ids a chat model was trained on."""
 
-import json
-from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Literal, Optional, TypedDict
 
 from .tokenizer import Llama3Tokenizer
@@ -139,49 +136,14 @@ class Llama3ChatFormat:
         return tokens + self.encode_header("assistant")
 
 
-def chat_format_for(tokenizer, record: Optional["ChatRecord"] = None):
-    """The chat format a converter recorded for the model, else the one its tokenizer implies."""
-    chosen = record.chat_format if record is not None else None
-    if chosen == "chatml":
-        return ChatMLFormat(tokenizer, record.default_system_prompt)
-    if chosen == "llama3" or (chosen is None and isinstance(tokenizer, Llama3Tokenizer)):
+def chat_format_for(tokenizer, chat_format: Optional[str] = None, default_system_prompt: Optional[str] = None):
+    """The chat format a converter recorded for the model (checkpoint/record.py), else the one its
+    tokenizer implies."""
+    if chat_format == "chatml":
+        return ChatMLFormat(tokenizer, default_system_prompt)
+    if chat_format == "llama3" or (chat_format is None and isinstance(tokenizer, Llama3Tokenizer)):
         return Llama3ChatFormat(tokenizer)
     return Llama2ChatFormat(tokenizer)
-
-
-# Written by the converter beside params.json: the chat format and stop tokens the model was tuned with.
-CHAT_RECORD_FILE = "llama_tp.json"
-CHAT_FORMATS = ("llama2", "llama3", "chatml")
-
-
-@dataclass(frozen=True)
-class ChatRecord:
-    chat_format: Optional[str] = None  # one of CHAT_FORMATS; None: the tokenizer's usual format
-    default_system_prompt: Optional[str] = None  # sent when a dialog has no system message
-    stop_tokens: tuple[int, ...] = ()  # ends of turn beyond the tokenizer's eos, e.g. <|im_end|>
-    converted_from: Optional[str] = None  # the file or folder the weights came from, for people
-
-
-def read_chat_record(ckpt_dir: Path) -> ChatRecord:
-    """The converter's record in ckpt_dir, or an empty one for checkpoints that have none."""
-    path = Path(ckpt_dir) / CHAT_RECORD_FILE
-    if not path.is_file():
-        return ChatRecord()
-    try:
-        record = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON ({error}); fix it or convert the model again") from None
-    known = {f.name for f in fields(ChatRecord)}
-    if not isinstance(record, dict) or set(record) - known:
-        raise ValueError(f"{path} must be a JSON object with keys among {', '.join(sorted(known))}; "
-                         f"found {record!r:.200}")
-    if record.get("chat_format") not in (None, *CHAT_FORMATS):
-        raise ValueError(f"{path}: chat_format {record['chat_format']!r} is not one of "
-                         f"{', '.join(CHAT_FORMATS)} or null")
-    stop_tokens = record.get("stop_tokens", [])
-    if not isinstance(stop_tokens, list) or not all(isinstance(t, int) and t >= 0 for t in stop_tokens):
-        raise ValueError(f"{path}: stop_tokens must be a list of token ids, found {stop_tokens!r}")
-    return ChatRecord(**{**record, "stop_tokens": tuple(stop_tokens)})
 
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -193,7 +155,7 @@ class ChatMLFormat:
     def __init__(self, tokenizer, default_system_prompt: Optional[str] = None):
         if not hasattr(tokenizer, "special_id"):
             raise ValueError(f"ChatML needs a tokenizer with {IM_START} and {IM_END} tokens; "
-                             f"{type(tokenizer).__name__} has none: check the chat format in {CHAT_RECORD_FILE}")
+                             f"{type(tokenizer).__name__} has none: check the chat format in the model's llama_tp.json")
         self.tokenizer = tokenizer
         self.default_system_prompt = default_system_prompt
         self.im_start, self.im_end = tokenizer.special_id(IM_START), tokenizer.special_id(IM_END)

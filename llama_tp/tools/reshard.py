@@ -20,12 +20,12 @@ from tqdm import tqdm
 from ..args import ModelArgs
 from ..checkpoint import load_slice, open_checkpoint
 from ..checkpoint.int8 import check_int8_split, check_storable, int8_tensors
-from ..text.chat_format import CHAT_RECORD_FILE
+from ..checkpoint.record import RECORD_FILE
 from .cli import run
 
 # Copied beside the shards: the architecture, whatever tokenizer came with the checkpoint, and a
 # converted model's chat format and stop tokens.
-COPIED = ("params.json", "tokenizer*", CHAT_RECORD_FILE)
+COPIED = ("params.json", "tokenizer*", RECORD_FILE)
 
 
 def reshard(src: Path, dst: Path, mp: int, force: bool = False, quantize: Optional[str] = None) -> list[Path]:

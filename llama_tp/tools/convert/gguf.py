@@ -15,7 +15,7 @@ import torch
 from ...args import ModelArgs
 from ...model import rotary_frequencies
 from ...optional import require
-from ...text.chat_format import ChatRecord
+from ...checkpoint.record import ModelRecord, check_sampling
 from . import gguf_vocab
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
 from .writer import TensorLoader, ffn_params, meta_name, progress, resolve_dtype, write_checkpoint
@@ -32,11 +32,14 @@ TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight":
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quantize: Optional[str] = None) -> Path:
+def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quantize: Optional[str] = None,
+                 sampling: Optional[dict] = None) -> Path:
     """Convert a GGUF Llama file into a Meta-layout checkpoint folder with mp shards.
 
     dtype defaults to fp32: dequantised values are exact only there. quantize="int8" writes an
     int8 checkpoint (checkpoint/int8.py): weights from GGUF's 4- and 8-bit blocks fit its grids.
+    The file's recommended sampling settings (general.sampling.*) are recorded; `sampling` adds
+    to or overrides them, for a file that lacks its makers' recommendation.
     """
     path = Path(source)
     if not path.is_file():
@@ -56,7 +59,9 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
     if chat_format in END_OF_TURN and END_OF_TURN[chat_format] in tokens:
         stop_tokens.append(tokens.index(END_OF_TURN[chat_format]))
     system = default_system_prompt(template) if chat_format == "chatml" else None
-    record = ChatRecord(chat_format, system, tuple(stop_tokens), converted_from=path.name)
+    recommended = recommended_sampling(metadata) | (sampling or {})
+    check_sampling(recommended, "the recommended sampling settings")
+    record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=path.name, sampling=recommended)
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
@@ -76,6 +81,21 @@ class Metadata:
                 raise ValueError(f"{self.path} has no {key!r} metadata; is it a complete Llama GGUF?")
             return default
         return self.fields[key].contents()
+
+
+# llama.cpp's keys for the sampling settings a model's makers recommend, by our names. Its repeat
+# penalty is the same rule as ours (CTRL's), over the last 64 tokens by default where ours takes
+# the whole row.
+SAMPLING_KEYS = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p",
+                 "top_k": "general.sampling.top_k", "repetition_penalty": "general.sampling.penalty_repeat"}
+
+
+def recommended_sampling(metadata: Metadata) -> dict:
+    """The general.sampling.* settings the file holds, by our names (float32 in the file: kept to
+    their shortest decimal)."""
+    found = {name: metadata.get(key, None) for name, key in SAMPLING_KEYS.items()}
+    return {name: value if isinstance(value, int) else float(str(np.float32(value)))
+            for name, value in found.items() if value is not None}
 
 
 def model_params(metadata: Metadata, tensors: dict) -> dict:

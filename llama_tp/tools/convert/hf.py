@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from ...optional import require
-from ...text.chat_format import ChatRecord
+from ...checkpoint.record import SAMPLING_SETTINGS, ModelRecord, check_sampling
 from ...text.hf_tokenizer import HFTokenizer, read_json_object
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
 from .writer import TensorLoader, ffn_params, meta_name, resolve_dtype, write_checkpoint
@@ -31,7 +31,8 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     """Convert a Hugging Face Llama folder into a Meta-layout checkpoint folder with mp shards.
 
     dtype defaults to the precision config.json names (bf16 if it names none); quantize="int8"
-    writes an int8 checkpoint (checkpoint/int8.py).
+    writes an int8 checkpoint (checkpoint/int8.py). The sampling settings generation_config.json
+    recommends (temperature, top_p, top_k, repetition_penalty) are recorded in llama_tp.json.
     """
     src = Path(source)
     config = _read_json(src / "config.json", required=True)
@@ -41,11 +42,14 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     files, tokenizer = tokenizer_files(src)
     template = chat_template(src)
     chat_format = chat_format_of(template)
-    stop_tokens = _as_list(_read_json(src / "generation_config.json").get("eos_token_id", config.get("eos_token_id")))
+    generation = _read_json(src / "generation_config.json")
+    stop_tokens = _as_list(generation.get("eos_token_id", config.get("eos_token_id")))
     if isinstance(tokenizer, HFTokenizer) and chat_format in END_OF_TURN:
         stop_tokens.append(tokenizer.special_id(END_OF_TURN[chat_format]))
     system = default_system_prompt(template) if chat_format == "chatml" else None
-    record = ChatRecord(chat_format, system, tuple(stop_tokens), converted_from=src.name)
+    sampling = {name: generation[name] for name in SAMPLING_SETTINGS if generation.get(name) is not None}
+    check_sampling(sampling, str(src / "generation_config.json"))
+    record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=src.name, sampling=sampling)
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 

@@ -1,6 +1,5 @@
 """Writing a Meta-layout checkpoint folder, shard by shard, from tensors loaded on demand."""
 
-import dataclasses
 import json
 import os
 import re
@@ -15,7 +14,7 @@ from ...checkpoint.int8 import check_int8_split, check_storable, int8_tensors
 from ...checkpoint.sharding import KV_PROJECTIONS, split_dim
 from ...logs import logger
 from ...parallel import DTYPES
-from ...text.chat_format import CHAT_RECORD_FILE, ChatRecord
+from ...checkpoint.record import RECORD_FILE, ModelRecord
 
 # Loads one whole tensor, already named and laid out as in Meta's checkpoints.
 TensorLoader = Callable[[], torch.Tensor]
@@ -83,9 +82,9 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], n_shards: int,
-                     dtype: torch.dtype, files: dict[str, bytes], record: ChatRecord,
+                     dtype: torch.dtype, files: dict[str, bytes], record: ModelRecord,
                      quantize: Optional[str] = None) -> Path:
-    """Write params.json, n_shards consolidated.XX.pth, the tokenizer files and the chat record to dst.
+    """Write params.json, n_shards consolidated.XX.pth, the tokenizer files and the model's record (llama_tp.json) to dst.
 
     Everything goes to a temporary folder beside dst that is renamed into place at the end, so
     dst either holds a complete checkpoint or does not exist. Each shard is built by loading every
@@ -131,8 +130,7 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
         (partial / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         for file_name, content in files.items():
             (partial / file_name).write_bytes(content)
-        record_json = dataclasses.asdict(record) | {"stop_tokens": sorted(set(record.stop_tokens))}
-        (partial / CHAT_RECORD_FILE).write_text(json.dumps(record_json, indent=2, ensure_ascii=False) + "\n")
+        (partial / RECORD_FILE).write_text(record.to_json())
         if dst.exists():
             dst.rmdir()  # empty, checked above
         partial.rename(dst)
