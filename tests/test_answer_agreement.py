@@ -15,6 +15,7 @@ def test_first_difference():
     assert first_difference([], []) is None
 
 
+@pytest.mark.slow
 def test_answers_of_both_models_compared(checkpoints, tokenizer_path, tmp_path, capsys):
     out = tmp_path / "answers.json"
     folder = str(checkpoints["llama2", 1])

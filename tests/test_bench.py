@@ -78,6 +78,7 @@ def test_meta_reference_loader_fills_every_checkpoint_tensor(tiny_ckpt):
         torch.testing.assert_close(tensor, checkpoint[name].float(), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_load_comparison_measures_the_fresh_process_only(tiny_ckpt):
     """A large parent must not show in the loaders' memory figures (getrusage's peak inherits it)."""
     parent_ballast = torch.ones(2**27)  # 512 MB resident in this process while the loads run
@@ -106,6 +107,7 @@ def _bench_on_rank(ckpt_dir: str, json_path: str) -> list:
     return [parallel.model_parallel_rank()]
 
 
+@pytest.mark.slow
 def test_bench_at_world_size_2_with_compiled_decoding(tmp_path):
     """Under two processes: one report (rank 0's), every rank's memory, a roofline over both ranks."""
     weights = full_weights(TINY_LLAMA3, TINY_LLAMA3["vocab_size"])
@@ -121,6 +123,7 @@ def test_bench_at_world_size_2_with_compiled_decoding(tmp_path):
     assert report["cases"]["decode_batch_1"]["tokens_per_s"]["llama_tp"] > 0
 
 
+@pytest.mark.slow
 def test_world_size_comparison_runs_both_and_writes_ratios(tiny_ckpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))  # the jobs import this checkout
     out = tmp_path / "ws.json"
@@ -135,6 +138,7 @@ def test_world_size_comparison_runs_both_and_writes_ratios(tiny_ckpt, tmp_path, 
     assert "ws2/ws1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_world_size_comparison_names_a_world_size_the_model_cannot_take(tiny_ckpt, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
     with pytest.raises(ValueError, match=r"world size 3 failed: llama_tp error on rank \d: .*cannot be split over 3"):

@@ -12,7 +12,7 @@ from llama_tp import Llama
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 from torchrun import LAUNCH, ROOT, environment, one_thread, run_script, torchrun_command  # noqa: F401  (a fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # slow: torchrun jobs
 SESSION = "Hello there\n/system Always answer in French.\nHow are you?\n/reset\nZürich, 日本?\n"
 SYSTEM = {"role": "system", "content": "Always answer in French."}
 MAX_SEQ_LEN, MAX_GEN_LEN = 56, 8

@@ -68,6 +68,7 @@ def eager(checkpoints, tokenizer_path):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_batch_size", [1, 3])
 def test_compiled_decoding_equals_eager(checkpoints, tokenizer_path, eager, max_batch_size):
     """Up to matmul.SUMMED_MAX_ROWS rows the compiler makes the products itself from plain weights;
@@ -77,6 +78,7 @@ def test_compiled_decoding_equals_eager(checkpoints, tokenizer_path, eager, max_
                 eager(max_batch_size))
 
 
+@pytest.mark.slow
 def test_compiled_decoding_over_two_processes_equals_one_eager_process(checkpoints, tokenizer_path, eager):
     """The exchanges inside compiled steps, at batch 3 and 1; how products are made at
     max_batch_size 1 does not depend on the world size, and the test above covers it."""
@@ -85,6 +87,7 @@ def test_compiled_decoding_over_two_processes_equals_one_eager_process(checkpoin
         assert_same(results, eager())
 
 
+@pytest.mark.slow
 def test_compiled_int8_decoding_equals_eager_int8(checkpoints, tokenizer_path, eager):
     """Compiled steps run the same int8 kernels as eager ones, fused with the operations around
     them: the logits may differ by fp32 rounding, a hundredth of what the weights' own rounding
@@ -100,6 +103,7 @@ def test_compiled_int8_decoding_equals_eager_int8(checkpoints, tokenizer_path, e
     assert_same_greedy(compiled_int8, eager_int8)
 
 
+@pytest.mark.slow
 def test_static_shapes_compile_one_step_for_every_position(checkpoints, tokenizer_path, eager, monkeypatch):
     """The CUDA-graph layout (the whole cache under a mask) gives the same logits, and every
     one-token step at a batch size reuses one compiled graph: nothing depends on the position,

@@ -20,6 +20,8 @@ from llama_tp import Llama
 from llama_tp.args import ModelArgs
 from llama_tp.tools import demo
 
+pytestmark = pytest.mark.slow  # downloads the demo model once, converts it, runs it at world sizes 1 and 3
+
 PROJECT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["What is the capital of France?", "Hello 12345 world!!", " two  spaces\n\nand\ttabs",

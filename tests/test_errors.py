@@ -16,6 +16,8 @@ import torch
 from jobs import LAUNCH, run_forked, run_torchrun
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
+pytestmark = pytest.mark.slow  # torchrun and two-process jobs, one per mistake
+
 TIME_LIMIT = 30  # seconds, from the issue
 TEXT = LAUNCH / "text_completion.py"
 CHAT = LAUNCH / "chat_completion.py"

@@ -182,6 +182,7 @@ def _on_two_ranks(folders: dict[str, str]) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_int8_checkpoints_on_two_processes_match_one(folders, one_process):
     """2 shards on 2 ranks, and 1 shard split over them while loading, agree with one process."""
     expected = one_process["int8-1"]

@@ -14,6 +14,8 @@ import pytest
 from jobs import LAUNCH, alive, rank_pids, start_torchrun, wait_for_log_line
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
+pytestmark = pytest.mark.slow  # torchrun jobs signalled mid-run
+
 TEXT = LAUNCH / "text_completion.py"
 # Thousands of decode steps: the job is still generating when the signal comes.
 LONG_RUN = ["--max_seq_len", "4096", "--max_gen_len", "4000"]

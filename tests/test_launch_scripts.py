@@ -45,6 +45,7 @@ def run_with_files(tmp_path, checkpoints, script: str, nproc: int, prompts: list
     return records
 
 
+@pytest.mark.slow
 def test_text_completion_script_matches_api(tmp_path, checkpoints, api):
     records = run_with_files(tmp_path, checkpoints, "text_completion.py", 1, PROMPTS, "--show_top", "2")
     expected = api.text_completion(PROMPTS, temperature=0, max_gen_len=6, token_ids=True)
@@ -53,6 +54,7 @@ def test_text_completion_script_matches_api(tmp_path, checkpoints, api):
     assert all(len(r["token_ids"]) == 6 for r in records)
 
 
+@pytest.mark.slow
 def test_chat_completion_script_matches_api_over_two_processes(tmp_path, checkpoints, api):
     records = run_with_files(tmp_path, checkpoints, "chat_completion.py", 2, DIALOGS)
     expected = api.chat_completion(DIALOGS, temperature=0, max_gen_len=6, token_ids=True)
@@ -67,6 +69,7 @@ def test_scripts_build_no_more_rows_than_they_decode_at_once():
     assert batch_rows(0, n_prompts=2, stream=True) == 0  # for Llama.build to refuse by name
 
 
+@pytest.mark.slow
 def test_streaming_script_builds_a_one_row_model(tmp_path, checkpoints):
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(PROMPTS))

@@ -13,7 +13,7 @@ from llama_tp import Llama
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA3, full_weights, write_checkpoint
 from torchrun import LAUNCH, ROOT, environment, free_port, one_thread  # noqa: F401  (a fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # slow: two torchrun agents
 PROMPTS = ["Two machines, one model:", "naïve café"]
 
 

@@ -125,6 +125,7 @@ def _step_logits(folder: str, quantize) -> list[torch.Tensor]:
     return logits + [llama.model.forward(tokens[:1, 44:45], 44)]
 
 
+@pytest.mark.slow
 def test_int8_over_two_processes_stays_close_to_fp32(checkpoints):
     """Each rank rounds its own slice of every weight (a row-parallel slice gets its own scales):
     both ranks agree exactly, and the logits stay as close to fp32 as one process's int8 does."""

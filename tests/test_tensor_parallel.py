@@ -6,6 +6,9 @@ import torch
 from distributed import run_world
 from llama_tp import Llama, parallel
 
+# Worlds of 1, 2 and 4 spawned processes; test_reshard_load.py checks logits and greedy tokens quickly.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[1, 450, 4996, 17354, 1701], [1, 306, 4658], [1, 18637, 29892, 3186, 29991, 910, 338]]
 FAMILIES = ("llama2", "llama3")
 
