@@ -1,6 +1,6 @@
 """World sizes side by side: the benchmark as torchrun jobs of each world size, taking turns.
 
-    python -m llama_tp.bench_world_sizes --ckpt_dir CKPT --world_sizes 1,2 --rounds 3 --batch_sizes 1
+    python -m llama_tp.tools.bench_world_sizes --ckpt_dir CKPT --world_sizes 1,2 --rounds 3 --batch_sizes 1
 
 Each round runs `python -m llama_tp.bench` once per world size, in the order given, so that a
 shared machine's drifting speed falls on every world size alike. World size 1 keeps torch's
@@ -10,6 +10,7 @@ otherwise), so every world size uses the same cores. Other options (--batch_size
 per second per world size and its ratio to the first world size, and writes them as JSON.
 """
 
+import inspect
 import json
 import os
 import statistics
@@ -19,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from . import bench
 from .cli import run
 
 
@@ -95,6 +97,10 @@ def main(ckpt_dir: Optional[str] = None, world_sizes: tuple[int, ...] = (1, 2), 
     world_sizes = (world_sizes,) if isinstance(world_sizes, int) else tuple(world_sizes)
     if rounds < 1 or not world_sizes or min(world_sizes) < 1:
         raise ValueError(f"need rounds >= 1 and world sizes >= 1, found rounds={rounds}, world_sizes={world_sizes}")
+    unknown = set(bench_options) - set(inspect.signature(bench.main).parameters)
+    if unknown:  # --help among them: fire hands every flag to **bench_options
+        raise ValueError(f"--{', --'.join(sorted(unknown))} is not an option of this tool or of the benchmark; "
+                         "see python -m llama_tp.tools.bench_world_sizes -- --help and python -m llama_tp.bench --help")
     reserved = {"json_path", "load_repeats", "compare"} & set(bench_options)
     if reserved:
         raise ValueError(f"--{', --'.join(sorted(reserved))} cannot be passed on: each job writes its own JSON, "
