@@ -5,7 +5,7 @@ to other processes itself.
 """
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,18 +66,36 @@ def rotary_table(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) of x [bsz, seqlen, heads, head_dim] by the table's angles."""
+    """Rotate channel pairs (2i, 2i+1) of x [bsz, seqlen, heads, head_dim] by the angles of table
+    [1 or bsz, seqlen, head_dim // 2, 2] (one for every row, or each row its own)."""
     pairs = x.float().unflatten(-1, (-1, 2))  # bsz, seqlen, heads, head_dim // 2, 2
     if torch.compiler.is_compiling():
         # Real arithmetic, which the compiler fuses into one kernel (it has none for complex numbers).
         even, odd = pairs[..., 0], pairs[..., 1]
-        cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]  # 1, seqlen, 1, head_dim // 2
+        cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]  # 1 or bsz, seqlen, 1, head_dim // 2
         rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
         return rotated.flatten(-2).type_as(x)
     # Eagerly, a pair is a complex number and the rotation one complex product: 2x faster for one
     # token and 8x for a 512-token prompt than the eight real operations above.
-    turns = torch.view_as_complex(table)[None, :, None, :]  # 1, seqlen, 1, head_dim // 2: cos + i sin
+    turns = torch.view_as_complex(table)[:, :, None, :]  # 1 or bsz, seqlen, 1, head_dim // 2: cos + i sin
     return torch.view_as_real(torch.view_as_complex(pairs) * turns).flatten(-2).type_as(x)
+
+
+class CacheRows(NamedTuple):
+    """Where a forward pass's tokens sit in the KV caches, and which cached positions each one sees.
+
+    Meta's schedule runs a batch as cache rows 0, 1, ... all at one position; a server's batch
+    (continuous batching) holds rows anywhere in the cache, each at its own position.
+    """
+
+    slots: torch.Tensor  # [bsz] int64: each row's cache row
+    positions: torch.Tensor  # [1 or bsz, seqlen] int64: each token's position (1: the same in every row)
+    rotary: torch.Tensor  # [1 or bsz, seqlen, head_dim // 2, 2]: the cos and sin of each token's angles
+    end: int  # keys and values below this position are read (the farthest row's end)
+    # [1 or bsz, 1, seqlen, end] which of them each query sees; None: a prompt from position 0
+    # (causal), or one token a row with every row at the same position (all below end).
+    mask: Optional[torch.Tensor]
+    first_slot: Optional[int]  # the rows are cache rows first_slot, first_slot + 1, ...: a view
 
 
 class KVCache(nn.Module):
@@ -95,22 +113,27 @@ class KVCache(nn.Module):
         # Whether one new token attends through our CPU kernel (attention_kernel.cpp): fp32, and
         # heads a multiple of its 16-float registers wide. Decided here, not at every layer's step.
         self.kernel_attends = cpu_kernels.runs_on(device) and dtype == torch.float32 and head_dim % 16 == 0
-        self.register_buffer("rows", torch.arange(max_batch_size, device=device), persistent=False)
         self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
 
-    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [bsz, heads, seqlen, head_dim] at positions [seqlen]; return the first end positions."""
-        bsz = k.shape[0]
-        if torch.compiler.is_compiling():
-            # Indexing the whole buffer: compiled, a write into a slice of it copies the whole cache.
-            where = (self.rows[:bsz, None, None], self.heads[None, :, None], positions[None, None, :])
-            self.k.index_put_(where, k)
-            self.v.index_put_(where, v)
-        else:  # eagerly the cheapest write (6 us against index_put_'s 21 for one token)
-            self.k[:bsz].index_copy_(2, positions, k)
-            self.v[:bsz].index_copy_(2, positions, v)
-        return self.k[:bsz, :, :end], self.v[:bsz, :, :end]
+    def write(self, rows: CacheRows, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [bsz, heads, seqlen, head_dim] at the rows' cache rows and positions."""
+        if rows.first_slot is not None and len(rows.positions) == 1 and not torch.compiler.is_compiling():
+            # Eagerly the cheapest write (6 us against index_put_'s 21 for one token).
+            block = slice(rows.first_slot, rows.first_slot + len(k))
+            self.k[block].index_copy_(2, rows.positions[0], k)
+            self.v[block].index_copy_(2, rows.positions[0], v)
+            return
+        # Indexing the whole buffer: compiled, a write into a slice of it copies the whole cache.
+        where = (rows.slots[:, None, None], self.heads[None, :, None], rows.positions[:, None, :])
+        self.k.index_put_(where, k)
+        self.v.index_put_(where, v)
+
+    def read(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's keys and values at positions [0, rows.end): [bsz, heads, end, head_dim]."""
+        if rows.first_slot is not None:
+            block = slice(rows.first_slot, rows.first_slot + len(rows.slots))
+            return self.k[block, :, : rows.end], self.v[block, :, : rows.end]
+        return self.k[rows.slots, :, : rows.end], self.v[rows.slots, :, : rows.end]  # gathered: a copy
 
 
 def local_kv_heads(args: ModelArgs, model_parallel_size: int) -> int:
@@ -136,31 +159,33 @@ class Attention(nn.Module):
         self.wo = row_parallel_linear(args.n_heads * self.head_dim, args.dim)
         self.cache: Optional[KVCache] = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int, rotary: torch.Tensor,
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         qkv = self.wqkv(x)
-        one_token_through_kernel = seqlen == 1 and mask is None and self.cache.kernel_attends
+        one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
         if one_token_through_kernel and not torch.compiler.is_compiling():
             # Eagerly, all that follows in one call of our kernel: 12 us a layer at batch 1 (36 at
             # batch 8) against 59 (103) for some 20 small operations (compiled, they are fused).
-            out = cpu_kernels.decode_step_attention(qkv, rotary, self.cache.k, self.cache.v, end, self.n_local_heads)
+            out = cpu_kernels.decode_step_attention(qkv, rows.rotary, self.cache.k, self.cache.v, rows.slots,
+                                                    rows.positions[:, 0].expand(bsz), self.n_local_heads)
             return self.wo(out)
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
         # Queries and keys rotate alike: one rotation for both heads' worth.
-        qk = apply_rotary(qk.view(bsz, seqlen, -1, self.head_dim), rotary)  # bsz, seqlen, heads + kv heads, head_dim
+        qk = apply_rotary(qk.view(bsz, seqlen, -1, self.head_dim), rows.rotary)  # bsz, seqlen, heads + kv heads, head_dim
         q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
         v = v.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        keys, values = self.cache.update(positions, k, v, end)
-        if one_token_through_kernel:  # compiled
-            out = cpu_kernels.decode_attention(q, keys, values)  # the whole cache up to end
+        self.cache.write(rows, k, v)
+        if one_token_through_kernel:  # compiled: each row reads its cache row up to its own position
+            lengths = (rows.positions[:, 0] + 1).expand(bsz)
+            out = cpu_kernels.decode_attention(q, self.cache.k, self.cache.v, rows.slots, lengths)
         else:
             # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
             # masked half), and a single new token sees everything cached up to end.
+            keys, values = self.cache.read(rows)
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1,
+                q, keys, values, attn_mask=rows.mask, is_causal=rows.mask is None and seqlen > 1,
                 enable_gqa=self.n_local_heads != self.n_local_kv_heads,
             )
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
@@ -191,10 +216,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int, rotary: torch.Tensor,
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [bsz, seqlen, dim] at positions [seqlen], attending to cache positions [0, end)."""
-        h = x + self.attention(self.attention_norm(x), positions, end, rotary, mask)
+    def forward(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+        """x [bsz, seqlen, dim] placed in the caches as rows says."""
+        h = x + self.attention(self.attention_norm(x), rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -235,6 +259,7 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.register_buffer("rotary", rotary_table(self.args, max_seq_len).to(device), persistent=False)
         self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
+        self.register_buffer("slot_ids", torch.arange(max_batch_size, device=device), persistent=False)
         for layer in self.layers:
             attention = layer.attention
             attention.cache = KVCache(max_batch_size, max_seq_len, attention.n_local_kv_heads,
@@ -262,9 +287,10 @@ class Transformer(nn.Module):
         self.static_decode_shapes = static_shapes
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False,
-                vocab_slice: bool = False) -> torch.Tensor:
-        """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen] placed at start_pos.
+    def forward(self, tokens: torch.Tensor, start_pos: "int | Sequence[int]", last_only: bool = False,
+                vocab_slice: bool = False, slots: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen], row r placed in cache row
+        slots[r] (by default r) from position start_pos: one for every row, or one per row.
 
         last_only: only the last position's logits, [bsz, 1, vocab]: all that picking the next
         token needs, and it spares a prompt's worth of the largest matrix product.
@@ -272,29 +298,53 @@ class Transformer(nn.Module):
         column rank * vocab // world size, not gathered from the other ranks (parallel.vocab_argmax).
         """
         bsz, seqlen = tokens.shape
-        end = start_pos + seqlen
-        if bsz > self.max_batch_size or end > self.max_seq_len:
-            raise ValueError(
-                f"a batch of {bsz} x {end} positions does not fit the caches "
-                f"({self.max_batch_size} x {self.max_seq_len}); raise max_batch_size/max_seq_len"
-            )
+        rows = self.cache_rows(bsz, seqlen, start_pos, slots)
         h = self.tok_embeddings(tokens)
-        positions, rotary = self.positions[start_pos:end], self.rotary[start_pos:end]
-        mask, run, groups, head = None, run_layers, [self.layers], run_head
+        run, groups, head = run_layers, [self.layers], run_head
         if seqlen == 1:
             run, groups, head = self.run_decode_layers, self.decode_layer_groups, self.run_decode_head
             if self.static_decode_shapes:
                 # CUDA graphs: the last step's outputs have been consumed, their memory may be reused.
                 torch.compiler.cudagraph_mark_step_begin()
-                end, mask = self.max_seq_len, self.positions[None, :] <= start_pos  # 1, max_seq_len
-        elif start_pos > 0:
-            # Query i (at position start_pos + i) sees every cached position and itself.
-            mask = self.positions[None, :end] <= positions[:, None]  # seqlen, end
         for layers in groups:
-            h = run(layers, h, positions, end, rotary, mask)
+            h = run(layers, h, rows)
         if last_only:
             h = h[:, -1:]  # bsz, 1, dim
         return head(self.norm, self.output, h, gather=not vocab_slice)
+
+    def cache_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
+                   slots: Optional[Sequence[int]]) -> CacheRows:
+        """Where tokens [bsz, seqlen] from start_pos go in the caches (see forward), checked."""
+        starts = [start_pos] * bsz if isinstance(start_pos, int) else list(start_pos)
+        slots = list(range(bsz)) if slots is None else list(slots)
+        if len(starts) != bsz or len(slots) != bsz or len(set(slots)) != bsz:
+            raise ValueError(f"a batch of {bsz} rows needs {bsz} start positions and {bsz} distinct cache rows, "
+                             f"found {starts} and {slots}")
+        end = max(starts) + seqlen
+        if min(starts) < 0 or min(slots) < 0 or max(slots) >= self.max_batch_size or end > self.max_seq_len:
+            raise ValueError(
+                f"a batch of {bsz} rows at cache rows {slots}, {seqlen} tokens from positions {starts}, does "
+                f"not fit the caches ({self.max_batch_size} x {self.max_seq_len}); raise max_batch_size/max_seq_len"
+            )
+        device = self.positions.device
+        first = slots[0] if slots == list(range(slots[0], slots[0] + bsz)) else None
+        slot_ids = self.slot_ids[first : first + bsz] if first is not None else torch.tensor(slots, device=device)
+        one_start = len(set(starts)) == 1
+        if one_start:  # views
+            positions = self.positions[starts[0] : starts[0] + seqlen][None]  # 1, seqlen
+            rotary = self.rotary[starts[0] : starts[0] + seqlen][None]  # 1, seqlen, head_dim // 2, 2
+        else:
+            positions = torch.tensor(starts, device=device)[:, None] + self.positions[None, :seqlen]  # bsz, seqlen
+            rotary = self.rotary[positions]  # bsz, seqlen, head_dim // 2, 2
+        kernel_attends = seqlen == 1 and self.layers[0].attention.cache.kernel_attends
+        mask = None
+        if seqlen == 1 and self.static_decode_shapes:  # CUDA graphs: the whole cache, every step alike
+            end = self.max_seq_len
+            mask = self.positions[None, None, None, :] <= positions[:, None, :, None]  # 1 or bsz, 1, 1, max_seq_len
+        elif not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
+            # Query i of a row (at position start + i) sees every cached position of its row up to itself.
+            mask = self.positions[None, None, None, :end] <= positions[:, None, :, None]  # 1 or bsz, 1, seqlen, end
+        return CacheRows(slot_ids, positions, rotary, end, mask, first)
 
 
 def layers_per_call(n_layers: int) -> int:
@@ -302,11 +352,10 @@ def layers_per_call(n_layers: int) -> int:
     return max(n for n in range(1, MAX_LAYERS_PER_CALL + 1) if n_layers % n == 0)
 
 
-def run_layers(layers: nn.ModuleList, h: torch.Tensor, positions: torch.Tensor, end: int,
-               rotary: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def run_layers(layers: nn.ModuleList, h: torch.Tensor, rows: CacheRows) -> torch.Tensor:
     """Consecutive layers' step, as a function of the layers: what compile_decoding compiles."""
     for layer in layers:
-        h = layer(h, positions, end, rotary, mask)
+        h = layer(h, rows)
     return h
 
 

@@ -15,70 +15,93 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="our kernels
 
 
 def _attention_inputs(batch, heads, kv_heads, head_dim, positions, cached=64, seed=0):
-    """q [batch, heads, 1, head_dim], and keys and values as the cache hands them over: the first
-    `positions` of a preallocated [batch, kv_heads, cached, head_dim]."""
+    """q [batch, heads, 1, head_dim], and preallocated caches [batch + 2, kv_heads, cached,
+    head_dim] whose rows 2, 3, ... hold the batch's keys and values (rows elsewhere than 0..batch-1,
+    as a server's batch sits), each row's first `positions[r]` positions filled."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, 1, head_dim, generator=generator) * 4  # some near-one-hot weights
-    cache = torch.randn(2, batch, kv_heads, cached, head_dim, generator=generator)
-    return q, cache[0, :, :, :positions], cache[1, :, :, :positions]
+    k_cache, v_cache = torch.randn(2, batch + 2, kv_heads, cached, head_dim, generator=generator)
+    slots = torch.arange(2, batch + 2).flip(0)  # out of order too
+    return q, k_cache, v_cache, slots, torch.tensor(positions)
+
+
+def _expected_attention(q, k_cache, v_cache, slots, lengths):
+    """scaled_dot_product_attention row by row, in double precision."""
+    rows = [F.scaled_dot_product_attention(q[r : r + 1].double(), k_cache[slot : slot + 1, :, :length].double(),
+                                           v_cache[slot : slot + 1, :, :length].double(), enable_gqa=True)
+            for r, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist()))]
+    return torch.cat(rows)
 
 
 # 9 heads on 3 kv heads (the demo model's), one head per kv head, all heads on one; 17 and 33
-# positions leave a tail of a 16-lane register; 8 rows split between threads.
+# positions leave a tail of a 16-lane register; 8 rows split between threads, each its own length.
 @pytest.mark.parametrize("batch, heads, kv_heads, head_dim, positions", [
-    (1, 9, 3, 64, 1), (1, 9, 3, 64, 17), (8, 9, 3, 64, 60), (3, 4, 4, 48, 33), (2, 8, 1, 128, 16), (2, 4, 2, 16, 5),
+    (1, 9, 3, 64, [1]), (1, 9, 3, 64, [17]), (8, 9, 3, 64, [60, 1, 33, 17, 2, 64, 5, 48]), (3, 4, 4, 48, [33] * 3),
+    (2, 8, 1, 128, [16, 3]), (2, 4, 2, 16, [5, 5]),
 ])
 def test_decode_attention_is_scaled_dot_product_attention(batch, heads, kv_heads, head_dim, positions):
-    q, keys, values = _attention_inputs(batch, heads, kv_heads, head_dim, positions)
-    expected = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), enable_gqa=True)
-    got = cpu_kernels.decode_attention(q, keys, values)
+    q, k_cache, v_cache, slots, lengths = _attention_inputs(batch, heads, kv_heads, head_dim, positions)
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths)
     assert got.shape == q.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got.double(), _expected_attention(q, k_cache, v_cache, slots, lengths),
+                               atol=2e-6, rtol=1e-5)
 
 
 def test_scores_far_below_the_largest_weigh_nothing():
-    q, keys, values = _attention_inputs(1, 2, 1, 16, 20)
-    keys[0, 0, 3] = q[0, 0, 0] * 100  # a score thousands above the others for head 0
-    got = cpu_kernels.decode_attention(q, keys, values)
-    torch.testing.assert_close(got[0, 0, 0], values[0, 0, 3])
+    q, k_cache, v_cache, slots, lengths = _attention_inputs(1, 2, 1, 16, [20])
+    k_cache[2, 0, 3] = q[0, 0, 0] * 100  # a score thousands above the others for head 0
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths)
+    torch.testing.assert_close(got[0, 0, 0], v_cache[2, 0, 3])
     assert torch.isfinite(got).all()
 
 
+def test_decode_attention_refuses_rows_outside_the_cache():
+    q, k_cache, v_cache, slots, _ = _attention_inputs(2, 4, 2, 16, [5, 5])
+    with pytest.raises(RuntimeError, match="row 1: cache row 2 or position 65 outside the cache"):
+        cpu_kernels.decode_attention(q, k_cache, v_cache, slots, torch.tensor([5, 65]))
+    with pytest.raises(RuntimeError, match="row 0: cache row 9"):
+        cpu_kernels.decode_attention(q, k_cache, v_cache, torch.tensor([9, 2]), torch.tensor([5, 5]))
+
+
 def test_compiled_decode_attention_calls_the_kernel_as_it_is():
-    q, keys, values = _attention_inputs(2, 9, 3, 64, 21)
+    inputs = _attention_inputs(2, 9, 3, 64, [21, 4])
     cpu_kernels.load()
     torch._dynamo.reset()
     compiled = torch.compile(cpu_kernels.decode_attention, fullgraph=True, dynamic=True)
-    torch.testing.assert_close(compiled(q, keys, values), cpu_kernels.decode_attention(q, keys, values))
+    torch.testing.assert_close(compiled(*inputs), cpu_kernels.decode_attention(*inputs))
 
 
-# The demo model's grouping at one and three rows (a cache for four), one head per kv head, and
-# the first position (attending to itself alone) and the cache's last.
-@pytest.mark.parametrize("batch, heads, kv_heads, head_dim, end", [
-    (1, 9, 3, 64, 40), (3, 9, 3, 64, 17), (2, 4, 4, 16, 1), (2, 8, 2, 32, 48),
+# The demo model's grouping at one and three rows (a cache for five), one head per kv head, and
+# the first position (attending to itself alone) and the cache's last; rows at one position
+# (Meta's schedule) or each at its own (continuous batching).
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim, positions", [
+    (1, 9, 3, 64, [39]), (3, 9, 3, 64, [16, 16, 16]), (3, 9, 3, 64, [16, 0, 47]), (2, 4, 4, 16, [0, 0]),
+    (2, 8, 2, 32, [47, 30]),
 ])
-def test_decode_step_rotates_caches_and_attends_as_the_model_does(batch, heads, kv_heads, head_dim, end):
+def test_decode_step_rotates_caches_and_attends_as_the_model_does(batch, heads, kv_heads, head_dim, positions):
     generator = torch.Generator().manual_seed(2)
     qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, generator=generator)
-    angles = torch.rand(1, head_dim // 2, generator=generator) * 6.3
-    turns = torch.stack([angles.cos(), angles.sin()], dim=-1)  # 1, head_dim // 2, 2
-    k_cache, v_cache = torch.randn(2, 4, kv_heads, 48, head_dim, generator=generator)
+    angles = torch.rand(batch, 1, head_dim // 2, generator=generator) * 6.3
+    turns = torch.stack([angles.cos(), angles.sin()], dim=-1)  # batch, 1, head_dim // 2, 2
+    k_cache, v_cache = torch.randn(2, 5, kv_heads, 48, head_dim, generator=generator)
+    slots, positions = torch.tensor([4, 1, 2][:batch]), torch.tensor(positions)
 
     q, k, v = (part.unflatten(-1, (-1, head_dim)) for part in qkv.split(
         (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))  # batch, 1, heads, head_dim
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    expected_k[:batch, :, end - 1] = apply_rotary(k, turns)[:, 0]
-    expected_v[:batch, :, end - 1] = v[:, 0]
-    expected = F.scaled_dot_product_attention(
-        apply_rotary(q, turns).transpose(1, 2).double(), expected_k[:batch, :, :end].double(),
-        expected_v[:batch, :, :end].double(), enable_gqa=True,
-    ).transpose(1, 2).reshape(batch, 1, heads * head_dim)
+    expected_k[slots, :, positions] = apply_rotary(k, turns)[:, 0]
+    expected_v[slots, :, positions] = v[:, 0]
+    expected = _expected_attention(apply_rotary(q, turns).transpose(1, 2), expected_k, expected_v, slots, positions + 1)
+    expected = expected.transpose(1, 2).reshape(batch, 1, heads * head_dim)
 
-    got = cpu_kernels.decode_step_attention(qkv, turns, k_cache, v_cache, end, heads)
+    got = cpu_kernels.decode_step_attention(qkv, turns, k_cache, v_cache, slots, positions, heads)
     assert got.shape == (batch, 1, heads * head_dim)
     torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(k_cache, expected_k, atol=1e-6, rtol=1e-6)  # the other rows untouched
     assert torch.equal(v_cache, expected_v)
+    one_turn = cpu_kernels.decode_step_attention(qkv, turns[:1], k_cache.clone(), v_cache.clone(), slots,
+                                                 positions, heads)  # one angle for every row: as Meta's schedule
+    assert one_turn[:1].equal(got[:1])  # row 0's own angle
 
 
 def test_the_model_attends_one_new_token_through_the_kernel(checkpoints, tokenizer_path, monkeypatch):

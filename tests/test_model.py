@@ -22,6 +22,52 @@ def test_incremental_decoding_equals_one_full_forward(llama):
     torch.testing.assert_close(incremental, full, atol=1e-5, rtol=1e-5)
 
 
+def test_rows_anywhere_in_the_cache_at_their_own_positions_match_each_alone(llama):
+    """Continuous batching's placement: rows prefilled into cache rows 2, 0 and 1 at different
+    lengths, then decoded together, each at its own position (one token, then two at once),
+    give each sequence's own full-forward logits."""
+    tokens = torch.randint(0, 32000, (3, 16), generator=torch.Generator().manual_seed(2))
+    full = [llama.model.forward(tokens[r : r + 1], 0)[0] for r in range(3)]
+    lengths, slots = [9, 4, 12], [2, 0, 1]
+    for row, (length, slot) in enumerate(zip(lengths, slots)):
+        prefill = llama.model.forward(tokens[row : row + 1, :length], 0, slots=[slot])[0]
+        torch.testing.assert_close(prefill, full[row][:length], atol=1e-5, rtol=1e-5)
+    step = llama.model.forward(torch.stack([tokens[r, n : n + 1] for r, n in enumerate(lengths)]), lengths, slots=slots)
+    for row, length in enumerate(lengths):
+        torch.testing.assert_close(step[row, 0], full[row][length], atol=1e-5, rtol=1e-5)
+    order = [1, 2, 0]  # the batch's rows in another order than before, two tokens each
+    starts = [lengths[r] + 1 for r in order]
+    chunk = llama.model.forward(torch.stack([tokens[r, n : n + 2] for r, n in zip(order, starts)]), starts,
+                                slots=[slots[r] for r in order])
+    for index, (row, start) in enumerate(zip(order, starts)):
+        torch.testing.assert_close(chunk[index], full[row][start : start + 2], atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_decodes_to_the_same_bits_whatever_else_is_in_the_batch(checkpoints, tokenizer_path):
+    """Where our CPU kernels take every product and the attention (the tiny Llama 2's heads are 16
+    wide), a row's step is computed the same way alone or beside others: greedy answers cannot
+    depend on the batch."""
+    llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3)
+    if not llama.model.layers[0].attention.cache.kernel_attends:
+        pytest.skip("our attention kernel does not run on this CPU")
+    tokens = torch.randint(0, 32000, (3, 8), generator=torch.Generator().manual_seed(3))
+    for row in range(3):
+        llama.model.forward(tokens[row : row + 1, : 5 + row], 0, slots=[row])
+    alone = llama.model.forward(tokens[1:2, 6:7], [6], slots=[1])
+    together = llama.model.forward(torch.stack([tokens[0, 5:6], tokens[1, 6:7], tokens[2, 7:8]]), [5, 6, 7],
+                                   slots=[0, 1, 2])
+    assert torch.equal(together[1], alone[0])
+
+
+def test_rows_that_do_not_fit_the_caches_are_refused(llama):
+    with pytest.raises(ValueError, match=r"needs 2 start positions and 2 distinct cache rows, found \[0, 0\] and \[1, 1\]"):
+        llama.model.forward(torch.zeros(2, 1, dtype=torch.long), 0, slots=[1, 1])
+    with pytest.raises(ValueError, match=r"at cache rows \[3\], 1 tokens from positions \[0\], does not fit the caches \(3 x 64\)"):
+        llama.model.forward(torch.zeros(1, 1, dtype=torch.long), 0, slots=[3])
+    with pytest.raises(ValueError, match="does not fit the caches"):
+        llama.model.forward(torch.zeros(2, 2, dtype=torch.long), [10, 63], slots=[0, 1])
+
+
 def test_greedy_generation_extends_the_argmax_chain(llama):
     prompt = [1, 450, 4996, 17354]
     tokens, _ = llama.generate([prompt], max_gen_len=6, temperature=0)

@@ -7,9 +7,9 @@
 // score of the kv head's queries, a vectorized exp turns them into weights, and a pass over the
 // values sums them.
 //
-// q [batch, heads, head_dim] contiguous; keys and values [batch, kv heads, positions, head_dim],
-// any strides with head_dim contiguous (a slice of the preallocated cache). Query head h reads kv
-// head h / (heads / kv heads), as scaled_dot_product_attention's enable_gqa has it.
+// Each row of the batch reads its own row of the preallocated caches, up to its own length (rows
+// at different positions: continuous batching). Query head h reads kv head h / (heads / kv heads),
+// as scaled_dot_product_attention's enable_gqa has it.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -84,26 +84,49 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
   }
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+// Each row's int64 entry in a vector of one per row (stride 0: the same for every row).
+int64_t row_entry(const at::Tensor& vector, int64_t row) {
+  return vector.data_ptr<int64_t>()[row * vector.stride(0)];
+}
+
+// Each row's cache row and position (or length, with first = 1: [1, capacity]) inside the caches.
+void check_rows(const at::Tensor& slots, const at::Tensor& positions, int64_t batch, const at::Tensor& k_cache,
+                int64_t first) {
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == batch && slots.scalar_type() == at::kLong &&
+              positions.dim() == 1 && positions.size(0) == batch && positions.scalar_type() == at::kLong,
+              "slots and positions (or lengths) must be int64 [batch]");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t slot = row_entry(slots, b), position = row_entry(positions, b);
+    TORCH_CHECK(0 <= slot && slot < k_cache.size(0) && first <= position && position < k_cache.size(2) + first,
+                "row ", b, ": cache row ", slot, " or position ", position, " outside the cache");
+  }
+}
+
+// Queries q [batch, heads, head_dim] (contiguous) attend to the keys and values of cache row
+// slots[b] at positions [0, lengths[b]): caches [rows, kv heads, capacity, head_dim], any strides
+// with head_dim contiguous.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& lengths) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [batch, heads, head_dim]");
-  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.strides() == values.strides() &&
-              keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.stride(3) == 1,
-              "keys and values must be fp32 [batch, kv heads, positions, head_dim] alike, head_dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+              k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.stride(3) == 1,
+              "the caches must be fp32 [rows, kv heads, positions, head_dim] alike, head_dim contiguous");
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t kv_heads = keys.size(1), positions = keys.size(2);
-  TORCH_CHECK(keys.size(0) == batch && keys.size(3) == head_dim && heads % kv_heads == 0 &&
-              head_dim % kLanes == 0 && positions > 0, "shapes do not match");
+  const int64_t kv_heads = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0 && head_dim % kLanes == 0, "shapes do not match");
+  check_rows(slots, lengths, batch, k_cache, 1);
   const int64_t group = heads / kv_heads;
   at::Tensor out = at::empty_like(q);
-  const float *q_data = q.data_ptr<float>(), *k_data = keys.data_ptr<float>(), *v_data = values.data_ptr<float>();
+  const float *q_data = q.data_ptr<float>(), *k_data = k_cache.data_ptr<float>(), *v_data = v_cache.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * positions);
+    std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, kv = task % kv_heads;
-      const int64_t offset = b * keys.stride(0) + kv * keys.stride(1);
+      const int64_t b = task / kv_heads, kv = task % kv_heads, positions = row_entry(lengths, b);
+      scores.resize(group * positions);
+      const int64_t offset = row_entry(slots, b) * k_cache.stride(0) + kv * k_cache.stride(1);
       const int64_t first = (b * heads + kv * group) * head_dim;
-      attend(q_data + first, k_data + offset, v_data + offset, keys.stride(2), positions, group, head_dim,
+      attend(q_data + first, k_data + offset, v_data + offset, k_cache.stride(2), positions, group, head_dim,
              scores.data(), out_data + first);
     }
   });
@@ -121,40 +144,47 @@ void rotate(const float* x, const float* turns, int64_t head_dim, float* out) {
 }
 
 // A one-token step's attention in one call, as apply_rotary, KVCache.update and decode_attention
-// do it in turn: each row's query and key heads turned to position end - 1, its keys and values
-// written into the caches there, then its queries attend to positions [0, end).
+// do it in turn: row b's query and key heads turned to its position positions[b], its keys and
+// values written into cache row slots[b] there, then its queries attend to positions
+// [0, positions[b]]. Rows may sit anywhere in the caches, each at its own position (continuous
+// batching) or all at one.
 // qkv [batch, 1, (heads + 2 kv heads) * head_dim]: the wqkv product, queries then keys then values;
-// turns [1, head_dim / 2, 2]: that position's cos and sin; caches [batch or more, kv heads,
-// positions, head_dim], contiguous. Returns [batch, 1, heads * head_dim].
+// turns [batch or 1, 1, head_dim / 2, 2]: each row's cos and sin (one for all rows);
+// caches [rows, kv heads, capacity, head_dim], contiguous; slots, positions int64 [batch].
+// Returns [batch, 1, heads * head_dim].
 at::Tensor decode_step_attention(const at::Tensor& qkv, const at::Tensor& turns, at::Tensor& k_cache,
-                                 at::Tensor& v_cache, int64_t end, int64_t heads) {
+                                 at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& positions,
+                                 int64_t heads) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "the caches must be contiguous fp32 [batch, kv heads, positions, head_dim] alike");
+              "the caches must be contiguous fp32 [rows, kv heads, positions, head_dim] alike");
   const int64_t kv_heads = k_cache.size(1), capacity = k_cache.size(2), head_dim = k_cache.size(3);
   const int64_t batch = qkv.size(0), width = (heads + 2 * kv_heads) * head_dim;
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == width && qkv.scalar_type() == at::kFloat &&
               qkv.is_contiguous(), "qkv must be contiguous fp32 [batch, 1, (heads + 2 kv heads) * head_dim]");
-  TORCH_CHECK(turns.numel() == head_dim && turns.scalar_type() == at::kFloat && turns.is_contiguous(),
-              "turns must be one position's contiguous fp32 cos and sin [1, head_dim / 2, 2]");
-  TORCH_CHECK(heads % kv_heads == 0 && head_dim % kLanes == 0 && batch <= k_cache.size(0) && 0 < end &&
-              end <= capacity, "shapes do not match");
-  const int64_t group = heads / kv_heads, position = end - 1;
+  TORCH_CHECK(turns.scalar_type() == at::kFloat && turns.is_contiguous() &&
+              (turns.numel() == head_dim || turns.numel() == batch * head_dim),
+              "turns must be contiguous fp32 cos and sin [batch or 1, 1, head_dim / 2, 2]");
+  TORCH_CHECK(heads % kv_heads == 0 && head_dim % kLanes == 0, "shapes do not match");
+  check_rows(slots, positions, batch, k_cache, 0);
+  const int64_t group = heads / kv_heads, turns_stride = turns.numel() == head_dim ? 0 : head_dim;
   at::Tensor out = at::empty({batch, 1, heads * head_dim}, qkv.options());
   const float *qkv_data = qkv.data_ptr<float>(), *turn_data = turns.data_ptr<float>();
   float *k_data = k_cache.data_ptr<float>(), *v_data = v_cache.data_ptr<float>(), *out_data = out.data_ptr<float>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t finish) {
-    std::vector<float> scores(group * end), queries(group * head_dim);
+    std::vector<float> scores, queries(group * head_dim);
     for (int64_t task = begin; task < finish; ++task) {
-      const int64_t b = task / kv_heads, kv = task % kv_heads;
+      const int64_t b = task / kv_heads, kv = task % kv_heads, position = row_entry(positions, b);
+      scores.resize(group * (position + 1));
       const float* row = qkv_data + b * width;
-      const int64_t cached = (b * kv_heads + kv) * capacity * head_dim;  // this kv head's first position
-      rotate(row + (heads + kv) * head_dim, turn_data, head_dim, k_data + cached + position * head_dim);
+      const float* row_turns = turn_data + b * turns_stride;
+      const int64_t cached = (row_entry(slots, b) * kv_heads + kv) * capacity * head_dim;  // this kv head's first position
+      rotate(row + (heads + kv) * head_dim, row_turns, head_dim, k_data + cached + position * head_dim);
       const float* value = row + (heads + kv_heads + kv) * head_dim;
       std::copy(value, value + head_dim, v_data + cached + position * head_dim);
       for (int64_t j = 0; j < group; ++j)
-        rotate(row + (kv * group + j) * head_dim, turn_data, head_dim, queries.data() + j * head_dim);
-      attend(queries.data(), k_data + cached, v_data + cached, head_dim, end, group, head_dim, scores.data(),
+        rotate(row + (kv * group + j) * head_dim, row_turns, head_dim, queries.data() + j * head_dim);
+      attend(queries.data(), k_data + cached, v_data + cached, head_dim, position + 1, group, head_dim, scores.data(),
              out_data + (b * heads + kv * group) * head_dim);
     }
   });
@@ -164,9 +194,9 @@ at::Tensor decode_step_attention(const at::Tensor& qkv, const at::Tensor& turns,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_tp, m) {
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values) -> Tensor");
-  m.def("decode_step_attention(Tensor qkv, Tensor turns, Tensor(a!) k_cache, Tensor(b!) v_cache, int end, "
-        "int heads) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths) -> Tensor");
+  m.def("decode_step_attention(Tensor qkv, Tensor turns, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "Tensor positions, int heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_tp, CPU, m) {

@@ -76,11 +76,11 @@ def load() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("llama_tp::decode_attention")
-    def _(q, keys, values):
+    def _(q, k_cache, v_cache, slots, lengths):
         return torch.empty_like(q)
 
     @torch.library.register_fake("llama_tp::decode_step_attention")
-    def _(qkv, turns, k_cache, v_cache, end, heads):
+    def _(qkv, turns, k_cache, v_cache, slots, positions, heads):
         return qkv.new_empty(qkv.shape[0], 1, heads * k_cache.shape[-1])
 
     @torch.library.register_fake("llama_tp::int8_product")
@@ -109,23 +109,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.llama_tp.rms_norm(x.contiguous(), weight, eps)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One new token per row attending to every cached position: q [bsz, heads, 1, head_dim] and
-    keys, values [bsz, kv heads, positions, head_dim], all fp32, head_dim a multiple of 16; as
-    scaled_dot_product_attention(q, keys, values, enable_gqa=True)."""
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+    """One new token per row attending to its cache row: q [bsz, heads, 1, head_dim] to the
+    keys and values of cache row slots[b] at positions [0, lengths[b]), the caches [rows, kv heads,
+    positions, head_dim]; all fp32, head_dim a multiple of 16; slots, lengths int64 [bsz]. As
+    scaled_dot_product_attention(q, keys, values, enable_gqa=True) row by row."""
     if not torch.compiler.is_compiling():
         load()
     bsz, heads, _, head_dim = q.shape
-    out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), keys, values)
+    out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), k_cache, v_cache,
+                                              slots, lengths)
     return out.view(bsz, heads, 1, head_dim)
 
 
 def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          end: int, heads: int) -> torch.Tensor:
-    """One new token per row at position end - 1, from its wqkv product qkv [bsz, 1, (heads + 2 kv
-    heads) * head_dim]: queries and keys turned by turns [1, head_dim // 2, 2] (cos, sin), keys
-    and values written into the caches [max bsz, kv heads, max positions, head_dim], then
-    attention to positions [0, end): [bsz, 1, heads * head_dim]. As apply_rotary, KVCache.update
-    and decode_attention do it in turn, in one call: fp32, head_dim a multiple of 16."""
+                          slots: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
+    """One new token per row, row b at position positions[b] of cache row slots[b], from its wqkv
+    product qkv [bsz, 1, (heads + 2 kv heads) * head_dim]: queries and keys turned by turns [bsz
+    or 1, 1, head_dim // 2, 2] (cos, sin), keys and values written into the caches [rows, kv
+    heads, max positions, head_dim], then attention to the row's positions up to its own:
+    [bsz, 1, heads * head_dim]. As apply_rotary, KVCache.update and decode_attention do it in
+    turn, in one call: fp32, head_dim a multiple of 16; slots, positions int64 [bsz]."""
     load()
-    return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_cache, v_cache, end, heads)
+    return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_cache, v_cache, slots, positions, heads)
