@@ -1,0 +1,96 @@
+"""Rank 0's door into the engine, for the HTTP side's thread: submit and cancel requests, know
+whether the engine is ready.
+
+The HTTP side's calls only put messages in; the engine takes them at the start of a step, which
+is when they reach the other ranks. The waiting line is bounded (max_waiting): a request beyond
+it is refused at once, before it costs anything.
+"""
+
+import asyncio
+import enum
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from .metrics import ServerMetrics
+from .requests import GenerationRequest, Overloaded, RequestStream, Unavailable
+
+
+class ServerState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"  # Ctrl-C or SIGTERM: no new requests; the running ones are being ended
+    FAILED = "failed"  # a rank was lost: nothing more can be generated
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+
+
+class Mailbox:
+    """Requests and cancellations from the HTTP thread to the engine, and the engine's state back."""
+
+    def __init__(self, max_waiting: int, metrics: ServerMetrics):
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.state = ServerState.LOADING
+        self.failure: Optional[str] = None  # why the engine failed, for clients
+        self._messages: "queue.SimpleQueue[Union[RequestStream, Cancel]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0  # submitted, not yet admitted nor cancelled
+
+    # The HTTP side's thread
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a checked request; its deltas come through the returned stream. Call it on the
+        event loop that reads the stream. Raises Unavailable or Overloaded without queueing."""
+        with self._lock:
+            if self.state is not ServerState.READY:
+                raise Unavailable(self._unavailable_reason())
+            if self._waiting >= self.max_waiting:
+                raise Overloaded(f"{self._waiting} requests are already waiting for a slot (--max_waiting "
+                                 f"{self.max_waiting}); try again shortly")
+            self._waiting += 1
+            self.metrics.requests_waiting.set(self._waiting)
+        stream = RequestStream(request, asyncio.get_running_loop())
+        self._messages.put(stream)
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """The client of request_id has gone: free its slot (a no-op if it has ended)."""
+        self._messages.put(Cancel(request_id))
+
+    def _unavailable_reason(self) -> str:
+        if self.state is ServerState.LOADING:
+            return "the model is still loading; try again shortly"
+        if self.state is ServerState.STOPPING:
+            return "the server is shutting down"
+        return f"the server cannot generate any more: {self.failure}"
+
+    # The engine's thread
+
+    def take(self, timeout: Optional[float]) -> list[Union[RequestStream, Cancel]]:
+        """Every message that has come, waiting up to timeout seconds (None: forever) for the first."""
+        messages = []
+        try:
+            messages.append(self._messages.get(timeout=timeout) if timeout != 0 else self._messages.get_nowait())
+            while True:
+                messages.append(self._messages.get_nowait())
+        except queue.Empty:
+            return messages
+
+    def left_waiting(self, count: int = 1) -> None:
+        """count requests left the waiting line (admitted, or cancelled while waiting)."""
+        with self._lock:
+            self._waiting -= count
+            self.metrics.requests_waiting.set(self._waiting)
+
+    def wake(self) -> None:
+        """Make a waiting take() return (the state changed)."""
+        self._messages.put(Cancel(""))
+
+    def set_state(self, state: ServerState, failure: Optional[str] = None) -> None:
+        with self._lock:
+            self.state, self.failure = state, failure or self.failure

@@ -1,0 +1,103 @@
+"""What the HTTP side hands the engine (a checked GenerationRequest) and what comes back (Deltas).
+
+The HTTP side validates everything before a request reaches the engine: the engine never refuses
+a request, it only generates, and every request it takes ends with exactly one final Delta.
+"""
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..sampling import SamplingOptions
+
+
+class RequestState(enum.Enum):
+    """A request's life: waiting for a slot, generating, then one of the three ends."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"  # ended by a stop token, a stop string or its token limit
+    CANCELLED = "cancelled"  # its client left, or the server stopped
+    FAILED = "failed"  # the engine could not go on (a rank was lost)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A request the HTTP side has checked: its prompt fits, its options are in range."""
+
+    id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int  # prompt_tokens plus max_tokens fit max_seq_len
+    options: SamplingOptions  # min_gen_len is OpenAI's min_tokens; seed None: one drawn for it
+    stop_tokens: frozenset[int]  # tokens that end the answer (the tokenizer's, a chat format's end of turn)
+    stop: tuple[str, ...] = ()  # strings that end the answer, cut before them
+    logprobs: bool = False  # each generated token's log probability
+    top_logprobs: int = 0  # and the most likely alternatives at each step
+    arrival: float = field(default_factory=time.monotonic)  # for time to first token
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model, and the likeliest tokens at its step."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one engine step produced for one request: new text (whole characters, never past a
+    stop string), its tokens, and on the last delta the finish reason and the counts."""
+
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked
+    finish_reason: Optional[str] = None  # "stop" or "length" on a normal end; "cancelled"; "error"
+    prompt_tokens: int = 0  # on the last delta
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values were reused, not computed
+    error: Optional[str] = None  # with finish_reason "error": what went wrong, for the client
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Overloaded(Exception):
+    """The waiting line is full (--max_waiting): answer 429 at once."""
+
+
+class Unavailable(Exception):
+    """The engine is loading, stopping or has failed: answer 503."""
+
+
+class RequestStream:
+    """The HTTP side's end of one request: the engine's Deltas, in order, up to the last one.
+
+    The engine thread puts deltas in from its own thread; the HTTP side reads them on its event loop.
+    """
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self._loop = loop
+        self._deltas: asyncio.Queue[Delta] = asyncio.Queue()
+
+    def put(self, delta: Delta) -> None:
+        """From any thread: hand the HTTP side a delta."""
+        self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
+
+    async def next(self) -> Delta:
+        return await self._deltas.get()
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            delta = await self.next()
+            yield delta
+            if delta.finished:
+                return
