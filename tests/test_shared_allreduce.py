@@ -4,6 +4,7 @@ the same bits on every rank, call after call."""
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -99,6 +100,20 @@ def test_shared_memory_wait_for_a_missing_rank_times_out_and_lets_other_threads_
         stop.set()
         thread.join()
     assert sum(start < t < end for t in ticks) > 10  # about 50 if the thread ran throughout
+
+
+@EXCHANGES
+def test_a_rank_waiting_for_a_killed_one_says_so_at_once(tmp_path, native):
+    alone = rank_0_of_2_alone(tmp_path, native, timeout_seconds=30)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    alone.flags[8 * 1 + 1] = gone.pid  # what rank 1 wrote when it mapped the buffer
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"rank 0 lost rank 1 \\(process {gone.pid} is gone\\) while waiting") as lost:
+        alone(torch.ones(4))
+    assert time.monotonic() - start < 5
+    assert parallel.is_peer_failure(lost.value)
+    assert "lost contact with another process of this job" in parallel.describe_peer_failure(lost.value)
 
 
 def test_an_exchange_that_waited_too_long_is_reported_as_a_lost_rank():

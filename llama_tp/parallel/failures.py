@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
 
 from .collectives import forget_shared_sum
-from .group import _host_groups, collective_timeout
+from .group import _host_groups, collective_timeout, gather_objects
 from .shared_memory import is_exchange_timeout
 
 @contextmanager
@@ -31,7 +31,7 @@ def agreement(step: str) -> Iterator[None]:
         yield
     except Exception as error:  # any failure, bug or not, must reach the other ranks
         failure = error
-    verdicts = _all_gather_object(None if failure is None else _verdict(failure))
+    verdicts = gather_objects(None if failure is None else _verdict(failure))
     if failure is not None:
         raise failure
     for rank, verdict in enumerate(verdicts):
@@ -66,7 +66,7 @@ def check_same_on_every_rank(what: str, value: Any) -> None:
     Ranks given different prompts run different numbers of steps, and one then waits for the
     others in a collective until the timeout; comparing a digest first turns that into a message.
     """
-    digests = _all_gather_object(hashlib.sha256(pickle.dumps(value)).hexdigest())
+    digests = gather_objects(hashlib.sha256(pickle.dumps(value)).hexdigest())
     differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
     if differing:
         raise ValueError(
@@ -130,11 +130,3 @@ def leave() -> None:
         forget_shared_sum()
         dist.destroy_process_group()
         _host_groups.clear()
-
-
-def _all_gather_object(obj: Any) -> list[Any]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered

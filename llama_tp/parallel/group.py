@@ -181,6 +181,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return holder[0]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's obj, in rank order, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def _start_launcher_watchdog(poll_seconds: float = 1.0) -> None:
     """Exit if torchrun dies (e.g. killed with SIGKILL), so no rank is left behind as an orphan.
 

@@ -3,7 +3,8 @@
 // interpreter and in torch's dispatch to a Python operator; here it is a copy, a flag and a wait.
 //
 // buffer: the mapped file, uint8. Rank r's flag (an int64, the number of its last published
-// call) heads cache line r; then two parities of world_size slots of `capacity` floats each.
+// call) heads cache line r, its process id next to it; then two parities of world_size slots of
+// `capacity` floats each.
 
 #include <immintrin.h>
 #include <pybind11/pybind11.h>
@@ -11,8 +12,13 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <signal.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <vector>
 
 namespace {
@@ -33,6 +39,16 @@ void check_python_signals() {
     throw raised;
   }
   PyGILState_Release(gil);
+}
+
+// Whether process pid has ended (or was killed): gone, or a zombie its launcher has not reaped.
+bool process_gone(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;  // no /proc: the kill() above has to do
+  const size_t name_end = line.rfind(')');
+  return name_end != std::string::npos && name_end + 2 < line.size() && line[name_end + 2] == 'Z';
 }
 
 // Publish x in this rank's slot for its next call, then wait until every rank has published it.
@@ -63,6 +79,10 @@ const float* publish_and_wait(const at::Tensor& x, const at::Tensor& buffer, int
       if (waited.count() > signals_checked + kSignalCheckSeconds) {
         check_python_signals();
         signals_checked = waited.count();
+        // A rank killed mid-step never publishes: say so now rather than at the timeout.
+        const int64_t pid = __atomic_load_n(&flags[kFlagStride * other + 1], __ATOMIC_RELAXED);
+        TORCH_CHECK(pid <= 0 || !process_gone(pid), "rank ", rank, " lost rank ", other, " (process ", pid,
+                    " is gone) while waiting for the other ranks' tensors");
       }
       TORCH_CHECK(waited.count() < timeout_seconds, "rank ", rank, " timed out after ", timeout_seconds,
                   " s waiting for the other ranks' tensors");

@@ -9,6 +9,7 @@ to use it and sets it up.
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,9 @@ from ..kernels import cpu_kernels
 
 class SharedMemorySum:
     """All-reduce (and all-gather) of float32 tensors between processes of one host through a shared buffer.
+
+    Each rank's flag line also holds its process id, so that a rank waiting for one that was
+    killed says so at once instead of at the timeout.
 
     Each call has a sequence number: a rank writes its tensor into its slot of the buffer for that
     number's parity, publishes the number in its flag, waits until every flag reaches it, and sums
@@ -42,6 +46,7 @@ class SharedMemorySum:
         self.slots = self.buffer[flags_bytes:].view(torch.float32).view(2, world_size, self.CAPACITY)
         self.slot_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.rank, self.world_size, self.timeout_seconds = rank, world_size, timeout_seconds
+        self.flags[8 * rank + 1] = os.getpid()
         self.native = cpu_kernels.ON_THIS_CPU
         if self.native:
             cpu_kernels.load()
@@ -70,6 +75,7 @@ class SharedMemorySum:
         self.flags[8 * self.rank] = call
         deadline = None
         for rank in range(self.world_size):
+            polls = 0
             while self.flags[8 * rank] < call:
                 os.sched_yield()  # the other ranks may need this core to get here
                 deadline = deadline or time.monotonic() + self.timeout_seconds
@@ -77,6 +83,10 @@ class SharedMemorySum:
                     raise RuntimeError(
                         f"rank {self.rank} timed out after {self.timeout_seconds:g} s waiting for the other ranks' tensors"
                     )
+                polls += 1
+                if polls % 1000 == 0 and process_gone(self.flags[8 * rank + 1]):
+                    raise RuntimeError(f"rank {self.rank} lost rank {rank} (process {self.flags[8 * rank + 1]} is "
+                                       "gone) while waiting for the other ranks' tensors")
         return slots
 
     def _views(self, parity: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +96,21 @@ class SharedMemorySum:
             slots = self.slots[parity, :, :numel]
             views = self.slot_views[parity, numel] = (slots, slots[self.rank])
         return views
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process pid has ended (or was killed): gone, or a zombie its launcher has not reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state == "Z"
 
 
 def new_buffer_path() -> str:
