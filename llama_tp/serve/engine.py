@@ -1,0 +1,280 @@
+"""The loop every rank runs in lockstep: each step rank 0 says what changed, then all of them feed
+the model the same tokens and choose the same next tokens.
+
+Rank 0 alone talks to the HTTP side (through the Mailbox): it keeps the waiting line, admits
+requests into free cache rows and hears of clients that left. At the start of every step the
+ranks exchange News: rank 0's admissions and cancellations, and every rank's wish to stop
+(Ctrl-C or SIGTERM reach ranks one by one). Everything after that is decided alike on every rank
+from what they all hold: the scheduler's plan, the logits (the same on every rank), each
+request's own random generator (seeded from the admission), the stop tokens and strings.
+While nothing runs, rank 0 waits for a request, sending a heartbeat now and then so that the
+other ranks, waiting in the exchange, never reach the process group's timeout.
+"""
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import parallel
+from ..generation import Llama
+from ..logs import logger
+from ..sampling import choose_next
+from ..text.streaming import IncrementalDecoder, cut_at_stop
+from .mailbox import Cancel, Mailbox, ServerState
+from .requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob
+from .scheduler import Chunk, Scheduler, Sequence
+
+# The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
+MAX_HEARTBEAT_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    request: GenerationRequest
+    slot: int
+    seed: int  # the request's own, or one rank 0 drew: every rank samples alike
+
+
+@dataclass(frozen=True)
+class News:
+    """What changed since the last step, as rank 0 saw it."""
+
+    admitted: tuple[Admission, ...] = ()
+    cancelled: tuple[str, ...] = ()  # ids of running requests whose clients left
+    stop: bool = False  # some rank was asked to stop: end every request and leave
+
+
+@dataclass
+class Progress:
+    """A running request's sampling and text: its random generator, and on rank 0 (or wherever
+    stop strings must be watched) the decoder that turns its tokens into text."""
+
+    generator: torch.Generator
+    decoder: Optional[IncrementalDecoder]
+    answer: list[int] = field(default_factory=list)  # generated tokens, without a stop token
+    first_token_at: Optional[float] = None
+
+
+class Engine:
+    def __init__(self, generator: Llama, max_prefill_tokens: int, mailbox: Optional[Mailbox] = None):
+        """mailbox: rank 0's, from the HTTP side; None on the other ranks."""
+        self.model = generator.model
+        self.tokenizer = generator.tokenizer
+        self.device = generator.model.rotary.device
+        self.scheduler = Scheduler(generator.model.max_batch_size, max_prefill_tokens)
+        self.mailbox = mailbox
+        self.waiting: deque[RequestStream] = deque()  # rank 0: submitted, not yet admitted
+        self.streams: dict[str, RequestStream] = {}  # rank 0: admitted requests' streams
+        self.heartbeat = min(MAX_HEARTBEAT_SECONDS, parallel.collective_timeout().total_seconds() / 3)
+
+    def run(self, stop_requested: Callable[[], bool]) -> None:
+        """Serve until some rank is asked to stop (then every request ends cleanly) or a rank is
+        lost (then every request ends with an error, and the error is raised)."""
+        try:
+            while True:
+                news = self._exchange(stop_requested())
+                self._apply(news)
+                if news.stop:
+                    self._end_everything()
+                    return
+                if self.scheduler.running:
+                    self._step()
+        except BaseException as error:
+            self._fail_everything(error)
+            raise
+
+    # News
+
+    def _exchange(self, stop_wish: bool) -> News:
+        """Every rank's wish to stop, and rank 0's news, on every rank."""
+        news = self._gather_news(stop_wish) if self.mailbox is not None else None
+        votes = parallel.gather_objects((news, stop_wish))
+        news = votes[0][0]
+        stop = any(wish for _, wish in votes)
+        return News(news.admitted, news.cancelled, stop) if stop != news.stop else news
+
+    def _gather_news(self, stop_wish: bool) -> News:
+        """Rank 0: take the mailbox's messages (waiting for one while idle), admit what fits."""
+        idle = not self.scheduler.running and not self.waiting and not stop_wish
+        # Alone, nothing needs a heartbeat: wait until a request (or the stop signal's wake-up) comes.
+        timeout = (self.heartbeat if parallel.model_parallel_size() > 1 else None) if idle else 0
+        cancelled = []
+        for message in self.mailbox.take(timeout):
+            if isinstance(message, RequestStream):
+                self.waiting.append(message)
+            elif message.request_id:  # an empty id is a wake-up only
+                cancelled += self._cancel_request(message)
+        admitted, taken = [], set()
+        while self.waiting and not stop_wish:
+            stream = self.waiting[0]
+            slot = self.scheduler.choose_slot(stream.request.prompt_tokens, taken)
+            if slot is None:
+                break
+            self.waiting.popleft()
+            self.mailbox.left_waiting()
+            taken.add(slot)
+            seed = stream.request.options.seed
+            admitted.append(Admission(stream.request, slot, random.getrandbits(63) if seed is None else seed))
+            self.streams[stream.request.id] = stream
+        return News(tuple(admitted), tuple(cancelled), stop_wish)
+
+    def _cancel_request(self, message: Cancel) -> list[str]:
+        """A client left: drop its request from the waiting line here, or tell every rank."""
+        waiting = next((s for s in self.waiting if s.request.id == message.request_id), None)
+        if waiting is not None:
+            self.waiting.remove(waiting)
+            self.mailbox.left_waiting()
+            self._end_stream(waiting, Delta(finish_reason="cancelled"), RequestState.CANCELLED)
+            return []
+        return [message.request_id] if self.scheduler.find(message.request_id) else []
+
+    def _apply(self, news: News) -> None:
+        for request_id in news.cancelled:
+            sequence = self.scheduler.find(request_id)
+            if sequence is not None:
+                self._finish(sequence, "cancelled", [])
+        for admission in news.admitted:
+            sequence = self.scheduler.admit(admission.request, admission.slot)
+            generator = torch.Generator(device=self.device).manual_seed(admission.seed)
+            watches_text = self.mailbox is not None or bool(admission.request.stop)
+            decoder = IncrementalDecoder(self.tokenizer, admission.request.stop) if watches_text else None
+            sequence.sampling = Progress(generator, decoder)
+            if self.mailbox is not None:
+                self.mailbox.metrics.prompt_tokens.inc(sequence.prompt_length)
+                self.mailbox.metrics.requests_running.set(len(self.scheduler.running))
+
+    # Steps
+
+    def _step(self) -> None:
+        plan = self.scheduler.plan()
+        if plan.decode:  # first, so that generating requests get their token as soon as can be
+            self._feed(plan.decode)
+        for chunk in plan.prefill:
+            self._feed([chunk])
+
+    def _feed(self, chunks: list[Chunk]) -> None:
+        """One pass over chunks of equal length (one prompt chunk, or one token of each
+        generating request), then the next token of each sequence whose pending tokens it fed."""
+        sequences = [chunk.sequence for chunk in chunks]
+        plain_greedy = all(s.request.options.takes_best_logit and not s.request.logprobs for s in sequences)
+        tokens = torch.tensor([chunk.tokens for chunk in chunks], device=self.device)
+        logits = self.model.forward(tokens, [chunk.start for chunk in chunks], last_only=True,
+                                    vocab_slice=plain_greedy, slots=[s.slot.index for s in sequences])
+        for chunk in chunks:
+            self.scheduler.fed(chunk)
+        if not chunks[0].completes:  # a prompt's chunk before its last: nothing to choose yet
+            return
+        logits = logits[:, -1]  # bsz, vocab (or this rank's slice of it)
+        if plain_greedy:  # each rank offers the best of its slice: no logits gathered
+            picks = [(token, None) for token in parallel.vocab_argmax(logits).tolist()]
+        else:
+            picks = [self._choose(sequence, logits[row : row + 1]) for row, sequence in enumerate(sequences)]
+        for sequence, (token, logprob) in zip(sequences, picks):
+            self._advance(sequence, token, logprob)
+
+    def _choose(self, sequence: Sequence, logits: torch.Tensor) -> tuple[int, Optional[TokenLogprob]]:
+        """The next token for one sequence from its logits [1, vocab], with every option applied,
+        and its log probability under the model when the request asks."""
+        request, options = sequence.request, sequence.request.options
+        if options.takes_best_logit:
+            token = int(logits.max(dim=-1).indices)
+        else:
+            history = torch.tensor([sequence.tokens], device=self.device) if options.repetition_penalty != 1.0 else None
+            suppress = None
+            if sequence.generated < options.min_gen_len:  # no end of answer yet
+                suppress = torch.zeros_like(logits, dtype=torch.bool)
+                suppress[:, sorted(request.stop_tokens)] = True
+            token = int(choose_next(logits, options, history, suppress, sequence.sampling.generator))
+        if not request.logprobs:
+            return token, None
+        logprobs = F.log_softmax(logits[0], dim=-1)  # under the model itself, before any sampling option
+        top = ()
+        if request.top_logprobs:
+            values, ids = logprobs.topk(request.top_logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        return token, TokenLogprob(token, float(logprobs[token]), top)
+
+    def _advance(self, sequence: Sequence, token: int, logprob: Optional[TokenLogprob]) -> None:
+        """Append a chosen token and end the sequence where it ends; rank 0 hands the client its text."""
+        request, progress = sequence.request, sequence.sampling
+        sequence.tokens.append(token)
+        sequence.generated += 1
+        stopped = token in request.stop_tokens
+        if not stopped:
+            progress.answer.append(token)
+        piece = progress.decoder.push(progress.answer) if progress.decoder is not None and not stopped else ""
+        stopped = stopped or (progress.decoder is not None and progress.decoder.stopped)
+        full = sequence.generated >= request.max_tokens or len(sequence.tokens) >= self.model.max_seq_len
+        if self.mailbox is not None:
+            now = time.monotonic()
+            if progress.first_token_at is None:
+                progress.first_token_at = now
+                self.mailbox.metrics.time_to_first_token.observe(now - request.arrival)
+            self.mailbox.metrics.generation_tokens.inc()
+        delta = Delta(piece, () if token in request.stop_tokens else (token,), (logprob,) if logprob else ())
+        if stopped or full:
+            self._finish(sequence, "stop" if stopped else "length", [delta])
+        elif self.mailbox is not None:
+            self.streams[request.id].put(delta)
+
+    # Ends
+
+    def _finish(self, sequence: Sequence, reason: str, deltas: list[Delta]) -> None:
+        """End a running sequence on every rank; rank 0 sends its last text and counts."""
+        self.scheduler.release(sequence)
+        if self.mailbox is None:
+            return
+        stream = self.streams.pop(sequence.request.id)
+        progress = sequence.sampling
+        if progress.decoder is not None:
+            text = cut_at_stop(self.tokenizer.decode(progress.answer), sequence.request.stop)
+            deltas = deltas or [Delta()]
+            deltas[-1] = _with_text(deltas[-1], deltas[-1].text + progress.decoder.finish(text))
+        for delta in deltas[:-1]:
+            stream.put(delta)
+        last = Delta(deltas[-1].text, deltas[-1].tokens, deltas[-1].logprobs, reason, sequence.prompt_length,
+                     sequence.generated)
+        if progress.first_token_at is not None and sequence.generated > 1:
+            per_token = (time.monotonic() - progress.first_token_at) / (sequence.generated - 1)
+            self.mailbox.metrics.time_per_output_token.observe(per_token)
+        self._end_stream(stream, last, RequestState.CANCELLED if reason == "cancelled" else RequestState.FINISHED)
+        self.mailbox.metrics.requests_running.set(len(self.scheduler.running))
+
+    def _end_stream(self, stream: RequestStream, delta: Delta, state: RequestState) -> None:
+        stream.put(delta)
+        self.mailbox.metrics.requests_ended.labels(state.value).inc()
+
+    def _end_everything(self) -> None:
+        """Stopping: running requests end cleanly with what they have; waiting ones are refused."""
+        for sequence in self.scheduler.running:
+            self._finish(sequence, "cancelled", [])
+        if self.mailbox is not None:
+            self.mailbox.set_state(ServerState.STOPPING)
+            while self.waiting:
+                self.mailbox.left_waiting()
+                self._end_stream(self.waiting.popleft(), Delta(finish_reason="error", error="the server is shutting down"),
+                                 RequestState.CANCELLED)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        """A rank is lost (or this one broke): every request ends with the error, /health says 503."""
+        if self.mailbox is None:
+            return
+        reason = parallel.describe_peer_failure(error) if parallel.is_peer_failure(error) else f"{type(error).__name__}: {error}"
+        logger.error(f"the engine stopped: {reason}")
+        self.mailbox.set_state(ServerState.FAILED, reason)
+        failed = Delta(finish_reason="error", error=f"the server failed: {reason}")
+        for stream in [*self.streams.values(), *self.waiting]:
+            self._end_stream(stream, failed, RequestState.FAILED)
+        self.streams.clear()
+        self.waiting.clear()
+        self.mailbox.metrics.requests_running.set(0)
+        self.mailbox.metrics.requests_waiting.set(0)
+
+
+def _with_text(delta: Delta, text: str) -> Delta:
+    return Delta(text, delta.tokens, delta.logprobs, delta.finish_reason)

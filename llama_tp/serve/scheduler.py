@@ -1,0 +1,121 @@
+"""Which request runs in which cache row, and what each step feeds the model.
+
+Pure bookkeeping, with no model and no process group: every rank holds the same scheduler, is
+told the same admissions and cancellations, and so makes the same decisions.
+
+Each cache row (slot) remembers the tokens whose keys and values it holds. A request runs in a
+slot until it ends; each step feeds the model the tokens of its sequence that the slot does not
+hold yet: one for a request that is generating (these rows make one batch), a chunk of its prompt
+for a request being prefilled (each chunk a pass of its own, within a per-step budget, so that
+a long prompt never stalls the generating rows for long).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .requests import GenerationRequest
+
+
+@dataclass
+class Sequence:
+    """A request in its slot: the prompt, then the tokens generated so far."""
+
+    request: GenerationRequest
+    slot: "Slot"
+    tokens: list[int]
+    admitted: int  # the admission's number: older requests' prompts are fed first
+    generated: int = 0
+    sampling: Any = None  # the engine's per-request state: random generator, text decoder
+    finish_reason: Optional[str] = None
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens the slot does not hold yet: what the next passes feed."""
+        return self.tokens[len(self.slot.cached):]
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.request.prompt_tokens)
+
+
+@dataclass
+class Slot:
+    """One row of the KV cache."""
+
+    index: int
+    cached: list[int] = field(default_factory=list)  # tokens whose keys and values it holds, from position 0
+    sequence: Optional[Sequence] = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Part of a sequence's pending tokens fed in one pass, from position start."""
+
+    sequence: Sequence
+    start: int
+    tokens: list[int]
+
+    @property
+    def completes(self) -> bool:
+        """Whether this chunk feeds the last pending token: its last logits choose the next token."""
+        return self.start + len(self.tokens) == len(self.sequence.tokens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode: list[Chunk]  # one token each: one batch
+    prefill: list[Chunk]  # each a pass of its own
+
+
+class Scheduler:
+    def __init__(self, slots: int, max_prefill_tokens: int):
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be positive, found {max_prefill_tokens}")
+        self.slots = [Slot(index) for index in range(slots)]
+        self.max_prefill_tokens = max_prefill_tokens
+        self.admissions = 0
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [slot.sequence for slot in self.slots if slot.sequence is not None]
+
+    def free_slots(self) -> list[int]:
+        return [slot.index for slot in self.slots if slot.sequence is None]
+
+    def choose_slot(self, prompt: tuple[int, ...], taken: set[int]) -> Optional[int]:
+        """The free slot a new request should take, not one of those already taken this step
+        (rank 0 decides; the others are told); None if there is none."""
+        return next((index for index in self.free_slots() if index not in taken), None)
+
+    def admit(self, request: GenerationRequest, slot_index: int) -> Sequence:
+        """Start request in the given free slot, from an empty cache row."""
+        slot = self.slots[slot_index]
+        assert slot.sequence is None, f"slot {slot_index} is taken"
+        slot.cached = []
+        self.admissions += 1
+        slot.sequence = Sequence(request, slot, list(request.prompt_tokens), self.admissions)
+        return slot.sequence
+
+    def find(self, request_id: str) -> Optional[Sequence]:
+        return next((s for s in self.running if s.request.id == request_id), None)
+
+    def release(self, sequence: Sequence) -> None:
+        """The sequence has ended: its slot is free."""
+        sequence.slot.sequence = None
+
+    def plan(self) -> StepPlan:
+        """What this step feeds: every generating sequence's one token, and prompt chunks up to
+        max_prefill_tokens, oldest request first."""
+        decode, prefill, budget = [], [], self.max_prefill_tokens
+        for sequence in sorted(self.running, key=lambda s: s.admitted):
+            pending, start = sequence.pending, len(sequence.slot.cached)
+            if len(pending) == 1:
+                decode.append(Chunk(sequence, start, pending))
+            elif pending and budget > 0:
+                prefill.append(Chunk(sequence, start, pending[:budget]))
+                budget -= len(prefill[-1].tokens)
+        return StepPlan(decode, prefill)
+
+    def fed(self, chunk: Chunk) -> None:
+        """The chunk's keys and values are in its slot now."""
+        chunk.sequence.slot.cached.extend(chunk.tokens)
