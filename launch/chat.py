@@ -3,11 +3,12 @@
     torchrun --nproc_per_node N launch/chat.py --ckpt_dir DIR --tokenizer_path FILE
 
 Rank 0 reads your lines from stdin (a terminal or a pipe) and hands them to every rank; the reply
-streams as it is generated. Commands: /system TEXT (set the system prompt; /system alone clears
-it), /reset (forget the conversation), /exit. Ctrl-C stops the current reply; Ctrl-D or the end
-of piped input ends every rank. In a terminal, Ctrl-C is read as a key rather than a signal, so
-torchrun does not take it as a request to stop the job; with piped input under torchrun, Ctrl-C
-reaches torchrun and ends the job.
+streams as it is generated. Each turn sends the whole conversation, whose keys and values are
+still in the cache from the turn before: only the newest message is prefilled. Commands:
+/system TEXT (set the system prompt; /system alone clears it), /reset (forget the conversation),
+/exit. Ctrl-C stops the current reply; Ctrl-D or the end of piped input ends every rank. In a
+terminal, Ctrl-C is read as a key rather than a signal, so torchrun does not take it as a request
+to stop the job; with piped input under torchrun, Ctrl-C reaches torchrun and ends the job.
 """
 
 import os
@@ -202,9 +203,11 @@ def chat(generator: Llama, keyboard: Optional[Keyboard], system: Optional[str], 
             return
         elif line == "/reset":
             turns = []
+            generator.model.prefix_cache.forget()
             print0("(conversation cleared)")
         elif line == "/system" or line.startswith("/system "):
             system = line[len("/system"):].strip() or None
+            generator.model.prefix_cache.forget()
             print0("(system prompt set)" if system else "(system prompt cleared)")
         elif line.startswith("/"):
             print0("(commands: /system TEXT, /reset, /exit)")

@@ -148,24 +148,31 @@ class Llama:
         result = Generated([], [], [])
         generator = options.generator(self.model.rotary.device)  # one per call: batches continue it
         for first in range(0, len(prompt_tokens), size):
+            # Run every step; keep the last state.
             *_, batch = self._decode(prompt_tokens[first : first + size], max_gen_len, options, stop,
-                                     generator, logprobs, show_top, stop_tokens)  # run every step; keep the last state
+                                     generator, logprobs, show_top, stop_tokens, reuse=not (logprobs and echo))
             batch.collect(result, echo)
         return result
 
     @torch.inference_mode()
     def _decode(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions,
                 stop: tuple[str, ...], generator: Optional[torch.Generator], logprobs: bool = False,
-                show_top: int = 0, stop_tokens: Optional[set[int]] = None) -> Iterator[Batch]:
+                show_top: int = 0, stop_tokens: Optional[set[int]] = None, reuse: bool = True) -> Iterator[Batch]:
         """Meta's schedule: decode from the shortest prompt; longer prompts feed their own tokens.
 
         Rows end at stop_tokens (by default the tokenizer's; a chat format may add its end of turn).
         Yields the batch before the first step and after every step, for streaming.
+        reuse: skip the start that every prompt shares with what its cache row holds from the
+        call before (the conversation so far): the same results, less prefill. Not where the
+        prompts' own log probabilities are wanted, which need their logits.
         """
         batch = Batch.start(prompts, max_gen_len, self.model.max_seq_len, self.model.rotary.device, show_top)
         stop_tokens = torch.tensor(sorted(stop_tokens or self.tokenizer.stop_tokens), device=batch.tokens.device)
         yield batch
-        prev_pos = 0
+        cache = self.model.prefix_cache
+        prev_pos = min(cache.reusable(row, prompt) for row, prompt in enumerate(prompts)) if reuse else 0
+        if prev_pos:
+            logger.debug(f"reusing the cache: {prev_pos} of {min(batch.lengths)} prompt tokens held from the call before")
         min_len = min(batch.lengths)
         if min_len == batch.total_len > 1 and logprobs:  # nothing to generate: score the prompts
             logits = self.model.forward(batch.tokens[:, :-1], 0)
@@ -176,6 +183,8 @@ class Llama:
         for cur_pos in range(min_len, batch.total_len):
             logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs,
                                         vocab_slice=on_slices)
+            for row, fed in enumerate(batch.tokens[:, prev_pos:cur_pos].tolist()):
+                cache.extend(row, prev_pos, fed)
             if on_slices:
                 sampled = parallel.vocab_argmax(logits[:, -1])
             else:

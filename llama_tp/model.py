@@ -13,6 +13,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .kernels import cpu_kernels
+from .prefix_cache import PrefixCache
 from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, parallel_embedding,
                        row_parallel_linear)
 
@@ -260,6 +261,7 @@ class Transformer(nn.Module):
         self.register_buffer("rotary", rotary_table(self.args, max_seq_len).to(device), persistent=False)
         self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_batch_size, device=device), persistent=False)
+        self.prefix_cache = PrefixCache(max_batch_size)
         for layer in self.layers:
             attention = layer.attention
             attention.cache = KVCache(max_batch_size, max_seq_len, attention.n_local_kv_heads,
@@ -299,6 +301,8 @@ class Transformer(nn.Module):
         """
         bsz, seqlen = tokens.shape
         rows = self.cache_rows(bsz, seqlen, start_pos, slots)
+        for slot, start in zip(slots or range(bsz), [start_pos] * bsz if isinstance(start_pos, int) else start_pos):
+            self.prefix_cache.keep(slot, start)  # from start on, the row is overwritten
         h = self.tok_embeddings(tokens)
         run, groups, head = run_layers, [self.layers], run_head
         if seqlen == 1:

@@ -114,3 +114,14 @@ class Screen:
             data = b""
         self.text += data.decode(errors="replace")
         return bool(data)
+
+
+def test_each_turn_reuses_the_conversation_so_far_until_reset(checkpoints):
+    """The second turn sends the first again and feeds only what is new; after /reset nothing is
+    reused (LLAMA_TP_LOG=debug shows the reuse on stderr)."""
+    session = "Hello there\nTell me more\n/reset\nHello there\n"
+    result = run_script("chat.py", 1, "--ckpt_dir", checkpoints[1], "--tokenizer_path", str(LLAMA2_TOKENIZER),
+                        "--temperature", "0", "--max_seq_len", "128", "--max_gen_len", str(MAX_GEN_LEN),
+                        stdin=session, timeout=90, env={"LLAMA_TP_LOG": "debug"})
+    assert result.stderr.count("reusing the cache") == 1, result.stderr
+    assert result.stdout.count("Assistant: ") == 3

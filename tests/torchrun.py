@@ -32,11 +32,11 @@ def torchrun_command(nproc: int, *extra: str) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra]
 
 
-def run_script(script: str, nproc: int, *args: str, timeout: float = 120,
-               stdin: "str | None" = None) -> subprocess.CompletedProcess:
-    """Run launch/<script> under torchrun; fail with its output if it does not exit 0."""
+def run_script(script: str, nproc: int, *args: str, timeout: float = 120, stdin: "str | None" = None,
+               env: "dict[str, str] | None" = None) -> subprocess.CompletedProcess:
+    """Run launch/<script> under torchrun (env: more environment); fail with its output if it does not exit 0."""
     command = torchrun_command(nproc, str(LAUNCH / script), *args)
-    result = subprocess.run(command, cwd=ROOT, env=environment(), input=stdin, capture_output=True,
+    result = subprocess.run(command, cwd=ROOT, env=environment() | (env or {}), input=stdin, capture_output=True,
                             text=True, timeout=timeout)
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result

@@ -66,7 +66,7 @@ class Engine:
         self.model = generator.model
         self.tokenizer = generator.tokenizer
         self.device = generator.model.rotary.device
-        self.scheduler = Scheduler(generator.model.max_batch_size, max_prefill_tokens)
+        self.scheduler = Scheduler(generator.model.prefix_cache, max_prefill_tokens)
         self.mailbox = mailbox
         self.waiting: deque[RequestStream] = deque()  # rank 0: submitted, not yet admitted
         self.streams: dict[str, RequestStream] = {}  # rank 0: admitted requests' streams
@@ -146,6 +146,7 @@ class Engine:
             sequence.sampling = Progress(generator, decoder)
             if self.mailbox is not None:
                 self.mailbox.metrics.prompt_tokens.inc(sequence.prompt_length)
+                self.mailbox.metrics.cached_prompt_tokens.inc(sequence.reused)
                 self.mailbox.metrics.requests_running.set(len(self.scheduler.running))
 
     # Steps
@@ -238,7 +239,7 @@ class Engine:
         for delta in deltas[:-1]:
             stream.put(delta)
         last = Delta(deltas[-1].text, deltas[-1].tokens, deltas[-1].logprobs, reason, sequence.prompt_length,
-                     sequence.generated)
+                     sequence.generated, sequence.reused)
         if progress.first_token_at is not None and sequence.generated > 1:
             per_token = (time.monotonic() - progress.first_token_at) / (sequence.generated - 1)
             self.mailbox.metrics.time_per_output_token.observe(per_token)

@@ -3,16 +3,19 @@
 Pure bookkeeping, with no model and no process group: every rank holds the same scheduler, is
 told the same admissions and cancellations, and so makes the same decisions.
 
-Each cache row (slot) remembers the tokens whose keys and values it holds. A request runs in a
-slot until it ends; each step feeds the model the tokens of its sequence that the slot does not
-hold yet: one for a request that is generating (these rows make one batch), a chunk of its prompt
-for a request being prefilled (each chunk a pass of its own, within a per-step budget, so that
-a long prompt never stalls the generating rows for long).
+Each cache row (slot) remembers the tokens whose keys and values it holds (the model's
+PrefixCache). A request runs in a slot until it ends; each step feeds the model the tokens of its
+sequence that the slot does not hold yet: one for a request that is generating (these rows make
+one batch), a chunk of its prompt for a request being prefilled (each chunk a pass of its own,
+within a per-step budget, so that a long prompt never stalls the generating rows for long).
+A request that ended leaves its tokens in its slot: a later request that begins with them (the
+next turn of a conversation, the same system prompt) takes that slot and skips their prefill.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..prefix_cache import PrefixCache
 from .requests import GenerationRequest
 
 
@@ -24,6 +27,7 @@ class Sequence:
     slot: "Slot"
     tokens: list[int]
     admitted: int  # the admission's number: older requests' prompts are fed first
+    reused: int = 0  # prompt tokens the slot held already
     generated: int = 0
     sampling: Any = None  # the engine's per-request state: random generator, text decoder
     finish_reason: Optional[str] = None
@@ -43,7 +47,7 @@ class Slot:
     """One row of the KV cache."""
 
     index: int
-    cached: list[int] = field(default_factory=list)  # tokens whose keys and values it holds, from position 0
+    cached: list[int]  # tokens whose keys and values it holds, from position 0 (the PrefixCache's row)
     sequence: Optional[Sequence] = None
 
 
@@ -68,10 +72,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, slots: int, max_prefill_tokens: int):
+    def __init__(self, prefix_cache: PrefixCache, max_prefill_tokens: int):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, found {max_prefill_tokens}")
-        self.slots = [Slot(index) for index in range(slots)]
+        self.prefix_cache = prefix_cache
+        self.slots = [Slot(index, cached) for index, cached in enumerate(prefix_cache.rows)]
         self.max_prefill_tokens = max_prefill_tokens
         self.admissions = 0
 
@@ -84,16 +89,19 @@ class Scheduler:
 
     def choose_slot(self, prompt: tuple[int, ...], taken: set[int]) -> Optional[int]:
         """The free slot a new request should take, not one of those already taken this step
-        (rank 0 decides; the others are told); None if there is none."""
-        return next((index for index in self.free_slots() if index not in taken), None)
+        (rank 0 decides; the others are told): the one holding the longest start of its prompt,
+        else the least recently used; None if there is none."""
+        free = [index for index in self.free_slots() if index not in taken]
+        return self.prefix_cache.best_row(prompt, free) if free else None
 
     def admit(self, request: GenerationRequest, slot_index: int) -> Sequence:
-        """Start request in the given free slot, from an empty cache row."""
+        """Start request in the given free slot, reusing what the slot holds of its prompt."""
         slot = self.slots[slot_index]
         assert slot.sequence is None, f"slot {slot_index} is taken"
-        slot.cached = []
+        reused = self.prefix_cache.reusable(slot_index, request.prompt_tokens)
+        self.prefix_cache.keep(slot_index, reused)
         self.admissions += 1
-        slot.sequence = Sequence(request, slot, list(request.prompt_tokens), self.admissions)
+        slot.sequence = Sequence(request, slot, list(request.prompt_tokens), self.admissions, reused)
         return slot.sequence
 
     def find(self, request_id: str) -> Optional[Sequence]:
@@ -118,4 +126,4 @@ class Scheduler:
 
     def fed(self, chunk: Chunk) -> None:
         """The chunk's keys and values are in its slot now."""
-        chunk.sequence.slot.cached.extend(chunk.tokens)
+        self.prefix_cache.extend(chunk.sequence.slot.index, chunk.start, chunk.tokens)

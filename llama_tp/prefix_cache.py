@@ -1,0 +1,61 @@
+"""Which tokens each row of the KV cache holds, so that a prompt that begins like an earlier one
+skips that part of the prefill.
+
+A conversation sends its whole history again at every turn, and a server's requests often
+share a long system prompt: their keys and values are in the cache already, from the turn or
+the request before. Every rank keeps the same record (the same calls reach every rank), so all
+of them reuse alike.
+
+The model keeps the record true: a forward pass that writes a row from some position on cuts
+the row's record there (keep). Those that know which tokens they fed, the generation API (rows
+0, 1, ... of each batch) and the serving engine (a request per row, wherever it is free), add
+them (extend).
+"""
+
+from typing import Sequence
+
+
+class PrefixCache:
+    def __init__(self, rows: int, enabled: bool = True):
+        self.enabled = enabled
+        self.rows: list[list[int]] = [[] for _ in range(rows)]  # row r's tokens from position 0
+        self._last_used = [0] * rows
+        self._uses = 0
+
+    def reusable(self, row: int, prompt: Sequence[int]) -> int:
+        """How many of prompt's first tokens row holds: the longest common start, short of the
+        whole prompt (its last token must be fed to give the logits of the next)."""
+        if not self.enabled:
+            return 0
+        held = self.rows[row]
+        limit = min(len(held), len(prompt) - 1)
+        length = 0
+        while length < limit and held[length] == prompt[length]:
+            length += 1
+        return length
+
+    def best_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
+        """Of the free rows, the one that holds the longest start of prompt; where none holds any,
+        the least recently used (its cache is the least likely to be asked for again)."""
+        return max(free, key=lambda row: (self.reusable(row, prompt), -self._last_used[row]))
+
+    def keep(self, row: int, length: int) -> None:
+        """Row's first length tokens stay valid; what follows is about to be overwritten."""
+        del self.rows[row][length:]
+        self._touch(row)
+
+    def extend(self, row: int, start: int, tokens: Sequence[int]) -> None:
+        """Row now holds tokens from position start on: recorded if the record reaches start (a
+        record holds tokens from position 0 without a gap)."""
+        if len(self.rows[row]) == start:
+            self.rows[row].extend(tokens)
+            self._touch(row)
+
+    def forget(self) -> None:
+        """Nothing held is to be reused (a chat's /reset)."""
+        for row in self.rows:
+            row.clear()
+
+    def _touch(self, row: int) -> None:
+        self._uses += 1
+        self._last_used[row] = self._uses

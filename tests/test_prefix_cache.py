@@ -1,0 +1,135 @@
+"""Reusing what the KV cache already holds: the record of each row, a conversation's turns through
+the API, and requests sharing a system prompt through the serving engine, with the same results
+as without reuse."""
+
+import pytest
+import torch
+
+from distributed import run_world
+from llama_tp import Llama
+from llama_tp.prefix_cache import PrefixCache
+from serve_harness import Harness, request, tokens_of
+from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
+from torchrun import one_thread  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_longest_held_start_short_of_the_last_token_is_reused():
+    cache = PrefixCache(3)
+    cache.extend(0, 0, [1, 5, 6, 7])
+    cache.extend(1, 0, [1, 5, 9])
+    assert cache.reusable(0, [1, 5, 6, 7, 8]) == 4
+    assert cache.reusable(0, [1, 5, 6, 7]) == 3  # the last prompt token is fed again for its logits
+    assert cache.reusable(1, [1, 5, 6, 7, 8]) == 2 and cache.reusable(2, [1, 5]) == 0
+    cache.extend(1, 5, [4])  # a gap after position 3: the record cannot hold it
+    assert cache.rows[1] == [1, 5, 9]
+    cache.keep(0, 2)  # a pass writes row 0 from position 2 on
+    assert cache.rows[0] == [1, 5]
+    assert PrefixCache(1, enabled=False).reusable(0, [1, 2]) == 0
+
+
+def test_the_best_free_row_holds_the_longest_start_else_is_the_least_recently_used():
+    cache = PrefixCache(4)
+    for row, tokens in enumerate([[1, 2, 3], [1, 2], [7, 8], [9]]):
+        cache.extend(row, 0, tokens)
+    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2, 3]) == 0
+    assert cache.best_row([1, 2, 3, 4], free=[1, 2, 3]) == 1
+    assert cache.best_row([5, 6], free=[1, 2, 3]) == 1  # none matches: row 1 was written longest ago
+    cache.extend(1, 2, [4])
+    assert cache.best_row([5, 6], free=[1, 2, 3]) == 2
+
+
+@pytest.fixture(scope="module", params=["llama2", "llama3"])  # our attention kernel, and torch's
+def llama(request, tmp_path_factory) -> Llama:
+    params, layout = (TINY_LLAMA2, "dim") if request.param == "llama2" else (TINY_LLAMA3, "vocab")
+    directory = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(directory, params, full_weights(params, 32000), 1, layout)
+    return Llama.build(str(directory), str(LLAMA2_TOKENIZER), max_seq_len=160, max_batch_size=2)
+
+
+def conversation(llama: Llama, reuse: bool, turns: int = 4) -> tuple[list[list[float]], list[int], list[int]]:
+    """A greedy chat of `turns` turns, each sending the whole dialog again: each answer's log
+    probabilities, where each turn's first pass began, and each turn's prompt length."""
+    starts, logprobs = [], []
+    forward = llama.model.forward
+
+    def noting(tokens, start_pos, *args, **kwargs):
+        starts.append(start_pos)
+        return forward(tokens, start_pos, *args, **kwargs)
+
+    llama.model.forward = noting
+    llama.model.prefix_cache.forget()
+    llama.model.prefix_cache.enabled = reuse
+    dialog, first_starts, lengths = [], [], []
+    try:
+        for turn in range(turns):
+            dialog.append({"role": "user", "content": f"Question {turn}: tell me about the number {turn * 7}."})
+            lengths.append(len(llama.formatter.encode_dialog_prompt(dialog)))
+            before = len(starts)
+            result = llama.chat_completion([dialog], temperature=0, max_gen_len=12, logprobs=True)[0]
+            first_starts.append(starts[before])
+            logprobs.append(result["logprobs"])
+            dialog.append(result["generation"])
+    finally:
+        llama.model.forward = forward
+        llama.model.prefix_cache.enabled = True
+    return logprobs, first_starts, lengths
+
+
+def test_a_conversation_reuses_its_history_with_the_same_results(llama):
+    reused, starts, lengths = conversation(llama, reuse=True)
+    fresh, fresh_starts, _ = conversation(llama, reuse=False)
+    assert fresh_starts == [0, 0, 0, 0]
+    # Each turn feeds no more than the last answer (its tokens may be re-encoded apart) and the new question.
+    assert starts[0] == 0 and all(start >= length for start, length in zip(starts[1:], lengths))
+    for turn_reused, turn_fresh in zip(reused, fresh):
+        assert len(turn_reused) == len(turn_fresh)  # the same tokens (the answers are in the dialog)
+        assert turn_reused == pytest.approx(turn_fresh, abs=1e-5)  # within fp32 rounding
+
+
+def test_a_batch_reuses_what_every_row_shares(llama):
+    llama.model.prefix_cache.forget()
+    prompts = [[1, 450, 4996, 17354, 1701], [1, 450, 4996, 306, 4658, 29892]]
+    first, _ = llama.generate(prompts, max_gen_len=4, temperature=0)
+    again = [prompts[0] + first[0] + [29871], prompts[1] + first[1][:2]]
+    reused, _ = llama.generate(again, max_gen_len=5, temperature=0)
+    llama.model.prefix_cache.forget()
+    fresh, _ = llama.generate(again, max_gen_len=5, temperature=0)
+    assert reused == fresh
+
+
+def test_serving_reuses_a_shared_system_prompt_with_the_same_tokens(llama):
+    system = [1] + list(range(1000, 1060))  # 61 tokens every request begins with
+    prompts = [system + [450 + i, 4996, 17354 + i] for i in range(5)]
+    answers = {}
+    for reuse in (True, False):
+        llama.model.prefix_cache.forget()
+        llama.model.prefix_cache.enabled = reuse
+        harness = Harness(llama, max_prefill_tokens=32)
+        try:
+            answers[reuse] = [harness.ask(request(llama, prompt, 8, temperature=0)) for prompt in prompts]
+            cached = harness.mailbox.metrics.cached_prompt_tokens._value.get()
+        finally:
+            harness.close()
+            llama.model.prefix_cache.enabled = True
+        assert [deltas[-1].cached_tokens for deltas in answers[reuse]] == ([0] + [61] * 4 if reuse else [0] * 5)
+        assert cached == (4 * 61 if reuse else 0)
+    assert [tokens_of(d) for d in answers[True]] == [tokens_of(d) for d in answers[False]]
+
+
+def _conversation_on_two_ranks(checkpoint: str) -> tuple[list[list[float]], list[int], list[int]]:
+    llama = Llama.build(checkpoint, str(LLAMA2_TOKENIZER), max_seq_len=160, max_batch_size=2)
+    return conversation(llama, reuse=True)
+
+
+@pytest.mark.slow
+def test_two_ranks_reuse_a_conversation_as_one_process_does(tmp_path):
+    write_checkpoint(tmp_path / "mp1", TINY_LLAMA2, full_weights(TINY_LLAMA2, 32000), 1, "dim")
+    write_checkpoint(tmp_path / "mp2", TINY_LLAMA2, full_weights(TINY_LLAMA2, 32000), 2, "dim")
+    one = Llama.build(str(tmp_path / "mp1"), str(LLAMA2_TOKENIZER), max_seq_len=160, max_batch_size=2)
+    fresh, _, _ = conversation(one, reuse=False)
+    for logprobs, starts, lengths in run_world(2, _conversation_on_two_ranks, str(tmp_path / "mp2")):
+        assert all(start >= length for start, length in zip(starts[1:], lengths))
+        for turn, expected in zip(logprobs, fresh):
+            assert turn == pytest.approx(expected, abs=1e-5)
