@@ -24,6 +24,11 @@ LINEAR_LAYERS = ("wqkv", "wo", "w13", "w2", "output")
 # The most layers one compiled decoding call runs (see Transformer.compile_decoding).
 MAX_LAYERS_PER_CALL = 10
 
+# Eagerly, a step of up to this many tokens a row attends through our CPU kernel, token after
+# token as in steps of their own (guesses to verify, a short chunk of prompt); longer prompts
+# through torch's flash attention, which takes many queries at a time.
+MAX_KERNEL_STEP_TOKENS = 16
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -137,6 +142,11 @@ class KVCache(nn.Module):
         return self.k[rows.slots, :, : rows.end], self.v[rows.slots, :, : rows.end]  # gathered: a copy
 
 
+def step_through_kernel(seqlen: int, cache: KVCache) -> bool:
+    """Whether an eager step of seqlen tokens a row attends through our CPU kernel."""
+    return seqlen <= MAX_KERNEL_STEP_TOKENS and cache.kernel_attends
+
+
 def local_kv_heads(args: ModelArgs, model_parallel_size: int) -> int:
     """KV heads per rank; with more ranks than KV heads each rank keeps a copy of the one it needs."""
     return max(1, args.kv_heads // model_parallel_size)
@@ -164,11 +174,12 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         qkv = self.wqkv(x)
         one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
-        if one_token_through_kernel and not torch.compiler.is_compiling():
+        if step_through_kernel(seqlen, self.cache) and not torch.compiler.is_compiling():
             # Eagerly, all that follows in one call of our kernel: 12 us a layer at batch 1 (36 at
             # batch 8) against 59 (103) for some 20 small operations (compiled, they are fused).
-            out = cpu_kernels.decode_step_attention(qkv, rows.rotary, self.cache.k, self.cache.v, rows.slots,
-                                                    rows.positions[:, 0].expand(bsz), self.n_local_heads)
+            out = cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary.contiguous(), self.cache.k,
+                                                    self.cache.v, rows.slots, rows.positions[:, 0].expand(bsz),
+                                                    self.n_local_heads)
             return self.wo(out)
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
         # Queries and keys rotate alike: one rotation for both heads' worth.
@@ -340,7 +351,8 @@ class Transformer(nn.Module):
         else:
             positions = torch.tensor(starts, device=device)[:, None] + self.positions[None, :seqlen]  # bsz, seqlen
             rotary = self.rotary[positions]  # bsz, seqlen, head_dim // 2, 2
-        kernel_attends = seqlen == 1 and self.layers[0].attention.cache.kernel_attends
+        # Our kernel reads each row up to each token's own position: no mask (compiled one-token steps too).
+        kernel_attends = step_through_kernel(seqlen, self.layers[0].attention.cache)
         mask = None
         if seqlen == 1 and self.static_decode_shapes:  # CUDA graphs: the whole cache, every step alike
             end = self.max_seq_len

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from llama_tp import Llama
 from llama_tp.kernels import cpu_kernels
-from llama_tp.model import apply_rotary
+from llama_tp.model import MAX_KERNEL_STEP_TOKENS, apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="our kernels need AVX-512")
 
@@ -104,16 +104,20 @@ def test_decode_step_rotates_caches_and_attends_as_the_model_does(batch, heads, 
     assert one_turn[:1].equal(got[:1])  # row 0's own angle
 
 
-def test_the_model_attends_one_new_token_through_the_kernel(checkpoints, tokenizer_path, monkeypatch):
-    """The tiny Llama 2's heads are 16 wide: its one-token steps take the kernel (and the
-    incremental-decoding tests of test_model.py compare them with a full forward); a prompt does not."""
+def test_the_model_attends_steps_of_few_tokens_through_the_kernel(checkpoints, tokenizer_path, monkeypatch):
+    """The tiny Llama 2's heads are 16 wide: its steps of up to MAX_KERNEL_STEP_TOKENS tokens take
+    the kernel (and the incremental-decoding tests of test_model.py compare them with a full
+    forward); a longer prompt does not."""
     calls = []
     kernel = cpu_kernels.decode_step_attention
     monkeypatch.setattr(cpu_kernels, "decode_step_attention", lambda *args: calls.append(args[0].shape) or kernel(*args))
     llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=2)
-    tokens = torch.randint(0, 32000, (2, 6), generator=torch.Generator().manual_seed(1))
-    llama.model.forward(tokens[:, :5], 0)
+    tokens = torch.randint(0, 32000, (2, 24), generator=torch.Generator().manual_seed(1))
+    llama.model.forward(tokens[:, :MAX_KERNEL_STEP_TOKENS + 1], 0)
     assert calls == []
-    step = llama.model.forward(tokens[:, 5:], 5)
-    assert calls == [(2, 1, (4 + 2 * 4) * 16)] * 2  # one per layer: 4 query heads, 4 kv heads
-    torch.testing.assert_close(step, llama.model.forward(tokens, 0)[:, 5:], atol=1e-5, rtol=1e-5)
+    chunk = llama.model.forward(tokens[:, 17:21], 17)
+    step = llama.model.forward(tokens[:, 21:22], 21)
+    width = (4 + 2 * 4) * 16  # 4 query heads, 4 kv heads
+    assert calls == [(2, 4, width)] * 2 + [(2, 1, width)] * 2  # one per layer
+    full = llama.model.forward(tokens[:, :22], 0)
+    torch.testing.assert_close(torch.cat([chunk, step], dim=1), full[:, 17:], atol=1e-5, rtol=1e-5)

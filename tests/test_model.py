@@ -59,6 +59,22 @@ def test_a_row_decodes_to_the_same_bits_whatever_else_is_in_the_batch(checkpoint
     assert torch.equal(together[1], alone[0])
 
 
+def test_a_step_of_several_tokens_gives_each_the_bits_of_a_step_of_its_own(checkpoints, tokenizer_path):
+    """Where our kernels run, feeding 4 tokens a row in one pass (guesses to verify) gives exactly
+    the logits of 4 one-token steps: speculative decoding cannot change a greedy answer."""
+    llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=2)
+    if not llama.model.layers[0].attention.cache.kernel_attends:
+        pytest.skip("our attention kernel does not run on this CPU")
+    tokens = torch.randint(0, 32000, (2, 12), generator=torch.Generator().manual_seed(4))
+    llama.model.forward(tokens[:, :5], 0)
+    steps = torch.cat([llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(5, 9)], dim=1)
+    llama.model.forward(tokens[:, :5], 0)
+    assert torch.equal(llama.model.forward(tokens[:, 5:9], 5), steps)
+    llama.model.forward(tokens[:1, :7], 0, slots=[1])  # rows at different positions: 7 and 5
+    ragged = llama.model.forward(torch.stack([tokens[1, 7:10], tokens[0, 5:8]]), [7, 5], slots=[1, 0])
+    assert torch.equal(ragged[1], steps[0, :3])
+
+
 def test_rows_that_do_not_fit_the_caches_are_refused(llama):
     with pytest.raises(ValueError, match=r"needs 2 start positions and 2 distinct cache rows, found \[0, 0\] and \[1, 1\]"):
         llama.model.forward(torch.zeros(2, 1, dtype=torch.long), 0, slots=[1, 1])

@@ -143,15 +143,17 @@ void rotate(const float* x, const float* turns, int64_t head_dim, float* out) {
   }
 }
 
-// A one-token step's attention in one call, as apply_rotary, KVCache.update and decode_attention
-// do it in turn: row b's query and key heads turned to its position positions[b], its keys and
-// values written into cache row slots[b] there, then its queries attend to positions
-// [0, positions[b]]. Rows may sit anywhere in the caches, each at its own position (continuous
-// batching) or all at one.
-// qkv [batch, 1, (heads + 2 kv heads) * head_dim]: the wqkv product, queries then keys then values;
-// turns [batch or 1, 1, head_dim / 2, 2]: each row's cos and sin (one for all rows);
-// caches [rows, kv heads, capacity, head_dim], contiguous; slots, positions int64 [batch].
-// Returns [batch, 1, heads * head_dim].
+// A step's attention in one call, as apply_rotary, KVCache.update and decode_attention do it in
+// turn: row b's tokens, at positions positions[b], positions[b] + 1, ..., are taken one after the
+// other: the token's query and key heads turned to its position, its key and value written into
+// cache row slots[b] there, then its queries attend to positions [0, its own]. Rows may sit
+// anywhere in the caches, each at its own position (continuous batching) or all at one. A step
+// of several tokens a row (guesses to verify, a short chunk of prompt) gives every token exactly
+// the bits it would get in a step of its own.
+// qkv [batch, tokens, (heads + 2 kv heads) * head_dim]: the wqkv product, queries then keys then
+// values; turns [batch or 1, tokens, head_dim / 2, 2]: each token's cos and sin (one set for all
+// rows); caches [rows, kv heads, capacity, head_dim], contiguous; slots, positions int64 [batch].
+// Returns [batch, tokens, heads * head_dim].
 at::Tensor decode_step_attention(const at::Tensor& qkv, const at::Tensor& turns, at::Tensor& k_cache,
                                  at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& positions,
                                  int64_t heads) {
@@ -159,33 +161,39 @@ at::Tensor decode_step_attention(const at::Tensor& qkv, const at::Tensor& turns,
               v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "the caches must be contiguous fp32 [rows, kv heads, positions, head_dim] alike");
   const int64_t kv_heads = k_cache.size(1), capacity = k_cache.size(2), head_dim = k_cache.size(3);
-  const int64_t batch = qkv.size(0), width = (heads + 2 * kv_heads) * head_dim;
-  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == width && qkv.scalar_type() == at::kFloat &&
-              qkv.is_contiguous(), "qkv must be contiguous fp32 [batch, 1, (heads + 2 kv heads) * head_dim]");
+  const int64_t batch = qkv.size(0), tokens = qkv.size(1), width = (heads + 2 * kv_heads) * head_dim;
+  TORCH_CHECK(qkv.dim() == 3 && tokens > 0 && qkv.size(2) == width && qkv.scalar_type() == at::kFloat &&
+              qkv.is_contiguous(), "qkv must be contiguous fp32 [batch, tokens, (heads + 2 kv heads) * head_dim]");
   TORCH_CHECK(turns.scalar_type() == at::kFloat && turns.is_contiguous() &&
-              (turns.numel() == head_dim || turns.numel() == batch * head_dim),
-              "turns must be contiguous fp32 cos and sin [batch or 1, 1, head_dim / 2, 2]");
+              (turns.numel() == tokens * head_dim || turns.numel() == batch * tokens * head_dim),
+              "turns must be contiguous fp32 cos and sin [batch or 1, tokens, head_dim / 2, 2]");
   TORCH_CHECK(heads % kv_heads == 0 && head_dim % kLanes == 0, "shapes do not match");
   check_rows(slots, positions, batch, k_cache, 0);
-  const int64_t group = heads / kv_heads, turns_stride = turns.numel() == head_dim ? 0 : head_dim;
-  at::Tensor out = at::empty({batch, 1, heads * head_dim}, qkv.options());
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(row_entry(positions, b) + tokens <= capacity, "row ", b, ": its last token falls outside the cache");
+  const int64_t group = heads / kv_heads;
+  const int64_t turns_stride = turns.numel() == tokens * head_dim ? 0 : tokens * head_dim;
+  at::Tensor out = at::empty({batch, tokens, heads * head_dim}, qkv.options());
   const float *qkv_data = qkv.data_ptr<float>(), *turn_data = turns.data_ptr<float>();
   float *k_data = k_cache.data_ptr<float>(), *v_data = v_cache.data_ptr<float>(), *out_data = out.data_ptr<float>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t finish) {
     std::vector<float> scores, queries(group * head_dim);
     for (int64_t task = begin; task < finish; ++task) {
-      const int64_t b = task / kv_heads, kv = task % kv_heads, position = row_entry(positions, b);
-      scores.resize(group * (position + 1));
-      const float* row = qkv_data + b * width;
-      const float* row_turns = turn_data + b * turns_stride;
+      const int64_t b = task / kv_heads, kv = task % kv_heads;
       const int64_t cached = (row_entry(slots, b) * kv_heads + kv) * capacity * head_dim;  // this kv head's first position
-      rotate(row + (heads + kv) * head_dim, row_turns, head_dim, k_data + cached + position * head_dim);
-      const float* value = row + (heads + kv_heads + kv) * head_dim;
-      std::copy(value, value + head_dim, v_data + cached + position * head_dim);
-      for (int64_t j = 0; j < group; ++j)
-        rotate(row + (kv * group + j) * head_dim, row_turns, head_dim, queries.data() + j * head_dim);
-      attend(queries.data(), k_data + cached, v_data + cached, head_dim, position + 1, group, head_dim, scores.data(),
-             out_data + (b * heads + kv * group) * head_dim);
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t position = row_entry(positions, b) + t;
+        scores.resize(group * (position + 1));
+        const float* row = qkv_data + (b * tokens + t) * width;
+        const float* token_turns = turn_data + b * turns_stride + t * head_dim;
+        rotate(row + (heads + kv) * head_dim, token_turns, head_dim, k_data + cached + position * head_dim);
+        const float* value = row + (heads + kv_heads + kv) * head_dim;
+        std::copy(value, value + head_dim, v_data + cached + position * head_dim);
+        for (int64_t j = 0; j < group; ++j)
+          rotate(row + (kv * group + j) * head_dim, token_turns, head_dim, queries.data() + j * head_dim);
+        attend(queries.data(), k_data + cached, v_data + cached, head_dim, position + 1, group, head_dim,
+               scores.data(), out_data + ((b * tokens + t) * heads + kv * group) * head_dim);
+      }
     }
   });
   return out;

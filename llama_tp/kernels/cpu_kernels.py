@@ -1,7 +1,7 @@
 """Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
 rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py), and an RMS
 norm in one pass (rms_norm); one new token's attention to the cache (attention_kernel.cpp,
-decode_attention), and eagerly the whole step of it, rotation and cache write included
+decode_attention), and eagerly the whole step of a few tokens, rotation and cache write included
 (decode_step_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
 in ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
 (parallel/shared_memory.cpp).
@@ -81,7 +81,7 @@ def load() -> None:
 
     @torch.library.register_fake("llama_tp::decode_step_attention")
     def _(qkv, turns, k_cache, v_cache, slots, positions, heads):
-        return qkv.new_empty(qkv.shape[0], 1, heads * k_cache.shape[-1])
+        return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads * k_cache.shape[-1])
 
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
@@ -125,11 +125,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slots: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
-    """One new token per row, row b at position positions[b] of cache row slots[b], from its wqkv
-    product qkv [bsz, 1, (heads + 2 kv heads) * head_dim]: queries and keys turned by turns [bsz
-    or 1, 1, head_dim // 2, 2] (cos, sin), keys and values written into the caches [rows, kv
-    heads, max positions, head_dim], then attention to the row's positions up to its own:
-    [bsz, 1, heads * head_dim]. As apply_rotary, KVCache.update and decode_attention do it in
-    turn, in one call: fp32, head_dim a multiple of 16; slots, positions int64 [bsz]."""
+    """A step of a few tokens a row, row b's from position positions[b] of cache row slots[b],
+    from their wqkv product qkv [bsz, tokens, (heads + 2 kv heads) * head_dim]: each token's
+    queries and keys turned by turns [bsz or 1, tokens, head_dim // 2, 2] (cos, sin), its keys and
+    values written into the caches [rows, kv heads, max positions, head_dim], then its attention to
+    the row's positions up to its own: [bsz, tokens, heads * head_dim]. As apply_rotary,
+    KVCache.update and decode_attention do it, in one call, and each token exactly as in a step of
+    its own: fp32, head_dim a multiple of 16; slots, positions int64 [bsz]."""
     load()
     return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_cache, v_cache, slots, positions, heads)

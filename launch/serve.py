@@ -1,0 +1,101 @@
+"""Serve a Llama checkpoint split across the torchrun processes over HTTP, as OpenAI's API does.
+
+    torchrun --nproc_per_node N launch/serve.py --ckpt_dir DIR --tokenizer_path FILE --port 8000
+    torchrun --nproc_per_node 1 launch/serve.py   # the built-in demo model (1 or 3 processes)
+
+Rank 0 listens for requests (/v1/chat/completions, /v1/completions, /v1/models, /health,
+/metrics) while every rank runs the engine in lockstep, many requests in one batch (continuous
+batching). It prints one line with the URL once it answers. Ctrl-C or SIGTERM stops it: running
+requests end with what they have, new ones are refused, and every rank leaves.
+"""
+
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
+
+from llama_tp import Llama, parallel
+from llama_tp.parallel import print0
+from llama_tp.serve.app import create_app
+from llama_tp.serve.engine import Engine
+from llama_tp.serve.mailbox import Mailbox, ServerState
+from llama_tp.serve.metrics import ServerMetrics
+from llama_tp.serve.server import ServerThread, bind
+from llama_tp.tools import demo
+from llama_tp.tools.cli import run
+
+
+def main(
+    ckpt_dir: Optional[str] = None,
+    tokenizer_path: Optional[str] = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: Optional[str] = None,
+    max_batch_size: int = 8,
+    max_seq_len: int = 2048,
+    max_waiting: int = 64,
+    max_prefill_tokens: int = 256,
+    no_prefix_cache: bool = False,
+    dtype: Optional[str] = None,
+    quantize: Optional[str] = None,
+    compile: bool = False,
+):
+    """Answer OpenAI-style HTTP requests until Ctrl-C or SIGTERM.
+
+    Args:
+        ckpt_dir: folder with params.json and consolidated.XX.pth shards; leave out both paths to
+            serve the built-in demo model (SmolLM2-135M-Instruct).
+        tokenizer_path: the tokenizer file that came with the checkpoint.
+        host: the address to listen on (0.0.0.0 for every interface).
+        port: the port to listen on.
+        model_name: the name clients ask for (default: the checkpoint folder's name).
+        max_batch_size: requests generating at once: each holds a row of the KV cache.
+        max_seq_len: the longest prompt plus answer, in tokens.
+        max_waiting: requests that may wait for a row; beyond, requests are refused at once (429).
+        max_prefill_tokens: prompt tokens fed in one step beside the generating requests: a long
+            prompt is fed in chunks of this size, so that the others are not stalled for long.
+        no_prefix_cache: prefill every prompt in full, never reusing the keys and values a row
+            holds from an earlier request that began the same way.
+        dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
+        quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
+        compile: compile the decoding step (worth it for a server that runs for long).
+    """
+    placement = parallel.init()
+    ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
+    name = model_name or Path(ckpt_dir).name
+    mailbox = Mailbox(max_waiting, ServerMetrics()) if placement.is_main else None
+    server = None
+    with parallel.agreement("opening the server's port"):  # a busy port fails every rank, before loading
+        if placement.is_main:
+            server = ServerThread(create_app(mailbox, name), bind(host, port)).start()  # 503 while loading
+    try:
+        generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
+                                quantize=quantize, compile=compile)
+        generator.model.prefix_cache.enabled = not no_prefix_cache
+        engine = Engine(generator, max_prefill_tokens, mailbox)
+        stopping = threading.Event()
+        _stop_on_signals(stopping, mailbox)
+        if server is not None:
+            server.app.state.generator = generator
+            mailbox.set_state(ServerState.READY)
+            print0(f"llama_tp serves {name} at {server.url}/v1 (Ctrl-C to stop)")
+        engine.run(stopping.is_set)
+    finally:
+        if server is not None:
+            server.stop()  # open streams get their last events first
+
+
+def _stop_on_signals(stopping: threading.Event, mailbox: Optional[Mailbox]) -> None:
+    """Ctrl-C and SIGTERM (torchrun forwards both) end the serving loop cleanly at its next step."""
+
+    def stop(signum, frame) -> None:
+        stopping.set()
+        if mailbox is not None:
+            mailbox.wake()  # rank 0 may be waiting for a request
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
+if __name__ == "__main__":
+    run(main)
