@@ -65,7 +65,8 @@ def test_run_against_the_server(tokenizer, tmp_path, capsys):
             assert result["output_tokens"] == expected_tokens(tokenizer, 6, 8)
             assert result["ttft_p50_s"] > 0 and result["tpot_p99_s"] > 0
         request = s.engine.requests[-1]
-        assert request.options.temperature == 0 and request.max_tokens == round(8 * PROMPTS[5][1])
+        assert (request.options.temperature, request.options.repetition_penalty) == (0, 1)
+        assert request.max_tokens == round(8 * PROMPTS[5][1])
         assert "concurrency" in capsys.readouterr().out
 
 

@@ -6,8 +6,9 @@ Python server), at several concurrencies.
 At concurrency c, c workers each send a streaming chat request and the next as soon as the last
 has ended, until --requests have been sent. The requests cycle through PROMPTS, everyday questions
 of mixed lengths, each with its own share of --max_tokens, so that answers end at different
-times. Decoding is greedy (temperature 0): the same work on every server, whatever its sampling
-defaults. Per concurrency: requests/s, output tokens/s (from the usage chunk, else one token per
+times. Decoding is greedy without a repetition penalty (temperature 0, repetition_penalty 1): the
+same work on every server, whatever its sampling defaults (llama.cpp's server ignores
+repetition_penalty and needs --extra_body '{"repeat_penalty": 1.0}'). Per concurrency: requests/s, output tokens/s (from the usage chunk, else one token per
 content chunk), time to first token (to the first chunk with text) and time per output token
 ((last chunk - first chunk) / (tokens - 1)), p50 and p99, and the errors. Prints a table, writes JSON.
 """
@@ -120,8 +121,8 @@ def request_body(index: int, model: str, max_tokens: int, extra_body: dict) -> d
     """The index-th request: the next prompt in turn, with its share of max_tokens."""
     prompt, share = PROMPTS[index % len(PROMPTS)]
     return {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max(1, round(max_tokens * share)), "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}} | extra_body
+            "max_tokens": max(1, round(max_tokens * share)), "temperature": 0, "repetition_penalty": 1.0,
+            "stream": True, "stream_options": {"include_usage": True}} | extra_body
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
@@ -242,7 +243,8 @@ def main(
         "label": label or url, "url": url, "model": model,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": {"concurrency": list(levels), "requests": requests, "max_tokens": max_tokens,
-                    "warmup": warmup, "extra_body": extra, "sampling": "greedy (temperature 0)"},
+                    "warmup": warmup, "extra_body": extra,
+                    "sampling": "greedy (temperature 0, repetition_penalty 1)"},
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "platform": platform.platform()},
         "results": results,
     }
