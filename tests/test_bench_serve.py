@@ -1,12 +1,14 @@
 """The serving benchmark's statistics and table, and a short run against the app with a fake engine."""
 
+import asyncio
 import json
 
+import httpx
 import pytest
 
 from fake_engine import MODEL, served
 from llama_tp.text.tokenizer import Tokenizer
-from llama_tp.tools.bench_serve import PROMPTS, Outcome, main, percentile, print_table, summarize
+from llama_tp.tools.bench_serve import PROMPTS, Outcome, main, percentile, print_table, send, summarize
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,34 @@ def test_without_usage_counts_chunks_and_errors_are_counted(tokenizer, tmp_path)
         main(url=s.url, concurrency=2, requests=2, model="other", warmup=0, json_path=str(tmp_path / "b.json"))
         result = json.loads((tmp_path / "b.json").read_text())["results"][0]
         assert result["errors"] == 2 and result["first_errors"][0].startswith("HTTP 404")
+
+
+def llama_cpp_stream(finish: bool) -> bytes:
+    """A stream as llama.cpp's Python server sends it: lines ended by one newline, pings, a role
+    chunk without content, one chunk per token, no usage, and with --interrupt_requests (its
+    default) [DONE] without a finish reason when another request comes."""
+    def chunk(delta: dict, reason=None) -> str:
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}) + "\r\n\r\n"
+
+    events = [chunk({"role": "assistant"}), ": ping - 2026-01-01\r\n\r\n", chunk({"content": "Par"}),
+              chunk({"content": "is"}), chunk({"content": "."})]
+    return "".join(events + [chunk({}, "stop")] * finish + ["data: [DONE]\r\n\r\n"]).encode()
+
+
+@pytest.mark.parametrize("finish", [True, False])
+def test_send_reads_llama_cpp_streams(finish):
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=llama_cpp_stream(finish)))
+
+    async def one() -> Outcome:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send(client, "http://server", {"model": "m"})
+
+    outcome = asyncio.run(one())
+    assert (outcome.tokens, outcome.tokens_from_usage) == (3, False)
+    assert outcome.start < outcome.first < outcome.last
+    assert (outcome.error is None) == finish
+    if not finish:
+        assert "without a finish reason" in outcome.error
 
 
 @pytest.mark.parametrize("options, words", [

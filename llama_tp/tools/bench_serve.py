@@ -8,9 +8,12 @@ has ended, until --requests have been sent. The requests cycle through PROMPTS, 
 of mixed lengths, each with its own share of --max_tokens, so that answers end at different
 times. Decoding is greedy without a repetition penalty (temperature 0, repetition_penalty 1): the
 same work on every server, whatever its sampling defaults (llama.cpp's server ignores
-repetition_penalty and needs --extra_body '{"repeat_penalty": 1.0}'). Per concurrency: requests/s, output tokens/s (from the usage chunk, else one token per
-content chunk), time to first token (to the first chunk with text) and time per output token
-((last chunk - first chunk) / (tokens - 1)), p50 and p99, and the errors. Prints a table, writes JSON.
+repetition_penalty and needs --extra_body '{"repeat_penalty": 1.0}').
+
+Per concurrency: requests/s, output tokens/s (from the usage chunk, else one token per chunk of
+text), time to first token (to the first chunk with text) and time per output token ((last chunk
+- first chunk) / (tokens - 1)), p50 and p99, and the errors (a stream that ends without a finish
+reason is one). Prints a table, writes JSON.
 """
 
 import asyncio
@@ -65,6 +68,7 @@ class Outcome:
     last: Optional[float] = None  # the last chunk with text or a finish reason
     tokens: int = 0
     tokens_from_usage: bool = False
+    finished: bool = False  # a finish reason came
     error: Optional[str] = None
 
 
@@ -154,12 +158,14 @@ async def send(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
                         outcome.first = outcome.first or now
                         outcome.last = now
                     if choice.get("finish_reason"):
-                        outcome.last = now
+                        outcome.last, outcome.finished = now, True
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         outcome.error = f"{type(error).__name__}: {error}"
         return outcome
     if not outcome.tokens_from_usage:  # a server that sends no usage: one token per chunk of text
         outcome.tokens = content_chunks
+    if not outcome.finished:  # e.g. llama.cpp's server ends a stream when another request comes
+        outcome.error = "the stream ended without a finish reason (for llama.cpp's server: --interrupt_requests False)"
     return outcome
 
 
