@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from fastapi import FastAPI
+
 from llama_tp.generation import Llama
 from llama_tp.serve.app import create_app
 from llama_tp.serve.mailbox import Cancel, Mailbox, ServerState
@@ -37,6 +39,7 @@ class Served:
     mailbox: Mailbox
     engine: "FakeEngine"
     generator: Llama
+    app: FastAPI
     server_thread: ServerThread
 
 
@@ -46,10 +49,11 @@ def served(tokenizer, max_waiting: int = 8, ready: bool = True, max_seq_len: int
     """The app on a free port of 127.0.0.1 with a fake engine behind it (READY unless ready=False)."""
     mailbox = Mailbox(max_waiting, ServerMetrics())
     generator = Llama(StandInModel(max_seq_len), tokenizer)
-    server = ServerThread(create_app(mailbox, generator, MODEL), bind("127.0.0.1", 0)).start()
+    app = create_app(mailbox, generator, MODEL)
+    server = ServerThread(app, bind("127.0.0.1", 0)).start()
     engine = FakeEngine(mailbox, tokenizer, **engine_options).start(ready)
     try:
-        yield Served(server.url, mailbox, engine, generator, server)
+        yield Served(server.url, mailbox, engine, generator, app, server)
     finally:  # the engine first: the requests it ends write to the server's event loop
         engine.stop()
         server.stop()

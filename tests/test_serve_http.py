@@ -342,12 +342,19 @@ def test_429_when_the_waiting_line_is_full(tokenizer):
 
 def test_503_while_loading_then_ready(tokenizer):
     with served(tokenizer, ready=False) as s:
+        s.app.state.generator = None  # as the launch script starts the server: before the model exists
         health = httpx.get(f"{s.url}/health")
         assert health.status_code == 503 and "loading" in health.json()["error"]["message"]
+        for body in (GOOD_CHAT, {"model": MODEL}):  # refused before it is even read
+            response = httpx.post(f"{s.url}{CHAT}", json=body)
+            assert response.status_code == 503 and "loading" in response.json()["error"]["message"]
+        assert httpx.get(f"{s.url}/v1/models").json()["data"][0]["max_model_len"] is None
+        s.app.state.generator = s.generator  # loaded; not READY yet
         with pytest.raises(openai.InternalServerError, match="loading") as refused:
             client(s.url).chat.completions.create(model=MODEL, messages=HELLO)
         assert refused.value.status_code == 503 and refused.value.body["code"] == "service_unavailable"
-        assert httpx.get(f"{s.url}/v1/models").status_code == 200  # the rest answers while loading
+        assert metric(s.url, "llama_tp_requests_refused_total", status="503") == 3
+        assert httpx.get(f"{s.url}/v1/models").json()["data"][0]["max_model_len"] == 64
         s.mailbox.set_state(ServerState.READY)
         assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}
         assert_serves(s.url)

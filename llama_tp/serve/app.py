@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +23,9 @@ from .prepare import chat_request, completion_request
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
 from .requests import Delta, Overloaded, RequestStream, Unavailable
 from .responses import ChatReply, CompletionReply, Reply, event
+
+if TYPE_CHECKING:
+    from ..generation import Llama
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,12 @@ CHAT = Endpoint(ChatCompletionRequest, chat_request, ChatReply)
 COMPLETION = Endpoint(CompletionRequest, completion_request, CompletionReply)
 
 
-def create_app(mailbox: Mailbox, generator, model_name: str) -> FastAPI:
-    """The server's routes: generator gives the tokenizer, chat format, max_seq_len and sampling
-    defaults (a Llama); model_name is the one name clients may ask for."""
+def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str) -> FastAPI:
+    """The server's routes. generator (a Llama) gives the tokenizer, chat format, max_seq_len and
+    sampling defaults; None while the model loads, then set app.state.generator before the mailbox
+    goes READY. model_name is the one name clients may ask for."""
     app = FastAPI(title="llama_tp", summary="An OpenAI-compatible server over tensor-parallel Llama ranks")
+    app.state.generator = generator
     started = int(time.time())
 
     def refuse(error: RequestError) -> Response:
@@ -49,7 +54,10 @@ def create_app(mailbox: Mailbox, generator, model_name: str) -> FastAPI:
         return error_response(error)
 
     async def generate(request: Request, endpoint: Endpoint) -> Response:
+        generator = app.state.generator
         try:
+            if generator is None:
+                raise Unavailable("the model is still loading; try again shortly")
             body = parse_body(await request.body(), endpoint.body)
             if body.model != model_name:
                 raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
@@ -78,8 +86,9 @@ def create_app(mailbox: Mailbox, generator, model_name: str) -> FastAPI:
         return await generate(request, COMPLETION)
 
     def model_card() -> dict:
+        generator = app.state.generator
         return {"id": model_name, "object": "model", "created": started, "owned_by": "llama_tp",
-                "max_model_len": generator.model.max_seq_len}
+                "max_model_len": generator.model.max_seq_len if generator is not None else None}
 
     @app.get("/v1/models")
     async def models() -> dict:
