@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -110,6 +112,19 @@ def test_send_reads_llama_cpp_streams(finish):
     assert (outcome.error is None) == finish
     if not finish:
         assert "without a finish reason" in outcome.error
+
+
+@pytest.mark.slow  # starts a process
+def test_the_command_line(tokenizer, tmp_path):
+    """Through fire, as typed: a list of concurrencies, and JSON's false in --extra_body."""
+    with served(tokenizer, max_seq_len=512) as s:
+        subprocess.run([sys.executable, "-m", "llama_tp.bench_serve", "--url", s.url, "--concurrency", "1,2",
+                        "--requests", "2", "--max_tokens", "4", "--json_path", str(tmp_path / "b.json"),
+                        "--extra_body", '{"stream_options": {"include_usage": false}}'], check=True, timeout=120)
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert [r["concurrency"] for r in report["results"]] == [1, 2]
+    assert report["command"]["extra_body"] == {"stream_options": {"include_usage": False}}
+    assert [r["tokens_from_usage"] for r in report["results"]] == [0, 0]
 
 
 @pytest.mark.parametrize("options, words", [

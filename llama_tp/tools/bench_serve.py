@@ -207,6 +207,16 @@ async def benchmark(url: str, levels: tuple[int, ...], requests: int, max_tokens
     return model, results
 
 
+def json_literals(value):
+    """fire reads --extra_body '{"a": false}' as Python, where false is a bare word: the string
+    'false'. Give JSON's true, false and null their meaning back."""
+    if isinstance(value, dict):
+        return {key: json_literals(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_literals(item) for item in value]
+    return {"true": True, "false": False, "null": None}.get(value, value) if isinstance(value, str) else value
+
+
 def main(
     url: str = "http://127.0.0.1:8000",
     concurrency: Union[int, tuple[int, ...]] = (1, 4, 8, 16),
@@ -240,7 +250,7 @@ def main(
                          f"would have nothing to send; pass --requests {max(levels)} or more")
     if max_tokens < 1 or warmup < 0:
         raise ValueError(f"--max_tokens must be at least 1 and --warmup at least 0, found {max_tokens} and {warmup}")
-    extra = json.loads(extra_body) if isinstance(extra_body, str) else dict(extra_body or {})
+    extra = json.loads(extra_body) if isinstance(extra_body, str) else json_literals(extra_body or {})
     if not isinstance(extra, dict):
         raise ValueError(f"--extra_body must be a JSON object, found {extra_body!r}")
     url = url.rstrip("/")
