@@ -8,14 +8,8 @@ import sys
 import httpx
 import pytest
 
-from fake_engine import MODEL, served
-from llama_tp.text.tokenizer import Tokenizer
+from fake_engine import ANSWER, MODEL, served
 from llama_tp.tools.bench_serve import PROMPTS, Outcome, main, percentile, print_table, send, summarize
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_path):
-    return Tokenizer(tokenizer_path)
 
 
 def test_percentile_interpolates_between_ranks():
@@ -53,12 +47,12 @@ def test_table(capsys):
 
 def expected_tokens(tokenizer, requests: int, max_tokens: int) -> int:
     """What the fake engine's answers hold: each prompt's share of max_tokens, at most its script."""
-    script = len(tokenizer.encode("The quick brown fox jumps over the lazy dog.", bos=False, eos=False))
+    script = len(tokenizer.encode(ANSWER, bos=False, eos=False))
     return sum(min(script, max(1, round(max_tokens * PROMPTS[i % len(PROMPTS)][1]))) for i in range(requests))
 
 
-def test_run_against_the_server(tokenizer, tmp_path, capsys):
-    with served(tokenizer, max_seq_len=512, slots=2) as s:
+def test_run_against_the_server(llama2_tokenizer, tmp_path, capsys):
+    with served(llama2_tokenizer, max_seq_len=512, slots=2) as s:
         main(url=s.url + "/", concurrency=(1, 3), requests=6, max_tokens=8, json_path=str(tmp_path / "b.json"),
              label="fake")
         report = json.loads((tmp_path / "b.json").read_text())
@@ -66,7 +60,7 @@ def test_run_against_the_server(tokenizer, tmp_path, capsys):
         assert [r["concurrency"] for r in report["results"]] == [1, 3]
         for result in report["results"]:
             assert (result["requests"], result["errors"], result["tokens_from_usage"]) == (6, 0, 6)
-            assert result["output_tokens"] == expected_tokens(tokenizer, 6, 8)
+            assert result["output_tokens"] == expected_tokens(llama2_tokenizer, 6, 8)
             assert result["ttft_p50_s"] > 0 and result["tpot_p99_s"] > 0
         request = s.engine.requests[-1]
         assert (request.options.temperature, request.options.repetition_penalty) == (0, 1)
@@ -74,13 +68,13 @@ def test_run_against_the_server(tokenizer, tmp_path, capsys):
         assert "concurrency" in capsys.readouterr().out
 
 
-def test_without_usage_counts_chunks_and_errors_are_counted(tokenizer, tmp_path):
-    with served(tokenizer, max_seq_len=512) as s:
+def test_without_usage_counts_chunks_and_errors_are_counted(llama2_tokenizer, tmp_path):
+    with served(llama2_tokenizer, max_seq_len=512) as s:
         main(url=s.url, concurrency=2, requests=4, max_tokens=8, json_path=str(tmp_path / "b.json"),
              extra_body='{"stream_options": {"include_usage": false}}')
         result = json.loads((tmp_path / "b.json").read_text())["results"][0]
         assert (result["errors"], result["tokens_from_usage"]) == (0, 0)
-        assert result["output_tokens"] == expected_tokens(tokenizer, 4, 8)  # each token brought its own text
+        assert result["output_tokens"] == expected_tokens(llama2_tokenizer, 4, 8)  # each token brought its own text
         main(url=s.url, concurrency=2, requests=2, model="other", warmup=0, json_path=str(tmp_path / "b.json"))
         result = json.loads((tmp_path / "b.json").read_text())["results"][0]
         assert result["errors"] == 2 and result["first_errors"][0].startswith("HTTP 404")
@@ -115,9 +109,9 @@ def test_send_reads_llama_cpp_streams(finish):
 
 
 @pytest.mark.slow  # starts a process
-def test_the_command_line(tokenizer, tmp_path):
+def test_the_command_line(llama2_tokenizer, tmp_path):
     """Through fire, as typed: a list of concurrencies, and JSON's false in --extra_body."""
-    with served(tokenizer, max_seq_len=512) as s:
+    with served(llama2_tokenizer, max_seq_len=512) as s:
         subprocess.run([sys.executable, "-m", "llama_tp.bench_serve", "--url", s.url, "--concurrency", "1,2",
                         "--requests", "2", "--max_tokens", "4", "--json_path", str(tmp_path / "b.json"),
                         "--extra_body", '{"stream_options": {"include_usage": false}}'], check=True, timeout=120)
