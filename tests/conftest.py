@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from llama_tp.text.tokenizer import Tokenizer
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
 
 VOCAB = 32000  # the Llama 2 tokenizer's, which every tiny checkpoint here is paired with
@@ -14,6 +15,12 @@ def tokenizer_path() -> str:
     if not LLAMA2_TOKENIZER.is_file():
         raise FileNotFoundError(f"{LLAMA2_TOKENIZER} is missing: shared/ must sit beside the project")
     return str(LLAMA2_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def llama2_tokenizer(tokenizer_path) -> Tokenizer:
+    """The real Llama 2 tokenizer, loaded once."""
+    return Tokenizer(tokenizer_path)
 
 
 @pytest.fixture(scope="session")

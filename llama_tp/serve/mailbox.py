@@ -48,7 +48,7 @@ class Mailbox:
         event loop that reads the stream. Raises Unavailable or Overloaded without queueing."""
         with self._lock:
             if self.state is not ServerState.READY:
-                raise Unavailable(self._unavailable_reason())
+                raise Unavailable(self.unavailable_reason())
             if self._waiting >= self.max_waiting:
                 raise Overloaded(f"{self._waiting} requests are already waiting for a slot (--max_waiting "
                                  f"{self.max_waiting}); try again shortly")
@@ -62,7 +62,8 @@ class Mailbox:
         """The client of request_id has gone: free its slot (a no-op if it has ended)."""
         self._messages.put(Cancel(request_id))
 
-    def _unavailable_reason(self) -> str:
+    def unavailable_reason(self) -> str:
+        """Why requests are refused now (for a 503 and /health); only meaningful when not READY."""
         if self.state is ServerState.LOADING:
             return "the model is still loading; try again shortly"
         if self.state is ServerState.STOPPING:

@@ -86,8 +86,11 @@ class RequestStream:
         self._deltas: asyncio.Queue[Delta] = asyncio.Queue()
 
     def put(self, delta: Delta) -> None:
-        """From any thread: hand the HTTP side a delta."""
-        self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
+        """From any thread: hand the HTTP side a delta (dropped if the HTTP side's loop has closed)."""
+        try:
+            self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
+        except RuntimeError:  # the server has stopped: nobody reads this stream, and the engine goes on
+            pass
 
     async def next(self) -> Delta:
         return await self._deltas.get()

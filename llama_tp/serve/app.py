@@ -1,0 +1,221 @@
+"""The HTTP side: OpenAI's routes on FastAPI, in front of rank 0's mailbox into the engine.
+
+A generation request is parsed and checked (protocol.py), turned into a GenerationRequest
+(prepare.py) and submitted; its deltas come back through a RequestStream and go out whole or as
+server-sent events (responses.py). Whatever ends the HTTP side's reading early (the client leaving,
+the server stopping) cancels the request in the engine, so its slot is freed within a step.
+"""
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from .mailbox import Mailbox, ServerState
+from .prepare import chat_request, completion_request
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
+from .requests import Delta, Overloaded, RequestStream, Unavailable
+from .responses import ChatReply, CompletionReply, Reply, event
+
+if TYPE_CHECKING:
+    from ..generation import Llama
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What differs between /v1/chat/completions and /v1/completions."""
+
+    body: type
+    prepare: Callable
+    reply: type[Reply]
+
+
+CHAT = Endpoint(ChatCompletionRequest, chat_request, ChatReply)
+COMPLETION = Endpoint(CompletionRequest, completion_request, CompletionReply)
+
+
+def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str) -> FastAPI:
+    """The server's routes. generator (a Llama) gives the tokenizer, chat format, max_seq_len and
+    sampling defaults; None while the model loads, then set app.state.generator before the mailbox
+    goes READY. model_name is the one name clients may ask for."""
+    app = FastAPI(title="llama_tp", summary="An OpenAI-compatible server over tensor-parallel Llama ranks")
+    app.state.generator = generator
+    started = int(time.time())
+
+    def refuse(error: RequestError) -> Response:
+        mailbox.metrics.requests_refused.labels(str(error.status)).inc()
+        return error_response(error)
+
+    async def generate(request: Request, endpoint: Endpoint) -> Response:
+        generator = app.state.generator
+        try:
+            if generator is None:
+                raise Unavailable("the model is still loading; try again shortly")
+            body = parse_body(await request.body(), endpoint.body)
+            if body.model != model_name:
+                raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
+                                   f"`{model_name}`", "model", "model_not_found")
+            reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage)
+            # Off the event loop: a long prompt takes a while to encode.
+            prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id)
+            stream = mailbox.submit(prepared)
+        except RequestError as error:
+            return refuse(error)
+        except Overloaded as error:
+            return refuse(RequestError(429, str(error), None, "rate_limit_exceeded"))
+        except Unavailable as error:
+            return refuse(RequestError(503, str(error), None, "service_unavailable"))
+        answer = Answer(stream, mailbox, request)
+        if body.stream:
+            return EventStream(answer, events(answer, reply, prepared.logprobs))
+        return await whole(answer, reply, prepared.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, COMPLETION)
+
+    def model_card() -> dict:
+        generator = app.state.generator
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "llama_tp",
+                "max_model_len": generator.model.max_seq_len if generator is not None else None}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Response:
+        if name != model_name:
+            return error_response(RequestError(404, f"the model `{name}` does not exist; this server serves "
+                                               f"`{model_name}`", "model", "model_not_found"))
+        return JSONResponse(model_card())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if mailbox.state is ServerState.READY:
+            return JSONResponse({"status": "ok"})
+        return error_response(RequestError(503, mailbox.unavailable_reason(), None, "service_unavailable"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(mailbox.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        """Unknown paths and methods, in OpenAI's error shape too."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return error_response(RequestError(error.status_code, f"{request.method} {request.url.path}: {error.detail}",
+                                           None, code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> Response:
+        """Our own bug: OpenAI's shape for the client; uvicorn logs the traceback."""
+        return error_response(RequestError(500, f"internal error: {type(error).__name__}", None, "internal_error"))
+
+    return app
+
+
+def error_response(error: RequestError) -> Response:
+    # ASCII-escaped: a message may quote the client's text, lone surrogates and all
+    return Response(json.dumps(error.body()), status_code=error.status, media_type="application/json")
+
+
+class Answer:
+    """An admitted request's deltas as they come, up to the last one or until its client leaves.
+
+    close() tells the engine to cancel the request unless it has ended: call it whenever the
+    reading stops, for whatever reason.
+    """
+
+    def __init__(self, stream: RequestStream, mailbox: Mailbox, request: Request):
+        self.stream, self.mailbox, self.request = stream, mailbox, request
+        self.ended = False
+        self._leaving: "asyncio.Future | None" = None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        self._leaving = asyncio.ensure_future(disconnected(self.request))
+        next_delta = None
+        try:
+            while not self.ended:
+                next_delta = asyncio.ensure_future(self.stream.next())
+                await asyncio.wait((next_delta, self._leaving), return_when=asyncio.FIRST_COMPLETED)
+                if not next_delta.done():  # the client has gone
+                    return
+                delta = next_delta.result()
+                self.ended = delta.finished
+                yield delta
+        finally:
+            if next_delta is not None:
+                next_delta.cancel()
+            self.close()
+
+    def close(self) -> None:
+        if self._leaving is not None:
+            self._leaving.cancel()
+        if not self.ended:
+            self.ended = True
+            self.mailbox.cancel(self.stream.request.id)
+
+
+async def disconnected(request: Request) -> None:
+    """Return when the client has gone (the body has been read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def whole(answer: Answer, reply: Reply, logprobs: bool) -> Response:
+    """The answer as one JSON response, once the last delta has come."""
+    texts, items, final = [], [], None
+    try:
+        async for delta in answer.deltas():
+            texts.append(delta.text)
+            items.extend(delta.logprobs)
+            final = delta if delta.finished else None
+    finally:
+        answer.close()
+    if final is None:  # the client has gone: nobody reads this
+        return Response(status_code=499)
+    if final.finish_reason == "error":
+        return error_response(RequestError(503, final.error or "the engine failed", None, "engine_failed"))
+    return JSONResponse(reply.response("".join(texts), items if logprobs else None, final))
+
+
+async def events(answer: Answer, reply: Reply, logprobs: bool) -> AsyncIterator[bytes]:
+    """The answer as server-sent events: chunks, the finish reason, the usage when asked, [DONE];
+    an engine failure as an error event, which ends the stream."""
+    for chunk in reply.opening():
+        yield chunk
+    async for delta in answer.deltas():
+        if delta.finish_reason == "error":
+            yield event(error_body(503, delta.error or "the engine failed", None, "engine_failed"))
+            return
+        for chunk in reply.chunks(delta, logprobs):
+            yield chunk
+
+
+class EventStream(StreamingResponse):
+    """A stream of server-sent events that cancels its request however the stream ends (the client
+    leaving, the server stopping, an error), even before its first event."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, answer: Answer, content: AsyncIterator[bytes]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.close()

@@ -1,0 +1,99 @@
+"""From a checked body to the GenerationRequest the engine takes: the prompt's tokens, the
+sampling options, and a token limit that fits the model's max_seq_len.
+
+Everything the engine could trip on is refused here with a RequestError (400), so that no bad
+request reaches the ranks.
+"""
+
+from typing import Optional
+
+from ..text.chat_format import SPECIAL_TAGS
+from ..text.streaming import check_stop
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
+from .requests import GenerationRequest
+
+# SamplingOptions.check names the option first in its message; the API's name for each.
+OPTION_PARAMS = {"min_gen_len": "min_tokens"}
+
+
+def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> GenerationRequest:
+    """The request for a chat completion: the dialog in the model's chat format, ended by its end of turn."""
+    dialog = [{"role": "system" if message.role == "developer" else message.role, "content": message.content}
+              for message in body.messages]
+    try:
+        prompt_tokens = generator.formatter.encode_dialog_prompt(dialog)
+    except ValueError as error:
+        raise RequestError(400, f"`messages`: {error}", "messages", "invalid_value") from None
+    if generator.formatter.is_unsafe(dialog):
+        raise RequestError(400, f"`messages`: a message holds one of the chat format's control tags "
+                           f"({', '.join(SPECIAL_TAGS)}), which could forge the dialog's turns; remove them",
+                           "messages", "invalid_value")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs", "invalid_value")
+    max_tokens, limit_param = body.max_tokens, "max_tokens"
+    if body.max_completion_tokens is not None:
+        if max_tokens is not None and max_tokens != body.max_completion_tokens:
+            raise RequestError(400, f"`max_tokens` ({max_tokens}) and `max_completion_tokens` "
+                               f"({body.max_completion_tokens}) differ; send one of them",
+                               "max_completion_tokens", "invalid_value")
+        max_tokens, limit_param = body.max_completion_tokens, "max_completion_tokens"
+    return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
+                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param)
+
+
+def completion_request(body: CompletionRequest, generator, request_id: str) -> GenerationRequest:
+    """The request for a text completion: the prompt after bos, ended by the tokenizer's stop tokens."""
+    if isinstance(body.prompt, str):
+        try:
+            prompt_tokens = generator.tokenizer.encode(body.prompt, bos=True, eos=False)
+        except ValueError as error:
+            raise RequestError(400, f"`prompt`: {error}", "prompt", "invalid_value") from None
+    else:
+        prompt_tokens = body.prompt
+        vocab = generator.tokenizer.n_words
+        outside = [token for token in prompt_tokens if not 0 <= token < vocab]
+        if outside:
+            raise RequestError(400, f"`prompt` holds token id {outside[0]}, outside the vocabulary [0, {vocab})",
+                               "prompt", "invalid_value")
+    return _request(body, generator, request_id, prompt_tokens, "prompt", body.max_tokens,
+                    generator.tokenizer.stop_tokens, body.logprobs is not None, body.logprobs or 0)
+
+
+def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: list[int], prompt_param: str,
+             max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int,
+             limit_param: str = "max_tokens") -> GenerationRequest:
+    """The checks and the request both endpoints share; limit_param: the field max_tokens came from."""
+    max_seq_len = generator.model.max_seq_len
+    if not prompt_tokens:
+        raise RequestError(400, f"`{prompt_param}` is empty; it needs at least one token", prompt_param,
+                           "invalid_value")
+    room = max_seq_len - len(prompt_tokens)
+    if room < 1:
+        raise RequestError(400, f"the prompt has {len(prompt_tokens)} tokens but the model's max_seq_len is "
+                           f"{max_seq_len}, which leaves no room for an answer; shorten the prompt",
+                           prompt_param, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = room  # OpenAI's default for chat: all that fits
+    elif max_tokens > room:
+        raise RequestError(400, f"the prompt's {len(prompt_tokens)} tokens and {limit_param} {max_tokens} make "
+                           f"{len(prompt_tokens) + max_tokens}, beyond the model's max_seq_len of {max_seq_len}; "
+                           f"ask for at most {room} tokens or shorten the prompt", limit_param,
+                           "context_length_exceeded")
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise RequestError(400, f"`min_tokens` ({min_tokens}) is more than {limit_param} ({max_tokens})", "min_tokens",
+                           "invalid_value")
+    options = generator.sampling_options(body.temperature, body.top_p, body.top_k, body.repetition_penalty,
+                                         min_tokens, body.seed)
+    try:
+        options.check()
+        stop = check_stop(body.stop)
+    except ValueError as error:
+        message = str(error)
+        name = message.split()[0]
+        param = OPTION_PARAMS.get(name, name)
+        raise RequestError(400, f"`{param}`{message[len(name):]}", param, "invalid_value") from None
+    return GenerationRequest(
+        id=request_id, prompt_tokens=tuple(prompt_tokens), max_tokens=max_tokens, options=options,
+        stop_tokens=frozenset(stop_tokens), stop=stop, logprobs=logprobs, top_logprobs=top_logprobs,
+    )

@@ -1,0 +1,278 @@
+"""The request bodies of OpenAI's API as typed models (vLLM's entrypoints/openai/protocol.py is the
+reference for names and types), and OpenAI's error JSON.
+
+Every body is checked here, at the edge: an unknown field, a wrong type, a value out of range or a
+feature this server does not implement becomes a RequestError, which the app answers with
+OpenAI's {"error": {...}} body. What a value means for the model (token counts, sampling options)
+is checked where the request is built (prepare.py).
+"""
+
+import json
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+# The error's "type" by HTTP status, as OpenAI's clients expect it (they pick the exception class
+# from the status alone; the type and code are for people and logs).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+INT64 = 2**63  # seeds go to torch.Generator.manual_seed, which takes a 64-bit integer
+
+
+class RequestError(Exception):
+    """A request the server refuses, with what OpenAI's error body says about it."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+# Fields as clients send them, normalised by hand-written checks where a pydantic union would
+# answer with one error per branch.
+
+def _stop(value: Any) -> Any:
+    """A lone string is a list of one; anything else must be a list of strings."""
+    if isinstance(value, str):
+        return [value]
+    if value is None or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        return value
+    raise PydanticCustomError("expected", "a string or a list of strings")
+
+
+def _text_content(value: Any) -> str:
+    """A message's content: a string, or a list of text parts, joined with newlines (as vLLM does)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not all(isinstance(part, dict) for part in value):
+        raise PydanticCustomError("expected", 'a string or a list of parts {"type": "text", "text": ...}')
+    for index, part in enumerate(value):
+        if part.get("type") != "text":
+            raise PydanticCustomError("unsupported", f"part {index} is of type {_shown(part.get('type'))}, which "
+                                      "is not supported by this server: it takes text parts only")
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise PydanticCustomError("expected", 'a string or a list of parts {"type": "text", "text": ...}')
+    return "\n".join(part["text"] for part in value)
+
+
+def _prompt(value: Any) -> Any:
+    """A completion's prompt: a string or a list of token ids, alone or as the only item of a list."""
+    def single(prompt: Any) -> bool:
+        return isinstance(prompt, str) or (
+            isinstance(prompt, list) and all(type(token) is int for token in prompt))  # not bool
+
+    if isinstance(value, list) and value and all(single(item) and not isinstance(item, int) for item in value):
+        if len(value) > 1:
+            raise PydanticCustomError("unsupported", f"{len(value)} prompts in one request are not supported by "
+                                      f"this server: send {len(value)} requests of one prompt each")
+        return value[0]
+    if single(value):
+        return value
+    raise PydanticCustomError("expected", "a string or a list of token ids (or a list of one of them)")
+
+
+Stop = Annotated[Optional[list[str]], BeforeValidator(_stop)]
+TextContent = Annotated[str, BeforeValidator(_text_content)]
+Prompt = Annotated[Union[str, list[int]], BeforeValidator(_prompt)]
+
+
+# What clients may send that this server does not do: each field is accepted with the values that
+# change nothing (None is always one), and refused with any other, saying why.
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "it gives one choice per request; send one request per choice"),
+    "best_of": ((1,), "it gives one choice per request"),
+    "presence_penalty": ((0,), "use repetition_penalty (e.g. 1.1) to discourage repeats"),
+    "frequency_penalty": ((0,), "use repetition_penalty (e.g. 1.1) to discourage repeats"),
+    "logit_bias": (({},), "it does not bias tokens"),
+    "echo": ((False,), "it does not return the prompt with the answer"),
+    "suffix": (("",), "it does not fill in text before a suffix"),
+    "tools": (([],), "it does not call tools"),
+    "tool_choice": (("none",), "it does not call tools"),
+    "functions": (([],), "it does not call functions"),
+    "function_call": (("none",), "it does not call functions"),
+    "response_format": (({"type": "text"},), "it does not constrain answers to JSON"),
+    "modalities": ((["text"],), "it answers in text only"),
+    "audio": ((), "it answers in text only"),
+    "prediction": ((), "it does not use predicted outputs"),
+    "reasoning_effort": ((), "it serves no reasoning model"),
+    "verbosity": ((), "it has no verbosity setting; ask for brevity in the prompt or set max_tokens"),
+    "web_search_options": ((), "it does not search the web"),
+    "moderation": ((), "it does not moderate"),
+    "store": ((False,), "it stores no answers"),
+    "service_tier": (("auto", "default"), "it has one tier"),
+    # within a message
+    "name": ((), "a message's participant name has no place in this model's chat format"),
+    "tool_calls": (([],), "it does not call tools"),
+    "refusal": ((), "it takes a message's text as content"),
+}
+
+
+def _refuse_unsupported(model: BaseModel, prefix: str = "") -> None:
+    """Raise RequestError for the first field of model set to a value this server does not implement."""
+    for name in type(model).model_fields:
+        if name in UNSUPPORTED:
+            value = getattr(model, name)
+            neutral, why = UNSUPPORTED[name]
+            if value is not None and value not in neutral:
+                shown = json.dumps(value)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                raise RequestError(400, f"`{prefix}{name}` = {shown} is not supported by this server: {why}",
+                                   prefix + name, "unsupported_parameter")
+
+
+class Body(BaseModel):
+    # strict: "0.5" is not a number nor 1 a boolean; no NaN nor infinity (JSON has neither)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Body):
+    include_usage: Optional[bool] = None
+    include_obfuscation: Optional[bool] = None  # padding against a side channel: ignored
+
+
+class ChatMessage(Body):
+    role: str  # the chat format knows its roles (chat_format.py); "developer" is OpenAI's new "system"
+    content: TextContent
+    tool_call_id: Optional[str] = None  # the call a "tool" message answers: ignored
+    name: Any = None
+    tool_calls: Any = None
+    refusal: Any = None
+
+
+class SamplingRequest(Body):
+    """The fields that completions and chat completions share."""
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)  # None: as many as fit in max_seq_len
+    temperature: Optional[float] = None  # None here and below: the model's recommended setting, else Meta's
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None  # vLLM's: 0 for no cut
+    repetition_penalty: Optional[float] = None  # vLLM's
+    min_tokens: Optional[int] = Field(None, ge=0)  # vLLM's
+    seed: Optional[int] = Field(None, ge=-INT64, lt=INT64)
+    stop: Stop = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # the end user, for an operator's abuse monitoring: ignored
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("stream_options", "`stream_options` is only allowed when `stream` is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        _refuse_unsupported(self)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    # Hints that change nothing here: ignored.
+    metadata: Optional[dict[str, str]] = None
+    parallel_tool_calls: Optional[bool] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: Any = None
+    service_tier: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for index, message in enumerate(self.messages):
+            _refuse_unsupported(message, f"messages[{index}].")
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    logprobs: Optional[int] = Field(None, ge=0, le=20)  # the legacy form: how many alternatives per token
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+
+def parse_body(raw: bytes, model: type[SamplingRequest]) -> SamplingRequest:
+    """The request body as model, or a RequestError saying what is wrong with it."""
+    try:
+        data = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestError(400, f"the body is not valid JSON: {error}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, f"the body must be a JSON object, found {type(data).__name__}", None, "invalid_json")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as error:
+        raise _request_error(error.errors(include_url=False)[0]) from None
+    body.check_supported()
+    return body
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _request_error(error: dict) -> RequestError:
+    """A RequestError from pydantic's first error, naming the field as a path: messages[0].role."""
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    kind, message = error["type"], error["msg"]
+    found = _shown(error.get("input"))
+    if kind == "missing":
+        return RequestError(400, f"`{param}` is required", param, "missing_required_parameter")
+    if kind == "extra_forbidden":
+        return RequestError(400, f"`{param}` is not a field this server knows (see docs/serving.md for "
+                            "those it takes)", param, "unknown_parameter")
+    if kind == "unsupported":
+        return RequestError(400, f"`{param}`: {message}", param, "unsupported_parameter")
+    if kind == "stream_options":
+        return RequestError(400, message, "stream_options", "invalid_value")
+    if kind == "expected":
+        return RequestError(400, f"`{param}` must be {message}, found {found}", param, "invalid_type")
+    code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+    return RequestError(400, f"`{param}`: {message[0].lower()}{message[1:]}, found {found}", param, code)
+
+
+def _shown(value: Any) -> str:
+    """A value from the body as JSON, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,273 @@
+"""Serving benchmark: closed-loop clients against an OpenAI-compatible server (ours, or llama.cpp's
+Python server), at several concurrencies.
+
+    python -m llama_tp.bench_serve --url http://127.0.0.1:8000 --concurrency 1,4,8,16 --requests 64
+
+At concurrency c, c workers each send a streaming chat request and the next as soon as the last
+has ended, until --requests have been sent. The requests cycle through PROMPTS, everyday questions
+of mixed lengths, each with its own share of --max_tokens, so that answers end at different
+times. Decoding is greedy without a repetition penalty (temperature 0, repetition_penalty 1): the
+same work on every server, whatever its sampling defaults (llama.cpp's server ignores
+repetition_penalty and needs --extra_body '{"repeat_penalty": 1.0}').
+
+Per concurrency: requests/s, output tokens/s (from the usage chunk, else one token per chunk of
+text), time to first token (to the first chunk with text) and time per output token ((last chunk
+- first chunk) / (tokens - 1)), p50 and p99, and the errors (a stream that ends without a finish
+reason is one). Prints a table, writes JSON.
+"""
+
+import asyncio
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional, Union
+
+import httpx
+
+from .cli import run
+
+# (prompt, share of --max_tokens): short questions with short answers, explanations, a story, and
+# long texts to summarise or answer, so that prompts and answers both differ in length.
+PROMPTS: tuple[tuple[str, float], ...] = (
+    ("What is the capital of France?", 0.25),
+    ("Explain in simple terms how a refrigerator keeps food cold.", 1.0),
+    ("Write a haiku about autumn leaves.", 0.25),
+    ("Give me three tips for sleeping better.", 0.5),
+    ("Write a short story about a robot who learns to paint.", 1.0),
+    ("Summarise this paragraph in two sentences:\n\nThe city council met on Tuesday evening to discuss the "
+     "proposed changes to the downtown parking rules. Several shop owners spoke against the plan, saying that "
+     "shorter parking limits would drive customers to the shopping centre outside town. Residents of the old "
+     "quarter, on the other hand, welcomed the proposal, because visitors often leave their cars in residential "
+     "streets for the whole day. The council's transport officer presented figures showing that the two large "
+     "car parks near the station are rarely more than half full, even on Saturdays. After a long debate, the "
+     "council agreed to try the new rules for six months, to add signs pointing drivers to the car parks, and to "
+     "review the effect on local businesses at the end of the trial.", 0.5),
+    ("Translate 'Where is the train station?' into Spanish, French and German.", 0.25),
+    ("What are the pros and cons of working from home?", 1.0),
+    ("How do I make a cup of pour-over coffee?", 0.5),
+    ("Why is the sky blue?", 0.5),
+    ("Help me reply politely to this email:\n\nHi, I hope you are well. I wanted to ask whether you could send "
+     "me the slides from last week's meeting, and whether the next meeting is still planned for Thursday at ten. "
+     "Some of the team will be travelling that week, so we might need to move it to Friday or to the week after. "
+     "Could you also remind me who is preparing the budget summary? Thanks a lot, Maria", 0.5),
+    ("List the planets of the solar system in order from the sun.", 0.25),
+)
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it; times in seconds from time.perf_counter()."""
+
+    start: float
+    first: Optional[float] = None  # the first chunk with text
+    last: Optional[float] = None  # the last chunk with text or a finish reason
+    tokens: int = 0
+    tokens_from_usage: bool = False
+    finished: bool = False  # a finish reason came
+    error: Optional[str] = None
+
+
+def percentile(values: list[float], q: float) -> Optional[float]:
+    """The q-th percentile (0-100) of values, interpolating linearly between ranks; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(concurrency: int, outcomes: list[Outcome], seconds: float) -> dict:
+    """One concurrency's figures from its requests and its wall time."""
+    done = [o for o in outcomes if o.error is None]
+    ttft = [o.first - o.start for o in done if o.first is not None]
+    tpot = [(o.last - o.first) / (o.tokens - 1) for o in done if o.first is not None and o.tokens > 1]
+    result = {
+        "concurrency": concurrency,
+        "requests": len(outcomes),
+        "errors": len(outcomes) - len(done),
+        "seconds": seconds,
+        "requests_per_s": len(done) / seconds,
+        "output_tokens": sum(o.tokens for o in done),
+        "output_tokens_per_s": sum(o.tokens for o in done) / seconds,
+        "tokens_from_usage": sum(o.tokens_from_usage for o in done),
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 99):
+            result[f"{name}_p{q}_s"] = percentile(values, q)
+    result["first_errors"] = [o.error for o in outcomes if o.error is not None][:3]
+    return result
+
+
+def print_table(results: list[dict]) -> None:
+    """The figures as a plain-text table, times in milliseconds."""
+    def ms(value: Optional[float]) -> str:
+        return "-" if value is None else f"{1000 * value:.1f}"
+
+    print(f"{'concurrency':>11}{'requests':>10}{'errors':>8}{'req/s':>8}{'out tok/s':>11}"
+          f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}   (times in ms)")
+    for r in results:
+        print(f"{r['concurrency']:>11}{r['requests']:>10}{r['errors']:>8}{r['requests_per_s']:>8.2f}"
+              f"{r['output_tokens_per_s']:>11.1f}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>10}"
+              f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>10}")
+    for r in results:
+        for error in r["first_errors"]:
+            print(f"concurrency {r['concurrency']}: error: {error}")
+
+
+def request_body(index: int, model: str, max_tokens: int, extra_body: dict) -> dict:
+    """The index-th request: the next prompt in turn, with its share of max_tokens."""
+    prompt, share = PROMPTS[index % len(PROMPTS)]
+    return {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max(1, round(max_tokens * share)), "temperature": 0, "repetition_penalty": 1.0,
+            "stream": True, "stream_options": {"include_usage": True}} | extra_body
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
+    """One streaming chat request, timed chunk by chunk."""
+    outcome = Outcome(start=time.perf_counter())
+    content_chunks = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                outcome.error = f"HTTP {response.status_code}: {text[:200]}"
+                return outcome
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    outcome.error = f"error event: {json.dumps(chunk['error'])[:200]}"
+                    return outcome
+                if chunk.get("usage"):
+                    outcome.tokens, outcome.tokens_from_usage = chunk["usage"]["completion_tokens"], True
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        content_chunks += 1
+                        outcome.first = outcome.first or now
+                        outcome.last = now
+                    if choice.get("finish_reason"):
+                        outcome.last, outcome.finished = now, True
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        outcome.error = f"{type(error).__name__}: {error}"
+        return outcome
+    if not outcome.tokens_from_usage:  # a server that sends no usage: one token per chunk of text
+        outcome.tokens = content_chunks
+    if not outcome.finished:  # e.g. llama.cpp's server ends a stream when another request comes
+        outcome.error = "the stream ended without a finish reason (for llama.cpp's server: --interrupt_requests False)"
+    return outcome
+
+
+async def run_level(client: httpx.AsyncClient, url: str, concurrency: int, bodies: list[dict]) -> dict:
+    """bodies sent by concurrency closed-loop workers; the level's figures."""
+    pending = iter(bodies)
+    outcomes: list[Outcome] = []
+
+    async def worker() -> None:
+        for body in pending:  # the workers share the iterator: each takes the next request in turn
+            outcomes.append(await send(client, url, body))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return summarize(concurrency, outcomes, time.perf_counter() - start)
+
+
+async def served_model(client: httpx.AsyncClient, url: str) -> str:
+    """The first model the server lists."""
+    response = await client.get(f"{url}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def benchmark(url: str, levels: tuple[int, ...], requests: int, max_tokens: int, model: Optional[str],
+                    warmup: int, extra_body: dict) -> tuple[str, list[dict]]:
+    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as client:
+        model = model or await served_model(client, url)
+        bodies = [request_body(index, model, max_tokens, extra_body) for index in range(requests)]
+        for body in bodies[:warmup]:  # the first requests may pay for compiling, caches, page faults
+            outcome = await send(client, url, body)
+            if outcome.error:
+                raise ValueError(f"the warm-up request failed: {outcome.error}")
+        results = []
+        for concurrency in levels:
+            results.append(await run_level(client, url, concurrency, bodies))
+            print(f"concurrency {concurrency}: done in {results[-1]['seconds']:.1f} s", flush=True)
+    return model, results
+
+
+def json_literals(value):
+    """fire reads --extra_body '{"a": false}' as Python, where false is a bare word: the string
+    'false'. Give JSON's true, false and null their meaning back."""
+    if isinstance(value, dict):
+        return {key: json_literals(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_literals(item) for item in value]
+    return {"true": True, "false": False, "null": None}.get(value, value) if isinstance(value, str) else value
+
+
+def main(
+    url: str = "http://127.0.0.1:8000",
+    concurrency: Union[int, tuple[int, ...]] = (1, 4, 8, 16),
+    requests: int = 32,
+    max_tokens: int = 128,
+    model: Optional[str] = None,
+    json_path: str = "bench_serve.json",
+    label: Optional[str] = None,
+    warmup: int = 1,
+    extra_body: Union[str, dict, None] = None,
+):
+    """Measure a server at each concurrency, print a table and write it as JSON.
+
+    Args:
+        url: the server's base URL, without /v1.
+        concurrency: the numbers of closed-loop clients, e.g. 1,4,8,16.
+        requests: requests per concurrency (at least the largest concurrency).
+        max_tokens: the longest answer; each prompt asks for its share of it (PROMPTS).
+        model: the model name to send; default: the first the server lists at /v1/models.
+        json_path: where to write the results.
+        label: names the server in the JSON (e.g. ours, llama.cpp); default: the URL.
+        warmup: requests sent one by one before measuring, not counted.
+        extra_body: JSON object merged into every request, for a server's own fields, e.g.
+            '{"repeat_penalty": 1.0}' for llama.cpp, whose default penalises repeats.
+    """
+    levels = (concurrency,) if isinstance(concurrency, int) else tuple(concurrency)  # fire: "8" is an int
+    if not levels or any(not isinstance(c, int) or c < 1 for c in levels):
+        raise ValueError(f"--concurrency must be positive integers, e.g. 1,4,8,16; found {concurrency!r}")
+    if requests < max(levels):
+        raise ValueError(f"--requests {requests} is fewer than the concurrency {max(levels)}: some clients "
+                         f"would have nothing to send; pass --requests {max(levels)} or more")
+    if max_tokens < 1 or warmup < 0:
+        raise ValueError(f"--max_tokens must be at least 1 and --warmup at least 0, found {max_tokens} and {warmup}")
+    extra = json.loads(extra_body) if isinstance(extra_body, str) else json_literals(extra_body or {})
+    if not isinstance(extra, dict):
+        raise ValueError(f"--extra_body must be a JSON object, found {extra_body!r}")
+    url = url.rstrip("/")
+    model, results = asyncio.run(benchmark(url, levels, requests, max_tokens, model, warmup, extra))
+    report = {
+        "label": label or url, "url": url, "model": model,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": {"concurrency": list(levels), "requests": requests, "max_tokens": max_tokens,
+                    "warmup": warmup, "extra_body": extra,
+                    "sampling": "greedy (temperature 0, repetition_penalty 1)"},
+        "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "platform": platform.platform()},
+        "results": results,
+    }
+    print_table(results)
+    Path(json_path).write_text(json.dumps(report, indent=2))
+    print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    run(main)
