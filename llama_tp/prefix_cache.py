@@ -14,6 +14,11 @@ them (extend).
 
 from typing import Sequence
 
+# A free row is taken for what it holds of a prompt only if that is at least this share of the
+# prompt (llama.cpp's server uses the same similarity bound): a few shared tokens (a chat
+# template's opening) are not worth evicting a row that holds a whole conversation.
+MIN_REUSED_SHARE = 0.5
+
 
 class PrefixCache:
     def __init__(self, rows: int, enabled: bool = True):
@@ -35,9 +40,13 @@ class PrefixCache:
         return length
 
     def best_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
-        """Of the free rows, the one that holds the longest start of prompt; where none holds any,
-        the least recently used (its cache is the least likely to be asked for again)."""
-        return max(free, key=lambda row: (self.reusable(row, prompt), -self._last_used[row]))
+        """Of the free rows, the one that holds the longest start of prompt, if that is at least
+        MIN_REUSED_SHARE of it; else the least recently used (its cache is the least likely to be
+        asked for again)."""
+        longest = max(free, key=lambda row: (self.reusable(row, prompt), -self._last_used[row]))
+        if self.reusable(longest, prompt) >= MIN_REUSED_SHARE * len(prompt):
+            return longest
+        return min(free, key=lambda row: self._last_used[row])
 
     def keep(self, row: int, length: int) -> None:
         """Row's first length tokens stay valid; what follows is about to be overwritten."""

@@ -38,6 +38,9 @@ def test_the_best_free_row_holds_the_longest_start_else_is_the_least_recently_us
     assert cache.best_row([5, 6], free=[1, 2, 3]) == 1  # none matches: row 1 was written longest ago
     cache.extend(1, 2, [4])
     assert cache.best_row([5, 6], free=[1, 2, 3]) == 2
+    # Two shared tokens of ten (a chat template's opening) do not earn row 0 (just used): the least recently used row
+    cache.extend(0, 3, [7])
+    assert cache.best_row([1, 2, 5, 5, 5, 5, 5, 5, 5, 5], free=[0, 2, 3]) == 2
 
 
 @pytest.fixture(scope="module", params=["llama2", "llama3"])  # our attention kernel, and torch's

@@ -95,7 +95,7 @@ class Server:
         return time.monotonic() - start
 
     def stop(self) -> None:
-        if self.job.poll() is None:
+        if self.job.poll() is None or alive(self.ranks):
             os.killpg(self.job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
             self.ended_within(30)
 
@@ -148,8 +148,15 @@ def test_a_client_that_leaves_frees_its_row(served):
     assert metric(server.url, "llama_tp_requests_total", state="cancelled") == 1
 
 
-def test_ctrl_c_ends_running_answers_cleanly_and_every_rank(checkpoints, tmp_path):
+@pytest.fixture
+def server_of_3(checkpoints, tmp_path):
     server = Server(checkpoints[3], 3, log=tmp_path / "stderr.txt")
+    yield server
+    server.stop()  # if the test left it running
+
+
+def test_ctrl_c_ends_running_answers_cleanly_and_every_rank(server_of_3):
+    server = server_of_3
     stream = client(server.url).chat.completions.create(model=MODEL, messages=DIALOGS[0], max_tokens=100,
                                                         stream=True, extra_body={"min_tokens": 100})
     first = next(iter(stream))
@@ -160,8 +167,8 @@ def test_ctrl_c_ends_running_answers_cleanly_and_every_rank(checkpoints, tmp_pat
     assert "llama_tp stopped serving" in "".join(server.output)
 
 
-def test_a_killed_rank_fails_its_requests_and_ends_the_job(checkpoints, tmp_path):
-    server = Server(checkpoints[3], 3, log=tmp_path / "stderr.txt")
+def test_a_killed_rank_fails_its_requests_and_ends_the_job(server_of_3):
+    server = server_of_3
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": DIALOGS[0], "max_tokens": 100, "stream": True, "min_tokens": 100}) as stream:
         events = []

@@ -22,14 +22,15 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional, Union
 
 import httpx
 
+from .bench_reuse import run_reuse
 from .cli import run
+from .stream_client import Outcome, send
 
 # (prompt, share of --max_tokens): short questions with short answers, explanations, a story, and
 # long texts to summarise or answer, so that prompts and answers both differ in length.
@@ -57,19 +58,6 @@ PROMPTS: tuple[tuple[str, float], ...] = (
      "Could you also remind me who is preparing the budget summary? Thanks a lot, Maria", 0.5),
     ("List the planets of the solar system in order from the sun.", 0.25),
 )
-
-
-@dataclass
-class Outcome:
-    """One request as the client saw it; times in seconds from time.perf_counter()."""
-
-    start: float
-    first: Optional[float] = None  # the first chunk with text
-    last: Optional[float] = None  # the last chunk with text or a finish reason
-    tokens: int = 0
-    tokens_from_usage: bool = False
-    finished: bool = False  # a finish reason came
-    error: Optional[str] = None
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:
@@ -127,46 +115,6 @@ def request_body(index: int, model: str, max_tokens: int, extra_body: dict) -> d
     return {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max(1, round(max_tokens * share)), "temperature": 0, "repetition_penalty": 1.0,
             "stream": True, "stream_options": {"include_usage": True}} | extra_body
-
-
-async def send(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
-    """One streaming chat request, timed chunk by chunk."""
-    outcome = Outcome(start=time.perf_counter())
-    content_chunks = 0
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                outcome.error = f"HTTP {response.status_code}: {text[:200]}"
-                return outcome
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    outcome.error = f"error event: {json.dumps(chunk['error'])[:200]}"
-                    return outcome
-                if chunk.get("usage"):
-                    outcome.tokens, outcome.tokens_from_usage = chunk["usage"]["completion_tokens"], True
-                for choice in chunk.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        content_chunks += 1
-                        outcome.first = outcome.first or now
-                        outcome.last = now
-                    if choice.get("finish_reason"):
-                        outcome.last, outcome.finished = now, True
-    except (httpx.HTTPError, json.JSONDecodeError) as error:
-        outcome.error = f"{type(error).__name__}: {error}"
-        return outcome
-    if not outcome.tokens_from_usage:  # a server that sends no usage: one token per chunk of text
-        outcome.tokens = content_chunks
-    if not outcome.finished:  # e.g. llama.cpp's server ends a stream when another request comes
-        outcome.error = "the stream ended without a finish reason (for llama.cpp's server: --interrupt_requests False)"
-    return outcome
 
 
 async def run_level(client: httpx.AsyncClient, url: str, concurrency: int, bodies: list[dict]) -> dict:
@@ -227,6 +175,7 @@ def main(
     label: Optional[str] = None,
     warmup: int = 1,
     extra_body: Union[str, dict, None] = None,
+    case: str = "load",
 ):
     """Measure a server at each concurrency, print a table and write it as JSON.
 
@@ -241,7 +190,17 @@ def main(
         warmup: requests sent one by one before measuring, not counted.
         extra_body: JSON object merged into every request, for a server's own fields, e.g.
             '{"repeat_penalty": 1.0}' for llama.cpp, whose default penalises repeats.
+        case: "load" (the concurrencies above) or "reuse": time to first token with and
+            without reusing cached prompts, in a growing conversation and behind a shared system
+            prompt (bench_reuse.py; the other options but url, model, json_path and label unused).
     """
+    url = url.rstrip("/")
+    if case == "reuse":
+        model, results = run_reuse(url, model)
+        write_report(json_path, label, url, model, {"case": "reuse"}, results)
+        return
+    if case != "load":
+        raise ValueError(f"--case {case!r} is not one of load, reuse")
     levels = (concurrency,) if isinstance(concurrency, int) else tuple(concurrency)  # fire: "8" is an int
     if not levels or any(not isinstance(c, int) or c < 1 for c in levels):
         raise ValueError(f"--concurrency must be positive integers, e.g. 1,4,8,16; found {concurrency!r}")
@@ -253,18 +212,21 @@ def main(
     extra = json.loads(extra_body) if isinstance(extra_body, str) else json_literals(extra_body or {})
     if not isinstance(extra, dict):
         raise ValueError(f"--extra_body must be a JSON object, found {extra_body!r}")
-    url = url.rstrip("/")
     model, results = asyncio.run(benchmark(url, levels, requests, max_tokens, model, warmup, extra))
+    print_table(results)
+    write_report(json_path, label, url, model, {"concurrency": list(levels), "requests": requests,
+                                                "max_tokens": max_tokens, "warmup": warmup, "extra_body": extra},
+                 results)
+
+
+def write_report(json_path: str, label: Optional[str], url: str, model: str, command: dict, results) -> None:
     report = {
         "label": label or url, "url": url, "model": model,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": {"concurrency": list(levels), "requests": requests, "max_tokens": max_tokens,
-                    "warmup": warmup, "extra_body": extra,
-                    "sampling": "greedy (temperature 0, repetition_penalty 1)"},
+        "command": command | {"sampling": "greedy (temperature 0, repetition_penalty 1)"},
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "platform": platform.platform()},
         "results": results,
     }
-    print_table(results)
     Path(json_path).write_text(json.dumps(report, indent=2))
     print(f"wrote {json_path}")
 
