@@ -1,5 +1,7 @@
-"""int4 weights: our rounding keeps GGUF's Q4_0 and Q4_1 blocks to their codes, and the C++ kernel's
-products equal the converted-back weight's for every row count up to its limit."""
+"""int4 weights: our rounding keeps GGUF's Q4_0 and Q4_1 blocks to their codes, the C++ kernel's
+products equal the converted-back weight's for every row count up to its limit, and an int4
+layer gives the same outputs through the kernel (eager, compiled, prompts) as through torch;
+int4 and int8 layers give bf16 activations back in bf16."""
 
 import numpy as np
 import pytest
@@ -8,7 +10,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from llama_tp.kernels import cpu_kernels, int4
+from llama_tp.kernels import cpu_kernels, int4, int8
+from llama_tp.quantize import Int4Linear, Int8Linear
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.runs_on(torch.device("cpu")), reason="the kernel needs AVX-512")
 
@@ -74,3 +77,32 @@ def test_kernel_converts_back_exactly_the_weight_torch_does():
     codes, scales, mins = _weight(33, 2080, seed=4)
     cpu_kernels.load()
     assert torch.equal(int4.weight(codes, scales, mins), int4.dequantize(codes, scales, mins, torch.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, int4.MAX_ROWS + 1])  # the last converts the weight back (a prompt)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int4_layer_gives_the_same_outputs_through_the_kernel(rows, compiled):
+    codes, scales, mins = _weight(40, 96, seed=5)
+    plain = Int4Linear(codes, scales, mins, communicate=lambda y: y)
+    kernel = Int4Linear(codes, scales, mins, communicate=lambda y: y)
+    kernel.use_kernel()
+    x = torch.randn(rows, 1, 96, generator=torch.Generator().manual_seed(6))
+    forward = torch.compile(kernel, fullgraph=True, dynamic=False) if compiled else kernel
+    got = forward(x)
+    assert got.shape == (rows, 1, 40)
+    torch.testing.assert_close(got, plain(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer, grid, dequantize", [(Int4Linear, int4.quantize_int4, int4.dequantize),
+                                                     (Int8Linear, int8.quantize_int8, int8.dequantize)],
+                         ids=["int4", "int8"])
+def test_bf16_activations_come_back_in_bf16(layer, grid, dequantize):
+    weight = grid(torch.randn(16, 64, generator=torch.Generator().manual_seed(7)))
+    quantized = layer(*weight, communicate=lambda y: y)
+    quantized.use_kernel()
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    got = quantized(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), x.double() @ dequantize(*weight, torch.float64).t(), rtol=2e-2, atol=2e-2)

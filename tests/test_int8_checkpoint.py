@@ -106,8 +106,8 @@ def test_convert_hf_quantize_equals_reshard_quantize_and_refuses_cut_groups(tmp_
     assert not (tmp_path / "mp2").exists()
     with pytest.raises(ValueError, match="--quantize int8_dynamic is applied at load time only"):
         convert("hf", str(tmp_path / "hf"), str(tmp_path / "dynamic"), quantize="int8_dynamic")
-    with pytest.raises(ValueError, match="--quantize 'int4' is not supported; use int8 or leave it unset"):
-        reshard(tmp_path / "fp", tmp_path / "int4", 1, quantize="int4")
+    with pytest.raises(ValueError, match="--quantize 'int2' is not supported; use int8 or leave it unset"):
+        reshard(tmp_path / "fp", tmp_path / "int2", 1, quantize="int2")
     with pytest.raises(ValueError, match="--quantize int8_dynamic is applied at load time only"):
         reshard(tmp_path / "fp", tmp_path / "dynamic", 1, quantize="int8_dynamic")
 

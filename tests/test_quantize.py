@@ -136,8 +136,8 @@ def test_int8_over_two_processes_stays_close_to_fp32(checkpoints):
 
 
 def test_unknown_quantization_is_refused(tiny_ckpt):
-    with pytest.raises(ValueError, match="quantize='int4'.*int8, int8_dynamic"):
-        _build(tiny_ckpt, "int4")
+    with pytest.raises(ValueError, match="quantize='int2'.*int8, int4, int8_dynamic"):
+        _build(tiny_ckpt, "int2")
 
 
 def test_int8_of_a_model_from_gguf_blocks_gives_fp32_logits(tmp_path):

@@ -114,7 +114,7 @@ def unfilled_int8_layers(model: nn.Module) -> nn.Module:
     """The model with every linear layer an Int8Linear of unfilled (meta) tensors, shaped as this
     rank's slice of an int8 checkpoint, for checkpoint.load_into to fill."""
 
-    def unfilled(layer: nn.Module) -> Int8Linear:
+    def unfilled(name: str, layer: nn.Module) -> Int8Linear:
         rows, width = layer.weight.shape
         groups = width // group_size(layer.in_features)  # the groups of the whole layer
         q = torch.empty(rows, width, dtype=torch.int8, device="meta")

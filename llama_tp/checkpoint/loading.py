@@ -21,7 +21,7 @@ from ..kernels import cpu_kernels, matmul
 from ..logs import logger
 from ..model import LINEAR_LAYERS, Transformer
 from ..parallel import EmbeddingLayout, Placement
-from ..quantize import Int8Linear, quantize_model, use_int8_kernel
+from ..quantize import Int8Linear, quantize_model, use_kernels
 from . import mapped_pages
 from .int8 import check_int8_load, stored_quantization, unfilled_int8_layers
 from .sharding import assemble_slice
@@ -253,7 +253,7 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
     load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack_linear)
     if matmul.kernel_runs(placement.device, dtype):
         cpu_kernels.load()  # before torch.compile traces a decoding step that calls it
-    return use_int8_kernel(model if stored_int8 else quantize_model(model, quantize))
+    return use_kernels(model if stored_int8 else quantize_model(model, quantize))
 
 
 def _shape(shard: dict[str, torch.Tensor], name: str, dims: int) -> tuple[int, ...]:
