@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from ...args import ModelArgs
-from ...checkpoint.int8 import check_int8_split, check_storable, int8_tensors
+from ...checkpoint.quantized import check_split, check_storable, quantized_tensors
 from ...checkpoint.sharding import KV_PROJECTIONS, split_dim
 from ...logs import logger
 from ...parallel import DTYPES
@@ -90,8 +90,9 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
     Everything goes to a temporary folder beside dst that is renamed into place at the end, so
     dst either holds a complete checkpoint or does not exist. Each shard is built by loading every
     tensor again and keeping this rank's slice: memory holds one shard and one whole tensor.
-    quantize="int8" writes an int8 checkpoint (checkpoint/int8.py) of the weights in dtype: what
-    loading the dtype checkpoint with quantize="int8" in one process would hold.
+    quantize="int8" or "int4" writes a quantized checkpoint (checkpoint/quantized.py) of the
+    weights in dtype: what loading the dtype checkpoint with that quantize in one process would
+    hold.
     """
     check_storable(quantize)
     dst = Path(dst)
@@ -101,7 +102,7 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
     args = ModelArgs.from_dict(params, source="the converted params.json")
     args.check_model_parallel_size(n_shards)
     if quantize:
-        check_int8_split(args, n_shards, fix="choose an --mp whose shards hold whole groups")
+        check_split(args, n_shards, quantize, fix="choose an --mp whose shards hold whole groups")
     shapes = expected_shapes(args)
     names = list(shapes)
     missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
@@ -125,7 +126,7 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
                     raise ValueError(f"{name} has shape {list(full.shape)} in the source but its configuration "
                                      f"implies {list(shapes[name])}; check that configuration and weights match")
                 part = shard_of(name, full, rank, n_shards, args).to(dtype).contiguous().clone()
-                shard |= int8_tensors(name, part, n_shards) if quantize else {name: part}
+                shard |= quantized_tensors(name, part, n_shards, quantize) if quantize else {name: part}
             torch.save(shard, partial / f"consolidated.{rank:02d}.pth")
             del shard
         (partial / "params.json").write_text(json.dumps(params, indent=2) + "\n")
