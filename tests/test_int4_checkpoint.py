@@ -1,25 +1,115 @@
-"""int4 checkpoints (convert and reshard --quantize int4): they load int4 unasked and equal
-load-time quantization, on one process or two, what cannot be split into whole groups is refused
-with the counts that can, and quantized checkpoints load strictly."""
+"""int4 checkpoints (convert and reshard --quantize int4): GGUF's Q4_0, Q4_1 and Q8_0 tensors come
+in as they are stored, a converted Q4 model gives its fp32 dequantisation's logits, checkpoints
+load int4 unasked and equal load-time quantization, on one process or two, what cannot be split
+into whole groups is refused with the counts that can, and quantized checkpoints load strictly."""
 
+import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from tokenizers import Tokenizer
 
 from llama_tp import Llama
 from llama_tp.args import ModelArgs
+from llama_tp.checkpoint import load_shard, shard_paths
 from llama_tp.checkpoint.quantized import check_split
+from llama_tp.kernels import int4, int8
 from llama_tp.memory import plan
 from llama_tp.parallel import check_int4_device
+from llama_tp.quantize import Int4Linear, Int8Linear
 from llama_tp.tools.convert.__main__ import main as convert
+from llama_tp.tools.convert.gguf_blocks import quantized_weight
 from llama_tp.tools.reshard import reshard
 from distributed import run_world
-from test_convert_hf import hf_folder
+from test_convert_gguf_model import TYPES, write_tiny_gguf
+from test_convert_hf import byte_level_tokenizer, hf_folder
 from test_int8_checkpoint import assert_ranks_agree_with_one_process, folders, outputs  # noqa: F401  (a fixture)
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2
 
 VOCAB = 32000
+# Every layer in GGUF's 4-bit types, the tied embedding (the output head) Q8_0: the demo model's make-up.
+ALL_Q4 = {kind: Q.Q4_0 if kind in ("attn_k", "ffn_up") else Q.Q4_1 for kind in TYPES} | {"token_embd": Q.Q8_0}
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
+def test_gguf_blocks_come_in_as_they_are_stored(tmp_path, kind):
+    values = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
+    writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("t", gguf_quantize(values, kind), raw_dtype=kind)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        write()
+    (tensor,) = GGUFReader(str(tmp_path / "t.gguf")).tensors
+    weight = quantized_weight(tensor)
+    expected = torch.from_numpy(gguf_dequantize(tensor.data, kind))  # gguf's own dequantisation, fp32
+    assert weight.shape == (6, 128)
+    if kind == Q.Q8_0:
+        assert weight.kind == "int8" and weight.tensors["weight"].dtype == torch.int8
+        got = int8.dequantize(*(weight.tensors[part] for part in ("weight", "scales", "zeros")), torch.float32)
+    else:
+        assert weight.kind == "int4" and weight.tensors["weight"].shape == (6, 64)
+        assert torch.equal(weight.tensors["weight"].view(6, 4, 16), torch.from_numpy(tensor.data.reshape(6, 4, -1)[..., -16:].copy()))
+        got = int4.dequantize(*(weight.tensors[part] for part in ("weight", "scales", "mins")), torch.float32)
+    assert torch.equal(got, expected)  # every weight to the bit
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory) -> dict:
+    """A tiny GGUF made like the demo model's (ALL_Q4) and one of every type, converted."""
+    root = tmp_path_factory.mktemp("gguf4")
+    byte_level_tokenizer(root)
+    tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    vocab = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    for name, types in (("q4", ALL_Q4), ("mixed", TYPES)):
+        write_tiny_gguf(root / f"{name}.gguf", json.loads(tokenizer.to_str()), vocab, types)
+    convert("gguf", str(root / "q4.gguf"), str(root / "q4-fp32"), mp=1)
+    convert("gguf", str(root / "q4.gguf"), str(root / "q4-int4"), mp=2, quantize="int4")
+    return {"root": root, "reader": GGUFReader(str(root / "q4.gguf"))}
+
+
+def test_convert_gguf_int4_keeps_q4_layers_and_the_q8_0_head_byte_for_byte(gguf_models):
+    root, reader = gguf_models["root"], gguf_models["reader"]
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    shards = [load_shard(path) for path in shard_paths(root / "q4-int4")]
+    for gguf_name, layer in (("blk.1.attn_k.weight", "layers.1.attention.wk"), ("blk.0.ffn_up.weight", "layers.0.feed_forward.w3"),
+                             ("blk.0.ffn_down.weight", "layers.0.feed_forward.w2"), ("token_embd.weight", "output")):
+        expected = quantized_weight(by_name[gguf_name])
+        split_dim = 1 if layer.endswith(("wo", "w2")) else 0
+        for part, tensor in expected.tensors.items():
+            stored = torch.cat([shard[f"{layer}.{part}"] for shard in shards], dim=split_dim)
+            assert stored.dtype == tensor.dtype and torch.equal(stored, tensor), (layer, part)
+    assert shards[0]["output.weight"].dtype == torch.int8 and shards[0]["layers.0.feed_forward.w2.weight"].dtype == torch.uint8
+
+
+def test_converted_q4_model_in_int4_gives_its_fp32_dequantisations_logits(gguf_models):
+    root = gguf_models["root"]
+    tokenizer = str(root / "q4-fp32" / "tokenizer.json")
+    fp32 = Llama.build(str(root / "q4-fp32"), tokenizer, max_seq_len=64, max_batch_size=2)
+    stored = Llama.build(str(root / "q4-int4"), tokenizer, max_seq_len=64, max_batch_size=2)  # 2 shards, merged
+    assert isinstance(stored.model.layers[0].attention.wqkv, Int4Linear) and isinstance(stored.model.output, Int8Linear)
+    tokens = torch.randint(0, fp32.model.args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    expected = fp32.model.forward(tokens, 0)
+    # A 40-token prompt (weights converted back) and a one-token step (the kernel), as causal as fp32's.
+    for got in (stored.model.forward(tokens, 0), stored.model.forward(tokens[:1, :1], 0)):
+        scale = expected.abs().max()
+        torch.testing.assert_close(got, expected[: got.shape[0], : got.shape[1]], rtol=1e-5, atol=1e-5 * scale)
+    prompts = tokens[:, :5].tolist()
+    assert stored.generate(prompts, 12, temperature=0)[0] == fp32.generate(prompts, 12, temperature=0)[0]
+
+
+def test_convert_gguf_int4_rounds_other_types_itself_and_says_so(gguf_models, tmp_path, capsys):
+    convert("gguf", str(gguf_models["root"] / "mixed.gguf"), str(tmp_path / "int4"), mp=1, quantize="int4")
+    logged = capsys.readouterr().err
+    assert ("dequantised and rounded by llama_tp (kernels/int4.py, int8.py), their GGUF types not being kept as "
+            "they are (int4: Q4_0, Q4_1; int8: Q8_0): 2 BF16 layers to int4, 2 F16 layers to int4, 2 Q4_K layers to "
+            "int4, 2 Q6_K layers to int4, 2 Q8_0 layers to int4") in logged
+    shard = load_shard(shard_paths(tmp_path / "int4")[0])
+    assert shard["layers.0.attention.wq.weight"].dtype == torch.uint8 and shard["output.zeros"].abs().max() == 0
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ check_split.
 """
 
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -37,6 +37,15 @@ from .sharding import COLUMN_PARALLEL, ROW_PARALLEL
 STORABLE = ("int8", "int4")
 # The tensors beside a quantized layer's weight, by kind, the last one telling the kinds apart.
 GRID_TENSORS = {"int8": ("scales", "zeros"), "int4": ("scales", "mins")}
+
+
+class QuantizedWeight(NamedTuple):
+    """A whole linear layer's weight as a checkpoint of `kind` stores it, taken as a source holds
+    it (GGUF's blocks) rather than rounded here: tensors by name ending (weight and GRID_TENSORS)."""
+
+    kind: str
+    tensors: dict[str, torch.Tensor]
+    shape: tuple[int, int]  # of the weight it stands for
 
 
 def check_storable(quantize: Optional[str]) -> None:

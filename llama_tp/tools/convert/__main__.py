@@ -20,7 +20,8 @@ def main(kind: str, source: str, dest: str, mp: int = 1, dtype: Optional[str] = 
         dtype: bf16, fp16 or fp32; by default the source's own precision for hf, fp32 for gguf.
         quantize: "int8" stores the linear layers as grouped int8 (1.25 bytes per weight), "int4"
             as grouped 4-bit (0.625 bytes per weight; the output head int8), which llama_tp loads
-            as they are; embedding and norms stay in dtype.
+            as they are; embedding and norms stay in dtype. A GGUF's Q4_0 and Q4_1 layers come
+            into int4 and its Q8_0 ones into int8 exactly as the file stores them.
     """
     check_storable(quantize)
     if kind == "hf":
