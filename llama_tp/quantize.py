@@ -16,7 +16,8 @@ checkpoint: checkpoint/quantized.py).
   do not change (python -m llama_tp.tools.answer_agreement --quantize int4). CPU only: on CPUs
   with AVX-512 products of up to int4.MAX_ROWS rows (decoding) run our C++ kernel, which reads
   the 4-bit codes as they are stored, and prompts convert each weight back to fp32 with it and
-  multiply through oneDNN; elsewhere the weight is converted back by torch's operations.
+  multiply through oneDNN; on other CPUs torch.compile's code does the same more slowly (a
+  one-row product reading the codes, as int8's does).
 - "int8_dynamic": one grid per output channel, multiplied by fbgemm's int8 kernel, which also
   rounds each input row to int8 on the fly (dynamic quantization): 2-4x transformers' fp32 at
   batch 1, but its greedy answers drift from fp32's. CPU and fp32 only.
@@ -130,8 +131,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         operands = self.operands
-        if operands is None:
-            return self.communicate(matmul.linear(x, int4.dequantize(self.weight, self.scales, self.mins, x.dtype)))
+        if operands is None:  # a CPU without our kernel: torch.compile's code, as Int8Linear's
+            if x.numel() == x.shape[-1]:  # one row, bound by reading the weight: read it as int4
+                return self.communicate(_run(int4.grouped_product, x, self.weight, self.scales, self.mins))
+            return self.communicate(matmul.linear(x, _run(int4.dequantize, self.weight, self.scales, self.mins, x.dtype)))
         if x.numel() <= int4.MAX_ROWS * x.shape[-1]:  # decoding: bound by reading the weight
             return self.communicate(int4.product(x, *operands))
         return self.communicate(matmul.linear(x, int4.weight(*operands).to(x.dtype)))
@@ -204,8 +207,8 @@ def quantize_model(model: nn.Module, quantize: Optional[str]) -> nn.Module:
     device = next(model.parameters()).device
     if quantize == "int4":
         parallel.check_int4_device(device)
-    if quantize == "int8" and device.type == "cpu":
-        parallel.require_cxx_compiler("quantize='int8' on CPU", "use quantize='int8_dynamic' or none")
+    if quantize in ("int8", "int4") and device.type == "cpu":
+        parallel.require_cxx_compiler(f"quantize='{quantize}' on CPU", "use quantize='int8_dynamic' or none")
     replacements = {"int8": Int8Linear.quantizing, "int4": Int4Linear.quantizing, "int8_dynamic": DynamicInt8Linear}
     # Each full-precision weight is freed as it goes.
     return replace_linear_layers(model, lambda name, layer: replacements[layer_quantization(name, quantize)](layer))

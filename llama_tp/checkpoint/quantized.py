@@ -144,8 +144,8 @@ def quantized_tensors(name: str, tensor: torch.Tensor, n_shards: int, quantize: 
 def check_quantized_load(ckpt_dir: Path, args: ModelArgs, world_size: int, device: torch.device,
                          quantize: Optional[str], stored: str) -> None:
     """Refuse what cannot load a checkpoint stored as `stored`, before anything is read: another
-    quantization, a world size that cuts groups, int4 off the CPU, int8 on a CPU without a C++
-    compiler. quantize=None loads it as stored, and says so."""
+    quantization, a world size that cuts groups, int4 off the CPU, a CPU without a C++ compiler.
+    quantize=None loads it as stored, and says so."""
     check_quantize(quantize)
     if quantize not in (None, stored):
         raise ValueError(
@@ -159,8 +159,8 @@ def check_quantized_load(ckpt_dir: Path, args: ModelArgs, world_size: int, devic
         f"{ckpt_dir} is an {stored} checkpoint: run it on a number of processes whose slices hold whole "
         f"groups, or load the full-precision checkpoint with quantize='{stored}', which groups each "
         "process's slice itself"))
-    if device.type == "cpu" and stored == "int8":
-        require_cxx_compiler(f"the int8 checkpoint {ckpt_dir} on CPU", "load a full-precision checkpoint")
+    if device.type == "cpu":
+        require_cxx_compiler(f"the {stored} checkpoint {ckpt_dir} on CPU", "load a full-precision checkpoint")
     if quantize is None:
         logger.info(f"{ckpt_dir} stores its linear layers as {stored}: loading them as {stored} (quantize='{stored}')")
 

@@ -101,6 +101,18 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dt
     return weight.view(rows, -1).to(dtype)
 
 
+def grouped_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x [..., in] times the int4 weight, transposed, converting each weight back as it is read:
+    written for inductor (one pass over the codes), where our kernel does not run."""
+    rows, groups = scales.shape
+    x_groups = x.reshape(-1, 1, groups, 2, GROUP_SIZE // 2).float()  # r, 1, groups, low/high, 16
+    packed = codes.view(1, rows, groups, 1, GROUP_SIZE // 2)
+    steps = torch.cat((packed & 0xF, packed >> 4), dim=3).float()  # 1, out, groups, low/high, 16
+    weight = steps * scales.float()[None, :, :, None, None] + mins.float()[None, :, :, None, None]
+    product = (weight * x_groups).sum((-1, -2, -3))  # r, out
+    return product.reshape(*x.shape[:-1], rows).type_as(x)
+
+
 def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x [..., in] times the int4 weight, transposed: [..., out] in x's dtype (after cpu_kernels.load())."""
     y = torch.ops.llama_tp.int4_product(x.float().contiguous(), codes, scales, mins)
