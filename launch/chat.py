@@ -159,7 +159,8 @@ def main(
         min_gen_len: the end-of-turn token is impossible before this many tokens.
         seed: seed for sampling (default: the seed Llama.build sets).
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
-        quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
+        quantize: int8 or int4 (weight-only; int4 on CPU) or int8_dynamic (CPU) linear layers,
+            made at load time; a quantized checkpoint loads as it is stored.
         compile: compile the decoding step once the first reply has waited for the compiler
             (3-6 s on a CPU): then 1.1-1.9x faster steps on CPU (by CPU); worth it for long chats.
     """

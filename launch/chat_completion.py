@@ -77,7 +77,8 @@ def main(
         seed: seed for this run's sampling (default: the seed Llama.build sets).
         stream: print each reply as it is generated (dialogs then run one at a time).
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
-        quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
+        quantize: int8 or int4 (weight-only; int4 on CPU) or int8_dynamic (CPU) linear layers,
+            made at load time; a quantized checkpoint loads as it is stored.
         compile: compile the decoding step once the first reply has waited for the compiler
             (3-6 s on a CPU): 1.1-1.9x faster steps on CPU (by CPU) with --max_batch_size 1, little
             gain with more; worth it for long jobs.

@@ -1,7 +1,7 @@
 """How much memory each process needs, before anything is loaded (python -m llama_tp.plan prints it).
 
 The figures count exactly what llama_tp allocates per process: its slice of every weight matrix
-(int8 layers with their scales and zeros), the replicated norms, and the KV cache (KV heads are
+(int8 and int4 layers with their scales and zeros or mins), the replicated norms, and the KV cache (KV heads are
 copied when there are more processes than KV heads). Activations and the framework's own
 overhead come on top.
 """
@@ -12,9 +12,10 @@ from typing import Optional
 import torch
 
 from .args import ModelArgs
+from .kernels import int4
 from .kernels.int8 import group_size
 from .model import local_kv_heads
-from .quantize import check_quantize
+from .quantize import check_quantize, layer_quantization
 
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -30,18 +31,15 @@ class MemoryPlan:
     params_total: int
     params_per_rank: int
     kv_heads_per_rank: int
-    quantize: Optional[str] = None  # of the linear layers: "int8" or "int8_dynamic"
+    quantize: Optional[str] = None  # of the linear layers: "int8", "int4" or "int8_dynamic"
 
     @property
     def weight_bytes(self) -> int:
         if self.quantize is None:
             return self.params_per_rank * self.dtype_bytes
         linear = linear_params_per_rank(self.args, self.world_size)
-        if self.quantize == "int8":  # a byte per weight, fp32 scales and zeros per group of a slice's inputs
-            int8 = sum(n + 8 * n // group_size(width) for width, n in linear)
-        else:  # fbgemm's packed int8, whose per-output-channel scales are negligible
-            int8 = sum(n for _, n in linear)
-        return (self.params_per_rank - sum(n for _, n in linear)) * self.dtype_bytes + int8
+        quantized = sum(_quantized_bytes(width, n, layer_quantization(name, self.quantize)) for name, width, n in linear)
+        return (self.params_per_rank - sum(n for _, _, n in linear)) * self.dtype_bytes + quantized
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -55,23 +53,32 @@ class MemoryPlan:
         return self.max_batch_size * self.max_seq_len * self.args.vocab_size * 4
 
 
+def _quantized_bytes(width: int, n: int, quantization: str) -> int:
+    """Bytes of n weights of a linear layer `width` inputs wide (on this rank), quantized so."""
+    if quantization == "int8":  # a byte per weight, fp32 scales and zeros per group of a slice's inputs
+        return n + 8 * n // group_size(width)
+    if quantization == "int4":  # half a byte per weight, fp16 scales and mins per group of 32
+        return n // 2 + 4 * n // int4.GROUP_SIZE
+    return n  # fbgemm's packed int8, whose per-output-channel scales are negligible
+
+
 def params_per_rank(args: ModelArgs, world_size: int) -> int:
     """Parameters one of world_size processes holds: its slice of each split matrix plus the norms."""
-    linear = sum(n for _, n in linear_params_per_rank(args, world_size))
+    linear = sum(n for _, _, n in linear_params_per_rank(args, world_size))
     embedding = args.vocab_size * args.dim // world_size
     norms = (2 * args.n_layers + 1) * args.dim  # two per layer and the last
     return linear + embedding + norms
 
 
-def linear_params_per_rank(args: ModelArgs, world_size: int) -> list[tuple[int, int]]:
-    """(input width on one of world_size processes, its parameters there) of the linear layers."""
+def linear_params_per_rank(args: ModelArgs, world_size: int) -> list[tuple[str, int, int]]:
+    """(name, input width on one of world_size processes, parameters there) of the linear layers."""
     q, kv = args.n_heads * args.head_dim // world_size, local_kv_heads(args, world_size) * args.head_dim
     ffn = args.ffn_hidden_dim // world_size
     return [
-        (args.dim, args.n_layers * args.dim * (q + 2 * kv + 2 * ffn)),  # wq, wk, wv, w1, w3
-        (q, args.n_layers * args.dim * q),  # wo
-        (ffn, args.n_layers * args.dim * ffn),  # w2
-        (args.dim, args.vocab_size * args.dim // world_size),  # output
+        ("wq, wk, wv, w1, w3", args.dim, args.n_layers * args.dim * (q + 2 * kv + 2 * ffn)),
+        ("wo", q, args.n_layers * args.dim * q),
+        ("w2", ffn, args.n_layers * args.dim * ffn),
+        ("output", args.dim, args.vocab_size * args.dim // world_size),
     ]
 
 
@@ -102,7 +109,9 @@ def report(memory: MemoryPlan) -> str:
     total = memory.weight_bytes + memory.kv_cache_bytes + memory.logits_bytes
     weights = f"{memory.dtype_bytes}-byte weights"
     if memory.quantize:
-        weights = f"{memory.quantize} linear layers, other {weights}"
+        head = layer_quantization("output", memory.quantize)
+        exception = f" (the output head {head})" if head != memory.quantize else ""
+        weights = f"{memory.quantize} linear layers{exception}, other {weights}"
     lines = [
         f"Memory per process ({world_size} process{'es' * (world_size > 1)}, {weights}, "
         f"batch {memory.max_batch_size} x {memory.max_seq_len} tokens):",

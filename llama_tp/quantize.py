@@ -1,5 +1,5 @@
-"""Quantized linear layers, put in place of the model's at load time (or read from an int8
-checkpoint: checkpoint/int8.py).
+"""Quantized linear layers, put in place of the model's at load time (or read from a quantized
+checkpoint: checkpoint/quantized.py).
 
 - "int8": weight-only, grouped int8 (kernels/int8.py): the demo model's greedy answers do not
   change, where one grid per output channel changed 7 of 10 (python -m
@@ -10,6 +10,14 @@ checkpoint: checkpoint/int8.py).
   multiply it through oneDNN. All are compiled on first use (seconds; they need a C++ compiler,
   as --compile does). Elsewhere the weight is converted back on the fly: that saves memory, not
   time.
+- "int4": weight-only, grouped 4-bit (kernels/int4.py, GGUF's Q4_1 and Q4_0 arithmetic) in the
+  transformer's layers, 0.625 bytes per weight; the output head grouped int8, as llama.cpp's
+  4-bit files keep theirs at 6-8 bits (the demo model's is Q8_0). The demo model's greedy answers
+  do not change (python -m llama_tp.tools.answer_agreement --quantize int4). CPU only: on CPUs
+  with AVX-512 products of up to int4.MAX_ROWS rows (decoding) run our C++ kernel, which reads
+  the 4-bit codes as they are stored, and prompts convert each weight back to fp32 with it and
+  multiply through oneDNN; on other CPUs torch.compile's code does the same more slowly (a
+  one-row product reading the codes, as int8's does).
 - "int8_dynamic": one grid per output channel, multiplied by fbgemm's int8 kernel, which also
   rounds each input row to int8 on the fly (dynamic quantization): 2-4x transformers' fp32 at
   batch 1, but its greedy answers drift from fp32's. CPU and fp32 only.
@@ -23,11 +31,13 @@ import torch
 from torch import nn
 
 from . import parallel
-from .kernels import cpu_kernels, int8, matmul
+from .kernels import cpu_kernels, int4, int8, matmul
 from .kernels.int8 import dequantize, grouped_product, quantize_int8
 from .model import LINEAR_LAYERS
 
-QUANTIZATIONS = ("int8", "int8_dynamic")
+QUANTIZATIONS = ("int8", "int4", "int8_dynamic")
+# The layer int4 keeps in int8: the output head, whose rounding moves every logit.
+INT8_UNDER_INT4 = "output"
 
 
 def check_quantize(quantize: Optional[str]) -> None:
@@ -93,6 +103,43 @@ class Int8Linear(nn.Module):
         return self.communicate(matmul.linear(x, weight))
 
 
+class Int4Linear(nn.Module):
+    """A parallel linear layer holding its slice of the weight as grouped int4 (kernels/int4.py):
+    codes (as `weight`, so that checkpoints name it as every layer's), scales and mins, built as
+    Int8Linear is. CPU only (parallel.check_int4_device)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 communicate: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.register_buffer("weight", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        self.communicate = communicate
+        # (codes, scales, mins) once our C++ kernel multiplies (use_kernel): plain attributes, read
+        # in 0.1 us where each buffer's lookup through nn.Module takes 0.4, 120 times a step.
+        self.operands: Optional[tuple[torch.Tensor, ...]] = None
+
+    @classmethod
+    def quantizing(cls, layer: nn.Module) -> "Int4Linear":
+        """The layer with its weight quantized here (quantize_int4 of this rank's slice)."""
+        return cls(*int4.quantize_int4(layer.weight.detach()), parallel.communication_after(layer))
+
+    def use_kernel(self) -> None:
+        """Multiply through our int4 kernel from now on (once the weights are loaded)."""
+        cpu_kernels.load()
+        self.operands = (self.weight, self.scales, self.mins)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        operands = self.operands
+        if operands is None:  # a CPU without our kernel: torch.compile's code, as Int8Linear's
+            if x.numel() == x.shape[-1]:  # one row, bound by reading the weight: read it as int4
+                return self.communicate(_run(int4.grouped_product, x, self.weight, self.scales, self.mins))
+            return self.communicate(matmul.linear(x, _run(int4.dequantize, self.weight, self.scales, self.mins, x.dtype)))
+        if x.numel() <= int4.MAX_ROWS * x.shape[-1]:  # decoding: bound by reading the weight
+            return self.communicate(int4.product(x, *operands))
+        return self.communicate(matmul.linear(x, int4.weight(*operands).to(x.dtype)))
+
+
 class DynamicInt8Linear(nn.Module):
     """A parallel linear layer multiplied by fbgemm's dynamic int8 kernel: one grid per output
     channel for the weight, one per row for the activations, fp32 on CPU only."""
@@ -126,21 +173,30 @@ def _fbgemm_pack(weight: torch.Tensor) -> object:
         return torch.ops.quantized.linear_prepack(qweight, None)
 
 
-def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Module], nn.Module]) -> nn.Module:
-    """Replace every linear layer of the model (attention, feed-forward, output) in place by replacement(layer)."""
-    for module in list(model.modules()):
+def replace_linear_layers(model: nn.Module, replacement: Callable[[str, nn.Module], nn.Module]) -> nn.Module:
+    """Replace every linear layer of the model (attention, feed-forward, output) in place by
+    replacement(its name in the model, the layer)."""
+    for prefix, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             if name in LINEAR_LAYERS:
-                setattr(module, name, replacement(child))
+                setattr(module, name, replacement(f"{prefix}.{name}".lstrip("."), child))
     return model
 
 
-def use_int8_kernel(model: nn.Module) -> nn.Module:
-    """Hand the model's int8 layers to our int8 kernel, where it runs (a CPU with AVX-512)."""
+def use_kernels(model: nn.Module) -> nn.Module:
+    """Hand the model's int8 and int4 layers to our kernels, where they run (a CPU with AVX-512)."""
     for module in model.modules():
-        if isinstance(module, Int8Linear) and cpu_kernels.runs_on(module.weight.device):
+        if isinstance(module, (Int8Linear, Int4Linear)) and cpu_kernels.runs_on(module.weight.device):
             module.use_kernel()
     return model
+
+
+def layer_quantization(name: str, quantize: Optional[str]) -> Optional[str]:
+    """What `quantize` makes of the linear layer `name` (its attribute or checkpoint name, e.g.
+    output or layers.0.attention.wq): int4 keeps the output head in int8 (INT8_UNDER_INT4)."""
+    if quantize == "int4" and name.split(".")[-1] == INT8_UNDER_INT4:
+        return "int8"
+    return quantize
 
 
 def quantize_model(model: nn.Module, quantize: Optional[str]) -> nn.Module:
@@ -148,7 +204,11 @@ def quantize_model(model: nn.Module, quantize: Optional[str]) -> nn.Module:
     check_quantize(quantize)
     if quantize is None:
         return model
-    if quantize == "int8" and next(model.parameters()).device.type == "cpu":
-        parallel.require_cxx_compiler("quantize='int8' on CPU", "use quantize='int8_dynamic' or none")
-    replacement = Int8Linear.quantizing if quantize == "int8" else DynamicInt8Linear
-    return replace_linear_layers(model, replacement)  # each full-precision weight is freed as it goes
+    device = next(model.parameters()).device
+    if quantize == "int4":
+        parallel.check_int4_device(device)
+    if quantize in ("int8", "int4") and device.type == "cpu":
+        parallel.require_cxx_compiler(f"quantize='{quantize}' on CPU", "use quantize='int8_dynamic' or none")
+    replacements = {"int8": Int8Linear.quantizing, "int4": Int4Linear.quantizing, "int8_dynamic": DynamicInt8Linear}
+    # Each full-precision weight is freed as it goes.
+    return replace_linear_layers(model, lambda name, layer: replacements[layer_quantization(name, quantize)](layer))

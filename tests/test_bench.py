@@ -1,11 +1,14 @@
-"""The benchmark runs on a tiny model and writes well-formed JSON; its transformers copy is the same model."""
+"""The benchmark runs on a tiny model and writes well-formed JSON; its transformers copy is the same
+model; llama.cpp runs beside it on the same GGUF file where llama-cpp-python is installed."""
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from distributed import run_world
 from llama_tp import parallel
@@ -15,6 +18,9 @@ from llama_tp.tools.bench import compare_loading, load_meta_reference, main, wei
 from llama_tp.tools.bench_hf import build_hf_model
 from llama_tp.checkpoint import TOLERATED_EXTRA_KEYS, load_model
 from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
+from llama_tp.tools.convert.__main__ import main as convert
+from test_convert_gguf_model import write_tiny_gguf
+from test_convert_hf import byte_level_tokenizer
 from tiny_checkpoint import TINY_LLAMA3, full_weights, write_checkpoint
 
 
@@ -92,8 +98,40 @@ def test_load_comparison_measures_the_fresh_process_only(tiny_ckpt):
 
 
 def test_bench_rejects_unknown_comparison(tiny_ckpt, tmp_path):
-    with pytest.raises(ValueError, match="--compare 'vllm'"):
+    with pytest.raises(ValueError, match="--compare 'vllm' is not supported; use --compare hf, --compare llamacpp"):
         main(ckpt_dir=str(tiny_ckpt), compare="vllm", json_path=str(tmp_path / "x.json"))
+
+
+def test_bench_says_how_to_install_llama_cpp_when_it_is_missing(tiny_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the package were not installed
+    with pytest.raises(ModuleNotFoundError, match=r"--compare llamacpp needs the 'llama_cpp' package, which is not "
+                                                  r"installed; run: pip install \"llama-tp\[llamacpp\]\".*cmake"):
+        main(ckpt_dir=str(tiny_ckpt), compare="llamacpp", gguf=str(tmp_path / "x.gguf"), load_repeats=0,
+             json_path=str(tmp_path / "x.json"))
+
+
+def test_bench_asks_for_the_gguf_file_beside_a_checkpoint(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="--compare llamacpp runs a GGUF file beside .*: pass --gguf"):
+        main(ckpt_dir=str(tiny_ckpt), compare="llamacpp", load_repeats=0, json_path=str(tmp_path / "x.json"))
+
+
+def test_bench_interleaves_llama_cpp_on_the_same_gguf(tmp_path, capsys):
+    """Where llama-cpp-python is installed: a tiny GGUF run by both, llama.cpp at batch 1 only."""
+    pytest.importorskip("llama_cpp")
+    byte_level_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    vocab = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    write_tiny_gguf(tmp_path / "tiny.gguf", json.loads(tokenizer.to_str()), vocab)
+    convert("gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "ckpt"))
+    out = tmp_path / "bench.json"
+    main(ckpt_dir=str(tmp_path / "ckpt"), compare="llamacpp", gguf=str(tmp_path / "tiny.gguf"), json_path=str(out),
+         repeats=1, load_repeats=0, new_tokens=4, batch_sizes=(1, 2), prefill_lengths=8)
+    report = json.loads(out.read_text())
+    assert set(report["cases"]["decode_batch_1"]["tokens_per_s"]) == {"llama_tp", "llamacpp"}
+    assert set(report["cases"]["decode_batch_2"]["tokens_per_s"]) == {"llama_tp"}  # llama.cpp runs one row
+    assert report["cases"]["prefill_8"]["ratio_vs_llamacpp"] > 0
+    assert 0 <= report["greedy_agreement_with_llamacpp"] <= 1 and report["machine"]["llama_cpp_python"]
+    assert "llamacpp tok/s" in capsys.readouterr().out
 
 
 def test_bench_rejects_an_empty_batch_size_list(tiny_ckpt, tmp_path):

@@ -87,20 +87,20 @@ def test_compiled_decoding_over_two_processes_equals_one_eager_process(checkpoin
         assert_same(results, eager())
 
 
-@pytest.mark.slow
-def test_compiled_int8_decoding_equals_eager_int8(checkpoints, tokenizer_path, eager):
-    """Compiled steps run the same int8 kernels as eager ones, fused with the operations around
-    them: the logits may differ by fp32 rounding, a hundredth of what the weights' own rounding
-    moves them, and greedy choices not at all (a seeded sample on this random model's flat
-    distributions may)."""
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_compiled_quantized_decoding_equals_eager(checkpoints, tokenizer_path, eager, quantize):
+    """Compiled steps run the same int8 and int4 kernels as eager ones, fused with the operations
+    around them: the logits may differ by fp32 rounding, a hundredth of what the weights' own
+    rounding moves them, and greedy choices not at all (a seeded sample on this random model's
+    flat distributions may)."""
     folder = str(checkpoints["llama3", 1])
-    eager_int8 = generations(folder, tokenizer_path, compile=False, quantize="int8")
+    eager_quantized = generations(folder, tokenizer_path, compile=False, quantize=quantize)
     torch._dynamo.reset()
-    compiled_int8 = generations(folder, tokenizer_path, compile=True, quantize="int8")
+    compiled = generations(folder, tokenizer_path, compile=True, quantize=quantize)
     for batch in (3, 1):
-        for got, want, fp32 in zip(compiled_int8[0][batch], eager_int8[0][batch], eager()[0][batch], strict=True):
+        for got, want, fp32 in zip(compiled[0][batch], eager_quantized[0][batch], eager()[0][batch], strict=True):
             assert (got - want).abs().max() <= 0.01 * (want - fp32).abs().max()
-    assert_same_greedy(compiled_int8, eager_int8)
+    assert_same_greedy(compiled, eager_quantized)
 
 
 @pytest.mark.slow

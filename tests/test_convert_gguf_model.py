@@ -34,7 +34,8 @@ def stored(values: np.ndarray, kind: Q, rng) -> np.ndarray:
     return values.astype(np.float16) if kind == Q.F16 else quantize(values, kind)
 
 
-def write_tiny_gguf(path, tokenizer_json: dict, vocab: list[str]) -> None:
+def write_tiny_gguf(path, tokenizer_json: dict, vocab: list[str], types: dict = TYPES) -> None:
+    """A tiny Llama GGUF storing each kind of tensor in the GGUF type `types` names for it."""
     rng = np.random.default_rng(0)
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
@@ -62,12 +63,12 @@ def write_tiny_gguf(path, tokenizer_json: dict, vocab: list[str]) -> None:
         values = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
         writer.add_tensor(name, stored(values, kind, rng), raw_dtype=None if kind == Q.F16 else kind)
 
-    add("token_embd.weight", len(vocab), DIM, TYPES["token_embd"])  # tied: no output.weight
+    add("token_embd.weight", len(vocab), DIM, types["token_embd"])  # tied: no output.weight
     for i in range(LAYERS):
         for kind, rows, cols in (("attn_q", DIM, DIM), ("attn_k", DIM // 2, DIM), ("attn_v", DIM // 2, DIM),
                                  ("attn_output", DIM, DIM), ("ffn_gate", FFN, DIM), ("ffn_up", FFN, DIM),
                                  ("ffn_down", DIM, FFN)):
-            add(f"blk.{i}.{kind}.weight", rows, cols, TYPES[kind])
+            add(f"blk.{i}.{kind}.weight", rows, cols, types[kind])
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(DIM)).astype(np.float32))
     writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(DIM)).astype(np.float32))

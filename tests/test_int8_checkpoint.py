@@ -2,7 +2,6 @@
 exactly the model that quantizing at load time gives, on any number of processes."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,9 +12,9 @@ from llama_tp.args import ModelArgs
 from llama_tp.checkpoint import load_shard, shard_paths
 from llama_tp.tools.convert.__main__ import main as convert
 from llama_tp.tools.convert.writer import shard_of
-from llama_tp.checkpoint.int8 import check_int8_split
+from llama_tp.checkpoint.quantized import check_split
 from llama_tp.kernels.int8 import quantize_int8
-from llama_tp.quantize import Int8Linear
+from llama_tp.quantize import Int4Linear, Int8Linear
 from llama_tp.tools.reshard import reshard
 from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from distributed import run_world
@@ -106,8 +105,8 @@ def test_convert_hf_quantize_equals_reshard_quantize_and_refuses_cut_groups(tmp_
     assert not (tmp_path / "mp2").exists()
     with pytest.raises(ValueError, match="--quantize int8_dynamic is applied at load time only"):
         convert("hf", str(tmp_path / "hf"), str(tmp_path / "dynamic"), quantize="int8_dynamic")
-    with pytest.raises(ValueError, match="--quantize 'int4' is not supported; use int8 or leave it unset"):
-        reshard(tmp_path / "fp", tmp_path / "int4", 1, quantize="int4")
+    with pytest.raises(ValueError, match="--quantize 'int2' is not supported; use int8 or int4 or leave it unset"):
+        reshard(tmp_path / "fp", tmp_path / "int2", 1, quantize="int2")
     with pytest.raises(ValueError, match="--quantize int8_dynamic is applied at load time only"):
         reshard(tmp_path / "fp", tmp_path / "dynamic", 1, quantize="int8_dynamic")
 
@@ -129,25 +128,29 @@ def test_convert_gguf_quantize_equals_reshard_quantize(tmp_path, mp):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
-    """A bf16 checkpoint, its int8 copies of 1 and 2 shards, and an int8 model that 2 processes cannot split."""
-    root = tmp_path_factory.mktemp("int8")
+    """A bf16 checkpoint, its int8 and int4 copies of 1 and 2 shards, and an int8 model that 2
+    processes cannot split (test_int4_checkpoint.py uses them too)."""
+    root = tmp_path_factory.mktemp("quantized")
     source = write_checkpoint(root / "bf16", TINY_LLAMA2, full_weights(TINY_LLAMA2, VOCAB), 1, "dim")
-    reshard(source, root / "int8-1", 1, quantize="int8")
-    reshard(source, root / "int8-2", 2, quantize="int8")
+    for quantize in ("int8", "int4"):
+        for shards in (1, 2):
+            reshard(source, root / f"{quantize}-{shards}", shards, quantize=quantize)
     misaligned = write_checkpoint(root / "misaligned-bf16", MISALIGNED, full_weights(MISALIGNED, VOCAB), 1, "dim")
     reshard(misaligned, root / "misaligned", 1, quantize="int8")
-    return {name: str(root / name) for name in ("bf16", "int8-1", "int8-2", "misaligned")}
+    return {path.name: str(path) for path in root.iterdir()}
 
 
 def outputs(folder: str, quantize=None) -> dict:
-    """Logits of a prompt, of a two-row and a one-row step (the two int8 kernels), greedy tokens."""
+    """Logits of a prompt, of a two-row and a one-row step (the kernels' cases), greedy tokens, the
+    kinds of quantized layers built and the bytes the model holds."""
     llama = Llama.build(folder, str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=2, quantize=quantize)
     forward = llama.model.forward
     logits = [forward(torch.tensor([[1, 450, 6593, 310], [1, 15043, 29871, 13]]), 0),
               forward(torch.tensor([[450], [306]]), 4), forward(torch.tensor([[338]]), 5)]
     tokens, _ = llama.generate(PROMPTS, max_gen_len=8, temperature=0)
-    int8_layers = sum(isinstance(m, Int8Linear) and m.weight.dtype == torch.int8 for m in llama.model.modules())
-    return {"logits": logits, "tokens": tokens, "int8_layers": int8_layers}
+    layers = [type(m).__name__ for m in llama.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    held = sum(tensor.nbytes for tensor in llama.model.state_dict().values())
+    return {"logits": logits, "tokens": tokens, "layers": layers, "held": held}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +165,7 @@ def test_int8_checkpoint_gives_exactly_load_time_int8(one_process):
     assert len(set(t for row in expected["tokens"] for t in row)) > 2, "a degenerate model proves little"
     for case in ("int8-1", "int8-1 asked", "int8-2"):  # int8-2: two shards merged while loading
         got = one_process[case]
-        assert got["int8_layers"] == 2 * 4 + 1, case
+        assert got["layers"] == ["Int8Linear"] * (2 * 4 + 1), case
         assert got["tokens"] == expected["tokens"], case
         for got_logits, expected_logits in zip(got["logits"], expected["logits"], strict=True):
             assert torch.equal(got_logits, expected_logits), case
@@ -182,18 +185,24 @@ def _on_two_ranks(folders: dict[str, str]) -> dict:
     return results
 
 
-@pytest.mark.slow
-def test_int8_checkpoints_on_two_processes_match_one(folders, one_process):
-    """2 shards on 2 ranks, and 1 shard split over them while loading, agree with one process."""
-    expected = one_process["int8-1"]
-    ranks = run_world(2, _on_two_ranks, folders)
-    for case in ("int8-2", "int8-1"):
+def assert_ranks_agree_with_one_process(ranks: list[dict], expected: dict) -> None:
+    """Each case's outputs on both ranks are the same, and one process's to fp32 rounding."""
+    for case in ranks[0]:
+        if case == "misaligned":
+            continue
         got, other = ranks[0][case], ranks[1][case]
         assert got["tokens"] == other["tokens"] == expected["tokens"], case
         for got_logits, other_logits, expected_logits in zip(got["logits"], other["logits"], expected["logits"]):
             assert torch.equal(got_logits, other_logits)
             scale = expected_logits.abs().max()
             torch.testing.assert_close(got_logits, expected_logits, rtol=1e-5, atol=1e-5 * scale, msg=case)
+
+
+@pytest.mark.slow
+def test_int8_checkpoints_on_two_processes_match_one(folders, one_process):
+    """2 shards on 2 ranks, and 1 shard split over them while loading, agree with one process."""
+    ranks = run_world(2, _on_two_ranks, folders)
+    assert_ranks_agree_with_one_process(ranks, one_process["int8-1"])
     for rank in ranks:
         message = rank.get("misaligned", "no error")
         assert "feed_forward.w2 (in every layer) has 176 inputs, quantized in int8 groups of 16: split 2 ways, " \
@@ -208,29 +217,13 @@ def test_int8_dynamic_is_refused_for_an_int8_checkpoint(folders):
         Llama.build(folders["int8-1"], str(LLAMA2_TOKENIZER), max_seq_len=8, max_batch_size=1, quantize="int8_dynamic")
 
 
-def test_check_int8_split_names_the_layer_and_the_part_counts_that_fit():
+def test_check_split_names_the_layer_and_the_part_counts_that_fit():
     args = ModelArgs.from_dict(MISALIGNED).with_vocab_size(VOCAB)
-    check_int8_split(args, 1, fix="unused")
+    check_split(args, 1, "int8", fix="unused")
     with pytest.raises(ValueError, match=r"feed_forward\.w2 .* 176 inputs.* groups of 16: split 2 ways, parts of "
                                          r"88 inputs .*; do this \(whole groups: 1\)"):
-        check_int8_split(args, 2, fix="do this")
+        check_split(args, 2, "int8", fix="do this")
     wide = ModelArgs.from_dict(TINY_LLAMA2).with_vocab_size(VOCAB)  # wo 64 and w2 192 wide: 2 and 6 groups
-    check_int8_split(wide, 2, fix="unused")
+    check_split(wide, 2, "int8", fix="unused")
     with pytest.raises(ValueError, match=r"attention\.wo .* 64 inputs.* parts of 16 inputs .*whole groups: 1, 2\)"):
-        check_int8_split(wide, 4, fix="do this")
-
-
-@pytest.mark.parametrize("change, message", [
-    (lambda shard: shard.pop("layers.1.attention.wv.scales"), r"missing layers\.1\.attention\.wv\.scales"),
-    (lambda shard: shard.update({"layers.0.feed_forward.w2.zeros": torch.zeros(64, 3)}),
-     r"layers\.0\.feed_forward\.w2\.zeros has shape \[64, 3\] but this rank's slice of the model needs \[64, 6\]"),
-    (lambda shard: shard.update({"output.scales": shard["output.scales"].double()}),
-     r"output\.scales is torch\.float64 where an int8 checkpoint stores torch\.float32"),
-], ids=["missing", "shape", "dtype"])
-def test_int8_checkpoint_loads_strictly(folders, tmp_path, change, message):
-    folder = shutil.copytree(folders["int8-1"], tmp_path / "broken")
-    shard = torch.load(folder / "consolidated.00.pth", weights_only=True)
-    change(shard)
-    torch.save(shard, folder / "consolidated.00.pth")
-    with pytest.raises(ValueError, match=message):
-        Llama.build(str(folder), str(LLAMA2_TOKENIZER), max_seq_len=8, max_batch_size=1)
+        check_split(wide, 4, "int8", fix="do this")

@@ -76,3 +76,11 @@ def test_streaming_script_builds_a_one_row_model(tmp_path, checkpoints):
     result = run_script("text_completion.py", 1, "--ckpt_dir", checkpoints[1], "--tokenizer_path",
                         str(LLAMA2_TOKENIZER), "--prompts_file", str(prompts_file), *GREEDY, "--stream")
     assert "batch 1 x 64 tokens" in result.stderr  # the memory plan Llama.build prints
+
+
+def test_text_completion_script_takes_quantize_int4(tmp_path, checkpoints):
+    """--quantize int4 reaches Llama.build: the script's tokens are the API's with int4 layers."""
+    records = run_with_files(tmp_path, checkpoints, "text_completion.py", 1, PROMPTS, "--quantize", "int4")
+    quantized = Llama.build(checkpoints[1], str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=2, quantize="int4")
+    expected = quantized.text_completion(PROMPTS, temperature=0, max_gen_len=6, token_ids=True)
+    assert [r["token_ids"] for r in records] == [e["token_ids"] for e in expected]

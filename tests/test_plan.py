@@ -90,3 +90,15 @@ def test_int8_plan_matches_the_built_model_and_build_prints_it(tmp_path, capsys)
         memory = plan(llama.model.args, 1, 3, 32, torch.float32, "int8")
         assert memory.weight_bytes == sum(t.nbytes for t in llama.model.state_dict().values())
         assert "(1 process, int8 linear layers, other 4-byte weights, batch 3 x 32 tokens)" in capsys.readouterr().err
+
+
+def test_planner_counts_int4_layers_and_their_int8_head(capsys):
+    """0.625 bytes per block weight (half a byte, fp16 scales and mins per 32), the output head 1.25."""
+    plan_main(str(PARAMS / "llama-2-7b.json"), world_size=1, max_batch_size=1, max_seq_len=128, quantize="int4")
+    printed = capsys.readouterr().out
+    assert "int4 linear layers (the output head int8), other 2-byte weights" in printed
+    args = load("llama-2-7b")
+    head = args.vocab_size * args.dim
+    blocks = params_per_rank(args, 1) - 2 * head - (2 * args.n_layers + 1) * args.dim  # less embedding, head, norms
+    expected = plan(args, 1, 1, 128, "bf16").weight_bytes - 2 * (blocks + head) + blocks * 5 // 8 + head * 5 // 4
+    assert plan(args, 1, 1, 128, "bf16", "int4").weight_bytes == expected

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from llama_tp import Llama
-from llama_tp.kernels import cpu_kernels
-from llama_tp.kernels.int8 import dequantize, grouped_product, quantize_int8
+from llama_tp.kernels import cpu_kernels, int4, int8
+from llama_tp.kernels.int8 import dequantize, quantize_int8
 from llama_tp.quantize import DynamicInt8Linear, Int8Linear
 from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from distributed import run_world
@@ -74,13 +74,15 @@ def test_quantize_int8_groups_fewer_inputs_when_the_width_is_not_a_multiple_of_3
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_grouped_product_equals_the_dequantized_weights_product(rows, compiled):
+@pytest.mark.parametrize("kind", [int8, int4], ids=["int8", "int4"])
+def test_grouped_product_equals_the_dequantized_weights_product(rows, compiled, kind):
+    """What int8 and int4 layers run for one row where our kernels do not."""
     generator = torch.Generator().manual_seed(2)
-    q, scales, zeros = quantize_int8(torch.randn(40, 96, generator=generator))
+    weight = (quantize_int8 if kind is int8 else int4.quantize_int4)(torch.randn(40, 96, generator=generator))
     x = torch.randn(rows, 1, 96, generator=generator)
-    expected = torch.nn.functional.linear(x.double(), dequantize(q, scales, zeros, torch.float64))
-    product = torch.compile(grouped_product, dynamic=False) if compiled else grouped_product
-    got = product(x, q, scales, zeros)
+    expected = torch.nn.functional.linear(x.double(), kind.dequantize(*weight, torch.float64))
+    product = torch.compile(kind.grouped_product, dynamic=False) if compiled else kind.grouped_product
+    got = product(x, *weight)
     assert got.shape == (rows, 1, 40) and got.dtype == x.dtype
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -137,8 +139,8 @@ def test_int8_over_two_processes_stays_close_to_fp32(checkpoints):
 
 
 def test_unknown_quantization_is_refused(tiny_ckpt):
-    with pytest.raises(ValueError, match="quantize='int4'.*int8, int8_dynamic"):
-        _build(tiny_ckpt, "int4")
+    with pytest.raises(ValueError, match="quantize='int2'.*int8, int4, int8_dynamic"):
+        _build(tiny_ckpt, "int2")
 
 
 def test_int8_of_a_model_from_gguf_blocks_gives_fp32_logits(tmp_path):

@@ -1,5 +1,5 @@
 """Checkpoints on disk: Meta's shard layout (sharding), strict memory-mapped loading of any shard
-count at any world size (loading, mapped_pages), and int8 checkpoints (int8)."""
+count at any world size (loading, mapped_pages), and int8 and int4 checkpoints (quantized)."""
 
 from .loading import (
     TOLERATED_EXTRA_KEYS,

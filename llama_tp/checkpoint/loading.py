@@ -2,8 +2,8 @@
 
 A checkpoint may have any number of shards: each rank assembles its own slice from the shards
 that hold parts of it (merging when there are more shards than ranks, splitting when fewer),
-reading them memory-mapped so that no rank ever holds the whole model. An int8 checkpoint
-(checkpoint/int8.py) loads straight into int8 layers.
+reading them memory-mapped so that no rank ever holds the whole model. A quantized checkpoint
+(checkpoint/quantized.py) loads straight into int8 and int4 layers.
 """
 
 import math
@@ -21,9 +21,9 @@ from ..kernels import cpu_kernels, matmul
 from ..logs import logger
 from ..model import LINEAR_LAYERS, Transformer
 from ..parallel import EmbeddingLayout, Placement
-from ..quantize import Int8Linear, quantize_model, use_int8_kernel
+from ..quantize import Int4Linear, Int8Linear, quantize_model, use_kernels
 from . import mapped_pages
-from .int8 import check_int8_load, stored_quantization, unfilled_int8_layers
+from .quantized import check_quantized_load, stored_quantization, unfilled_layers
 from .sharding import assemble_slice
 
 # Real Llama 2 shards carry the rotary table, which the model computes itself.
@@ -117,13 +117,13 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
                 f"model needs {list(shape)}; check params.json and the number of processes"
             )
 
-    stored_dtypes = _int8_tensors(model)
-    for name, stored_dtype in stored_dtypes.items():
+    stored_dtypes = _quantized_tensors(model)
+    for name, (stored_dtype, kind) in stored_dtypes.items():
         for part, _ in layout[name]:
             if shard[part].dtype != stored_dtype:
                 raise ValueError(
-                    f"{source}: {part} is {shard[part].dtype} where an int8 checkpoint stores "
-                    f"{stored_dtype}; the checkpoint mixes int8 and full-precision layers: write it again"
+                    f"{source}: {part} is {shard[part].dtype} where an {kind} checkpoint stores "
+                    f"{stored_dtype}; the checkpoint mixes quantized and full-precision layers: write it again"
                 )
     packing = pack_linear and matmul.packable(device, dtype)
     staging = threading.local()  # each converting thread's buffer for weights on their way to packing
@@ -135,7 +135,7 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
             tensor = matmul.pack(_staged(sources, dtype, staging))
         else:
             tensor = sources[0] if len(sources) == 1 else torch.cat(sources)
-            tensor = tensor.to(device=device, dtype=stored_dtypes.get(name, dtype))
+            tensor = tensor.to(device=device, dtype=stored_dtypes.get(name, (dtype,))[0])
         for source_tensor in sources:
             if tensor is not source_tensor:  # converted, stacked or packed: the source is no longer used
                 mapped_pages.release(source_tensor)
@@ -176,10 +176,12 @@ def _staged(sources: list[torch.Tensor], dtype: torch.dtype, staging: threading.
     return stacked
 
 
-def _int8_tensors(model: Transformer) -> dict[str, torch.dtype]:
-    """The tensors of the model's int8 layers, which load in the dtype they are stored in (int8, fp32)."""
-    return {f"{prefix}.{name}": tensor.dtype for prefix, module in model.named_modules()
-            if isinstance(module, Int8Linear) for name, tensor in module.named_buffers()}
+def _quantized_tensors(model: Transformer) -> dict[str, tuple[torch.dtype, str]]:
+    """The tensors of the model's int8 and int4 layers, which load in the dtype they are stored in
+    (int8 and fp32; uint8 and fp16), with the kind of their layer."""
+    kinds = {Int8Linear: "int8", Int4Linear: "int4"}
+    return {f"{prefix}.{name}": (tensor.dtype, kinds[type(module)]) for prefix, module in model.named_modules()
+            if type(module) in kinds for name, tensor in module.named_buffers()}
 
 
 class Checkpoint(NamedTuple):
@@ -188,7 +190,7 @@ class Checkpoint(NamedTuple):
     paths: list[Path]
     args: ModelArgs  # with the checkpoint's vocabulary filled in
     layout: EmbeddingLayout
-    quantization: Optional[str]  # "int8" for an int8 checkpoint (checkpoint/int8.py)
+    quantization: Optional[str]  # "int8" or "int4" for a quantized checkpoint (checkpoint/quantized.py)
     first_shard: dict[str, torch.Tensor]  # memory-mapped, read once: opening a shard costs ~16 ms
 
 
@@ -234,7 +236,7 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
                quantize: Optional[str] = None, pack: bool = True, opened: Optional[Checkpoint] = None) -> Transformer:
     """Build the model without initialising it and fill it with this rank's slice, whatever the
     shard count; linear layers quantized as asked (see quantize.py), or else, with pack, laid out
-    for the device's fastest kernel (see matmul.packing_pays). An int8 checkpoint's layers load
+    for the device's fastest kernel (see matmul.packing_pays). A quantized checkpoint's layers load
     as they are stored. opened: ckpt_dir's open_checkpoint, if the caller has it already."""
     checkpoint = opened or open_checkpoint(ckpt_dir, args)
     world_size = placement.world_size
@@ -243,17 +245,17 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
         logger.info(f"resharding {len(checkpoint.paths)} shards onto {processes} while loading; `python -m "
                f"llama_tp.reshard {ckpt_dir} DST_DIR --mp {world_size}` saves this work at every start")
     model = Transformer(checkpoint.args, world_size, checkpoint.layout)
-    stored_int8 = checkpoint.quantization == "int8"
-    if stored_int8:
-        check_int8_load(ckpt_dir, checkpoint.args, world_size, placement.device, quantize)
-        unfilled_int8_layers(model)
-    # An int8 checkpoint's embedding and norms are converted in load_into, its int8 layers kept as they are.
-    state = load_slice(checkpoint, placement.rank, world_size, placement.device, None if stored_int8 else dtype)
-    pack_linear = pack and quantize is None and not stored_int8
+    stored = checkpoint.quantization
+    if stored:
+        check_quantized_load(ckpt_dir, checkpoint.args, world_size, placement.device, quantize, stored)
+        unfilled_layers(model, checkpoint.first_shard.keys(), stored)
+    # A quantized checkpoint's embedding and norms are converted in load_into, its quantized layers kept as they are.
+    state = load_slice(checkpoint, placement.rank, world_size, placement.device, None if stored else dtype)
+    pack_linear = pack and quantize is None and not stored
     load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack_linear)
     if matmul.kernel_runs(placement.device, dtype):
         cpu_kernels.load()  # before torch.compile traces a decoding step that calls it
-    return use_int8_kernel(model if stored_int8 else quantize_model(model, quantize))
+    return use_kernels(model if stored else quantize_model(model, quantize))
 
 
 def _shape(shard: dict[str, torch.Tensor], name: str, dims: int) -> tuple[int, ...]:

@@ -1,11 +1,6 @@
 // Matrix products for decoding (a few rows of fp32 activations) on CPUs with AVX-512, where
 // reading the weight is the cost: both kernels keep several independent sums in flight and ask
-// for the weight ahead of their reads. Streamed from memory, the demo model's layers took 20-25%
-// less time with the weight asked for 8 KB ahead than with the hardware's prefetching alone.
-// They ask twice: 32 KB ahead into the core's L2 cache, which can wait on many more reads from
-// memory than L1 can, then 2 KB ahead into L1. Against asking 8 KB ahead into L1, that took
-// float_product 8-22% less time for 4-16 rows, whose multiply-adds otherwise leave the memory
-// idle (with 4 rows a pass, below), and int8_product 6% less for one row.
+// for the weight ahead of their reads (simd.h says how far).
 //
 // float_product: a plain fp32 weight [out, in], as MKL and oneDNN also read it. Each output's
 // row is summed in registers of 16 inputs and the registers summed at the end.
@@ -28,22 +23,13 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;  // floats per AVX-512 register
-constexpr int64_t kFarPrefetchBytes = 32768, kNearPrefetchBytes = 2048;
-
-// Ask for the weight at `address` (a pointer to the one being read now) far ahead into L2 and
-// near ahead into L1.
-template <typename T>
-void prefetch_ahead(const T* address) {
-  const char* bytes = reinterpret_cast<const char*>(address);
-  _mm_prefetch(bytes + kFarPrefetchBytes, _MM_HINT_T1);
-  _mm_prefetch(bytes + kNearPrefetchBytes, _MM_HINT_T0);
-}
-
-// The first n lanes of a register (all 16 for n >= 16): for a row's last inputs, a block's outputs.
-__mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= kLanes ? 0xFFFF : (1u << n) - 1); }
+using llama_tp::first_lanes;
+using llama_tp::kLanes;
+using llama_tp::prefetch_ahead;
 
 // ---- float_product ----
 

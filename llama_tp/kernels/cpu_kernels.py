@@ -1,6 +1,7 @@
 """Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
 rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py), and an RMS
-norm in one pass (rms_norm); one new token's attention to the cache (attention_kernel.cpp,
+norm in one pass (rms_norm); products by grouped 4-bit weights and their conversion back for
+prompts (int4_kernel.cpp, int4.py); one new token's attention to the cache (attention_kernel.cpp,
 decode_attention), and eagerly the whole step of a few tokens, rotation and cache write included
 (decode_step_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
 in ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
@@ -54,8 +55,10 @@ def load() -> None:
             name="llama_tp_cpu_kernels",
             sources=[str(Path(__file__).with_name("cpu_kernels.cpp")),
                      str(Path(__file__).with_name("attention_kernel.cpp")),
+                     str(Path(__file__).with_name("int4_kernel.cpp")),
                      str(Path(__file__).parents[1] / "parallel" / "shared_memory.cpp")],
-            extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # OpenMP: at::parallel_for's threads
+            # AVX-512 as torch's capability check has it (F, BW, VL, DQ), FMA; OpenMP: at::parallel_for's threads
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
@@ -86,6 +89,14 @@ def load() -> None:
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("llama_tp::int4_product")
+    def _(x, codes, scales, mins):
+        return x.new_empty(*x.shape[:-1], codes.shape[0])
+
+    @torch.library.register_fake("llama_tp::int4_weight")
+    def _(codes, scales, mins):
+        return codes.new_empty(codes.shape[0], 2 * codes.shape[1], dtype=torch.float32)
 
     @torch.library.register_fake("llama_tp::shared_sum")
     def _(x, buffer, rank, world_size, capacity, timeout_seconds):

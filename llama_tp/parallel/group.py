@@ -105,6 +105,17 @@ def decode_compilation(device: torch.device) -> DecodeCompilation:
     return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, static_shapes=False)
 
 
+def check_int4_device(device: torch.device) -> None:
+    """Refuse int4 layers on an accelerator up front: they multiply on CPUs only (our AVX-512 kernel,
+    elsewhere the weight converted back by torch's operations), and on a GPU that would be slower
+    than its own bf16 products. torch's _weight_int4pack_mm (as gpt-fast uses it) is the way there."""
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantize='int4' runs on CPUs only, not on {device}; on {device.type} leave quantize unset "
+            "(bf16) or use quantize='int8' to halve the weights' memory"
+        )
+
+
 def require_cxx_compiler(what: str, otherwise: str) -> None:
     """Refuse `what` up front when torch.compile's CPU code generation has no C++ compiler to run."""
     if not cxx_compiler_found():

@@ -1,8 +1,8 @@
 """Does quantization change the model's answers? Ten everyday chat questions answered greedily by
 the full-precision model and by a quantized copy, compared token for token.
 
-    python -m llama_tp.answer_agreement --quantize int8        # the demo model
-    torchrun --nproc_per_node 2 -m llama_tp.answer_agreement --ckpt_dir DIR --tokenizer_path FILE
+    python -m llama_tp.tools.answer_agreement --quantize int8        # the demo model (or int4)
+    torchrun --nproc_per_node 2 -m llama_tp.tools.answer_agreement --ckpt_dir DIR --tokenizer_path FILE
 
 Prints each question with whether the two answers agree, and where they part if not; then how
 many of the ten agree. --json_path writes both answers of each question.
@@ -62,7 +62,7 @@ def main(
     Args:
         ckpt_dir: Meta-layout checkpoint folder; leave out both paths for the demo model.
         tokenizer_path: its tokenizer.
-        quantize: the quantization to judge: int8 or int8_dynamic.
+        quantize: the quantization to judge: int8, int4 or int8_dynamic.
         max_gen_len: tokens per answer.
         max_seq_len: context of both models.
         dtype: compute dtype of both models (default: fp32 on CPU, bf16/fp16 on GPU).

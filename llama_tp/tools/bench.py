@@ -1,7 +1,9 @@
 """Benchmark: load time, prefill and decode speed, peak memory and this machine's memory-bandwidth
-roofline, optionally interleaved with Hugging Face transformers on the same weights.
+roofline, optionally interleaved with Hugging Face transformers on the same weights or with
+llama.cpp on the same GGUF file (bench_peers.py).
 
-    python -m llama_tp.bench --ckpt_dir DIR [--compare hf] [--quantize int8] [--json bench.json]
+    python -m llama_tp.bench --ckpt_dir DIR [--compare hf] [--quantize int8|int4] [--json bench.json]
+    python -m llama_tp.bench --quantize int4 --compare llamacpp    # the demo model and its GGUF
     torchrun --nproc_per_node 2 -m llama_tp.bench --ckpt_dir DIR
 
 Works on token ids (random, seeded), so no tokenizer is needed unless params.json leaves
@@ -23,12 +25,13 @@ import torch
 
 from .. import parallel
 from ..args import ModelArgs
-from ..checkpoint import TOLERATED_EXTRA_KEYS, load_model, load_shard, shard_paths
+from ..checkpoint import TOLERATED_EXTRA_KEYS, load_model, shard_paths
 from ..generation import Llama, compile_decoding
 from ..kernels import matmul
 from ..quantize import check_quantize
 from ..text.tokenizer import load_tokenizer
 from . import demo
+from .bench_peers import Peer, check_peer, greedy_agreement, open_peer
 from .cli import run
 
 PROMPT_SEED = 1234
@@ -201,17 +204,6 @@ def compare_loading(ckpt_dir: Path, args: ModelArgs, dtype: torch.dtype, quantiz
     return summary
 
 
-def full_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """The unsharded weights of a one-shard checkpoint, memory-mapped."""
-    paths = shard_paths(ckpt_dir)
-    if len(paths) != 1:
-        raise ValueError(
-            f"--compare hf needs a one-shard checkpoint, found {len(paths)} shards in {ckpt_dir}; "
-            "compare on a one-shard copy (the reshard tool makes one)"
-        )
-    return load_shard(paths[0])
-
-
 def interleaved(cases: dict[str, tuple[int, dict[str, Callable[[], object]]]], repeats: int) -> dict[str, dict]:
     """Run each case's engines A B A B after one warm-up each; tokens per second, medians and ratios.
 
@@ -228,8 +220,8 @@ def interleaved(cases: dict[str, tuple[int, dict[str, Callable[[], object]]]], r
                 work()
                 runs[engine].append(tokens / (time.perf_counter() - start))
         result = {"tokens_per_s": {e: statistics.median(r) for e, r in runs.items()}, "runs": runs}
-        if "hf" in runs:
-            result["ratio_vs_hf"] = result["tokens_per_s"]["llama_tp"] / result["tokens_per_s"]["hf"]
+        for peer in set(runs) - {"llama_tp"}:
+            result[f"ratio_vs_{peer}"] = result["tokens_per_s"]["llama_tp"] / result["tokens_per_s"][peer]
         results[name] = result
         parallel.print0(f"  {name}: " + ", ".join(f"{e} {v:.1f} tok/s" for e, v in result["tokens_per_s"].items()))
     return results
@@ -239,6 +231,7 @@ def main(
     ckpt_dir: Optional[str] = None,
     tokenizer_path: Optional[str] = None,
     compare: Optional[str] = None,
+    gguf: Optional[str] = None,
     quantize: Optional[str] = None,
     dtype: str = "fp32",
     json_path: str = "bench.json",
@@ -255,8 +248,11 @@ def main(
     Args:
         ckpt_dir: Meta-layout checkpoint folder; default: the demo model (SmolLM2-135M-Instruct).
         tokenizer_path: only needed when params.json has no vocab_size.
-        compare: "hf" to interleave Hugging Face transformers' generate on the same weights (world size 1).
-        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see quantize.py.
+        compare: "hf" to interleave Hugging Face transformers' generate on the same weights, or
+            "llamacpp" llama.cpp on the same GGUF file (batch 1 only), in a process of its own
+            (world size 1; needs the llamacpp extra: pip install "llama-tp[llamacpp]").
+        gguf: the GGUF file llama.cpp runs; default: the demo model's, when benchmarking it.
+        quantize: "int8" or "int4" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see quantize.py.
         dtype: compute dtype of both engines.
         json_path: where to write the results.
         repeats: timed repetitions of each case (medians are reported).
@@ -267,8 +263,6 @@ def main(
         threads: torch threads per process; default: torch's choice.
         compile: compile decoding steps, as Llama.build(compile=True) does.
     """
-    if compare not in (None, "hf"):
-        raise ValueError(f"--compare {compare!r} is not supported; use --compare hf or leave it out")
     check_quantize(quantize)
     if repeats < 1 or new_tokens < 1:
         raise ValueError(f"repeats and new_tokens must be at least 1, found {repeats} and {new_tokens}")
@@ -280,11 +274,12 @@ def main(
     if threads is not None:
         torch.set_num_threads(threads)
     placement = parallel.init()
+    check_peer(compare, placement.world_size)
     if ckpt_dir is None:
         ckpt_dir, _ = demo.model_paths(None, None)
+        if compare == "llamacpp" and gguf is None:
+            gguf = str(demo.demo_gguf())
     ckpt_dir = Path(ckpt_dir)
-    if compare and placement.world_size != 1:
-        raise ValueError(f"--compare hf runs at world size 1, not {placement.world_size}; drop --compare or torchrun")
     args = model_args(ckpt_dir, tokenizer_path)
     args.check_model_parallel_size(placement.world_size)
     torch_dtype = parallel.resolve_dtype(dtype, placement.device)
@@ -310,18 +305,14 @@ def main(
     llama = Llama(model, TokenIds(args.vocab_size))
 
     rooflines = [roofline(model, placement.world_size)]
-    hf_model = None
-    if compare == "hf":
-        import transformers
-
-        from .bench_hf import build_hf_model
-
-        report["machine"]["transformers"] = transformers.__version__
-        hf_model = build_hf_model(full_weights(ckpt_dir), args, max_seq_len, torch_dtype)
+    peer = None
+    if compare:
+        peer, versions = open_peer(compare, ckpt_dir, gguf and Path(gguf), args, max_seq_len, torch_dtype)
+        report["machine"] |= versions
 
     prompts = torch.randint(1, args.vocab_size, (max(batch_sizes), max_seq_len),
                             generator=torch.Generator().manual_seed(PROMPT_SEED))
-    cases = timing_cases(llama, hf_model, prompts, prefill_lengths, batch_sizes, new_tokens)
+    cases = timing_cases(llama, peer, prompts, prefill_lengths, batch_sizes, new_tokens)
     parallel.print0("timing (tokens per second, medians of interleaved runs):")
     report["cases"] = interleaved(cases, repeats)
     # Bandwidth drifts on a shared machine: measured before and after the timing, averaged.
@@ -333,8 +324,10 @@ def main(
                            ("read_decode_tokens_per_s", "decode_batch_1_fractions_of_read")):
             report["roofline"][key] = {engine: speed / report["roofline"][bound]
                                        for engine, speed in report["cases"]["decode_batch_1"]["tokens_per_s"].items()}
-    if hf_model is not None:
-        report["greedy_agreement_with_hf"] = greedy_agreement(llama, hf_model, prompts[:, :DECODE_PROMPT_LEN], new_tokens)
+    if peer is not None:
+        report[f"greedy_agreement_with_{peer.name}"] = greedy_agreement(llama, peer, prompts[:, :DECODE_PROMPT_LEN],
+                                                                        new_tokens)
+        peer.close()
     report["peak_rss_bytes_per_rank"] = [
         parallel.broadcast_object(peak_rss_bytes(), src=rank) for rank in range(placement.world_size)
     ]
@@ -344,15 +337,14 @@ def main(
         print(f"wrote {json_path}")
 
 
-def timing_cases(llama: Llama, hf_model: Optional[torch.nn.Module], prompts: torch.Tensor,
+def timing_cases(llama: Llama, peer: Optional[Peer], prompts: torch.Tensor,
                  prefill_lengths: tuple[int, ...], batch_sizes: tuple[int, ...],
                  new_tokens: int) -> dict[str, tuple[int, dict[str, Callable[[], object]]]]:
-    """Each case's token count and, per engine, the call that does its work.
+    """Each case's token count and, per engine, the call that does its work (the peer's in the
+    cases whose batch it takes).
 
     Prefill is timed to the first token and counts prompt tokens; decode counts generated ones.
     """
-    from .bench_hf import hf_generate
-
     # name -> (batch, prompt length, tokens generated, tokens counted)
     shapes = {f"prefill_{length}": (1, length, 1, length) for length in prefill_lengths}
     shapes |= {f"decode_batch_{batch}": (batch, DECODE_PROMPT_LEN, new_tokens, batch * new_tokens)
@@ -361,30 +353,22 @@ def timing_cases(llama: Llama, hf_model: Optional[torch.nn.Module], prompts: tor
     for name, (batch, length, generated, counted) in shapes.items():
         rows = prompts[:batch, :length]
         engines = {"llama_tp": partial(llama.generate, rows.tolist(), generated, temperature=0)}
-        if hf_model is not None:
-            engines["hf"] = partial(hf_generate, hf_model, rows, generated)
+        if peer is not None and batch <= peer.max_batch:
+            engines[peer.name] = partial(peer.generate, rows, generated)
         cases[name] = (counted, engines)
     return cases
 
 
-def greedy_agreement(llama: Llama, hf_model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> float:
-    """The fraction of greedy tokens that match transformers', position by position (a check that
-    both engines run the same model)."""
-    from .bench_hf import hf_generate
-
-    ours, _ = llama.generate(prompts.tolist(), max_gen_len=new_tokens, temperature=0)
-    theirs = hf_generate(hf_model, prompts, new_tokens).tolist()
-    same = sum(a == b for row_a, row_b in zip(ours, theirs) for a, b in zip(row_a, row_b))
-    return same / sum(len(row) for row in theirs)
-
-
 def print_table(report: dict) -> None:
     """The results as a plain-text table."""
-    print(f"{'case':<18}{'llama_tp tok/s':>16}{'hf tok/s':>12}{'ratio':>8}")
+    peer = report["command"]["compare"] or "peer"
+    print(f"{'case':<18}{'llama_tp tok/s':>16}{peer + ' tok/s':>16}{'ratio':>8}")
     for name, result in report["cases"].items():
         speeds = result["tokens_per_s"]
-        hf = f"{speeds['hf']:.1f}" if "hf" in speeds else "-"
-        print(f"{name:<18}{speeds['llama_tp']:>16.1f}{hf:>12}{result.get('ratio_vs_hf', float('nan')):>8.2f}")
+        theirs = f"{speeds[peer]:.1f}" if peer in speeds else "-"
+        print(f"{name:<18}{speeds['llama_tp']:>16.1f}{theirs:>16}{result.get(f'ratio_vs_{peer}', float('nan')):>8.2f}")
+    for key in sorted(k for k in report if k.startswith("greedy_agreement_with_")):
+        print(f"greedy tokens the same as {key.removeprefix('greedy_agreement_with_')}'s: {100 * report[key]:.0f}%")
     roofline = report["roofline"]
     fractions = ", ".join(
         f"{engine} at {100 * fraction:.0f}% ({100 * roofline['decode_batch_1_fractions_of_read'][engine]:.0f}% of the read's)"

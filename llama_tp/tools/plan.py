@@ -1,6 +1,6 @@
 """Print how much memory each process needs, before anything is loaded.
 
-    python -m llama_tp.plan --params params/llama-2-70b.json --world_size 8 --max_batch_size 4 --max_seq_len 4096 [--dtype bf16] [--quantize int8]
+    python -m llama_tp.plan --params params/llama-2-70b.json --world_size 8 --max_batch_size 4 --max_seq_len 4096 [--dtype bf16] [--quantize int8|int4]
 
 See llama_tp/memory.py for what the figures count.
 """
@@ -25,7 +25,8 @@ def main(params: str, world_size: int, max_batch_size: int, max_seq_len: int, dt
         max_seq_len: longest prompt plus generation, in tokens.
         dtype: bf16, fp16 or fp32.
         vocab_size: the tokenizer's size, for params.json files that say -1 (default: Llama 2's 32000).
-        quantize: int8 or int8_dynamic linear layers (int8 is also what an int8 checkpoint loads as).
+        quantize: int8, int4 or int8_dynamic linear layers (int8 and int4 are also what checkpoints
+            stored so load as).
     """
     args = ModelArgs.load(params)
     if args.vocab_size == -1:

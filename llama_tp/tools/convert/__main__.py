@@ -1,8 +1,8 @@
-"""python -m llama_tp.convert {hf,gguf} SOURCE DEST --mp N [--dtype bf16|fp16|fp32] [--quantize int8]"""
+"""python -m llama_tp.convert {hf,gguf} SOURCE DEST --mp N [--dtype bf16|fp16|fp32] [--quantize int8|int4]"""
 
 from typing import Optional
 
-from ...checkpoint.int8 import check_storable
+from ...checkpoint.quantized import check_storable
 from ..cli import run
 
 FORMATS = ("hf", "gguf")
@@ -18,8 +18,10 @@ def main(kind: str, source: str, dest: str, mp: int = 1, dtype: Optional[str] = 
         dest: the new checkpoint folder; must not exist or be empty.
         mp: model-parallel shards to write: run the result with torchrun --nproc_per_node mp.
         dtype: bf16, fp16 or fp32; by default the source's own precision for hf, fp32 for gguf.
-        quantize: "int8" stores the linear layers as grouped int8 (1.25 bytes per weight), which
-            llama_tp loads as they are; embedding and norms stay in dtype.
+        quantize: "int8" stores the linear layers as grouped int8 (1.25 bytes per weight), "int4"
+            as grouped 4-bit (0.625 bytes per weight; the output head int8), which llama_tp loads
+            as they are; embedding and norms stay in dtype. A GGUF's Q4_0 and Q4_1 layers come
+            into int4 and its Q8_0 ones into int8 exactly as the file stores them.
     """
     check_storable(quantize)
     if kind == "hf":

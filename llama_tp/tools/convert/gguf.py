@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) Llama files to Meta's layout: metadata to params.json, tensors dequantised.
+"""GGUF (llama.cpp) Llama files to Meta's layout: metadata to params.json, tensors dequantised, or
+kept as they are where a quantized checkpoint can hold them (gguf_blocks.py).
 
 llama.cpp's converter already stores q/k in Meta's interleaved rotary layout (it undoes Hugging
 Face's permutation), so tensors are only renamed; tests/test_demo_network.py checks this against
@@ -6,6 +7,7 @@ transformers' own GGUF loading, which re-permutes them for its rotate-half rotar
 """
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,10 +15,11 @@ import numpy as np
 import torch
 
 from ...args import ModelArgs
+from ...checkpoint.quantized import tensor_quantization
 from ...model import rotary_frequencies
 from ...optional import require
 from ...checkpoint.record import ModelRecord, check_sampling
-from . import gguf_vocab
+from . import gguf_blocks, gguf_vocab
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
 from .writer import TensorLoader, ffn_params, meta_name, progress, resolve_dtype, write_checkpoint
 
@@ -36,10 +39,12 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
                  sampling: Optional[dict] = None) -> Path:
     """Convert a GGUF Llama file into a Meta-layout checkpoint folder with mp shards.
 
-    dtype defaults to fp32: dequantised values are exact only there. quantize="int8" writes an
-    int8 checkpoint (checkpoint/int8.py): weights from GGUF's 4- and 8-bit blocks fit its grids.
-    The file's recommended sampling settings (general.sampling.*) are recorded; `sampling` adds
-    to or overrides them, for a file that lacks its makers' recommendation.
+    dtype defaults to fp32: dequantised values are exact only there. quantize="int8" or "int4"
+    writes a quantized checkpoint (checkpoint/quantized.py): Q8_0 layers come into int8, Q4_0
+    and Q4_1 ones into int4 as the file stores them; other layers are dequantised and rounded by
+    llama_tp (which keeps weights from GGUF's 4- and 8-bit blocks in int8 to fp32's rounding),
+    and a log line says which. The file's recommended sampling settings (general.sampling.*) are
+    recorded; `sampling` adds to or overrides them, for a file that lacks its makers' recommendation.
     """
     path = Path(source)
     if not path.is_file():
@@ -52,7 +57,7 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
     metadata = Metadata(reader, path)
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     params = model_params(metadata, by_name)
-    tensors = meta_tensors(by_name, path)
+    tensors = meta_tensors(by_name, path, quantize)
     tokens = metadata.get("tokenizer.ggml.tokens")
     files, stop_tokens, template = tokenizer_files(metadata, tokens)
     chat_format = chat_format_of(template)
@@ -138,17 +143,33 @@ def llama31_rope(args: ModelArgs, divisors: torch.Tensor, path: Path) -> dict:
     return settings
 
 
-def meta_tensors(by_name: dict, path: Path) -> dict[str, TensorLoader]:
-    """A loader per Meta tensor name; tied embeddings become an explicit output.weight."""
-    loaders = {}
+def meta_tensors(by_name: dict, path: Path, quantize: Optional[str] = None) -> dict[str, TensorLoader]:
+    """A loader per Meta tensor name; tied embeddings become an explicit output.weight. Under a
+    quantize, linear layers whose GGUF type that quantization holds are loaded as they are stored."""
+    sources = {}
     for name, tensor in by_name.items():
         if name == ROPE_FREQS:
             continue  # folded into params.json
         target = meta_name(name, TOP_NAMES, r"blk\.(\d+)\.(\w+)\.weight", LAYER_NAMES)
         if target is None:
             raise ValueError(f"{path} holds tensor {name!r}, which has no place in a Llama model")
+        sources[target] = tensor
+    sources.setdefault("output.weight", sources["tok_embeddings.weight"])
+    rounded: Counter = Counter()  # (quantization, GGUF type) of the linear layers rounded here
+    loaders = {}
+    for target, tensor in sources.items():
+        kind = tensor_quantization(target, quantize)
+        if kind and gguf_blocks.kept(tensor.tensor_type.name, kind):
+            loaders[target] = lambda tensor=tensor: gguf_blocks.quantized_weight(tensor)
+            continue
+        if kind:
+            rounded[kind, tensor.tensor_type.name] += 1
         loaders[target] = lambda tensor=tensor: dequantized(tensor)
-    loaders.setdefault("output.weight", loaders["tok_embeddings.weight"])
+    if rounded:
+        kept = "; ".join(f"{kind}: {', '.join(types)}" for kind, types in gguf_blocks.KEPT_TYPES.items())
+        layers = ", ".join(f"{count} {gguf_type} layers to {kind}" for (kind, gguf_type), count in sorted(rounded.items()))
+        progress(f"dequantised and rounded by llama_tp (kernels/int4.py, int8.py), their GGUF types not being "
+                 f"kept as they are ({kept}): {layers}")
     return loaders
 
 

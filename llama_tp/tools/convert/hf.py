@@ -31,8 +31,9 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     """Convert a Hugging Face Llama folder into a Meta-layout checkpoint folder with mp shards.
 
     dtype defaults to the precision config.json names (bf16 if it names none); quantize="int8"
-    writes an int8 checkpoint (checkpoint/int8.py). The sampling settings generation_config.json
-    recommends (temperature, top_p, top_k, repetition_penalty) are recorded in llama_tp.json.
+    or "int4" writes a quantized checkpoint (checkpoint/quantized.py). The sampling settings
+    generation_config.json recommends (temperature, top_p, top_k, repetition_penalty) are recorded
+    in llama_tp.json.
     """
     src = Path(source)
     config = _read_json(src / "config.json", required=True)

@@ -10,14 +10,15 @@ from typing import Callable, Optional
 import torch
 
 from ...args import ModelArgs
-from ...checkpoint.int8 import check_int8_split, check_storable, int8_tensors
+from ...checkpoint.quantized import QuantizedWeight, check_split, check_storable, quantized_tensors
 from ...checkpoint.sharding import KV_PROJECTIONS, split_dim
 from ...logs import logger
 from ...parallel import DTYPES
 from ...checkpoint.record import RECORD_FILE, ModelRecord
 
-# Loads one whole tensor, already named and laid out as in Meta's checkpoints.
-TensorLoader = Callable[[], torch.Tensor]
+# Loads one whole tensor, already named and laid out as in Meta's checkpoints: a float tensor, or a
+# linear layer's weight as the source quantized it, for a quantized checkpoint to keep as it is.
+TensorLoader = Callable[[], "torch.Tensor | QuantizedWeight"]
 
 
 def ffn_params(dim: int, hidden_dim: int) -> dict:
@@ -89,8 +90,9 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
     Everything goes to a temporary folder beside dst that is renamed into place at the end, so
     dst either holds a complete checkpoint or does not exist. Each shard is built by loading every
     tensor again and keeping this rank's slice: memory holds one shard and one whole tensor.
-    quantize="int8" writes an int8 checkpoint (checkpoint/int8.py) of the weights in dtype: what
-    loading the dtype checkpoint with quantize="int8" in one process would hold.
+    quantize="int8" or "int4" writes a quantized checkpoint (checkpoint/quantized.py) of the
+    weights in dtype: what loading the dtype checkpoint with that quantize in one process would
+    hold; a weight the source already holds quantized (QuantizedWeight) is kept as it is.
     """
     check_storable(quantize)
     dst = Path(dst)
@@ -100,7 +102,7 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
     args = ModelArgs.from_dict(params, source="the converted params.json")
     args.check_model_parallel_size(n_shards)
     if quantize:
-        check_int8_split(args, n_shards, fix="choose an --mp whose shards hold whole groups")
+        check_split(args, n_shards, quantize, fix="choose an --mp whose shards hold whole groups")
     shapes = expected_shapes(args)
     names = list(shapes)
     missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
@@ -123,8 +125,11 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
                 if tuple(full.shape) != shapes[name]:
                     raise ValueError(f"{name} has shape {list(full.shape)} in the source but its configuration "
                                      f"implies {list(shapes[name])}; check that configuration and weights match")
+                if isinstance(full, QuantizedWeight):
+                    shard |= _kept(name, full, rank, n_shards, args)
+                    continue
                 part = shard_of(name, full, rank, n_shards, args).to(dtype).contiguous().clone()
-                shard |= int8_tensors(name, part, n_shards) if quantize else {name: part}
+                shard |= quantized_tensors(name, part, n_shards, quantize) if quantize else {name: part}
             torch.save(shard, partial / f"consolidated.{rank:02d}.pth")
             del shard
         (partial / "params.json").write_text(json.dumps(params, indent=2) + "\n")
@@ -139,6 +144,13 @@ def write_checkpoint(dst: Path, params: dict, tensors: dict[str, TensorLoader], 
         raise
     progress(f"done: {dst}")
     return dst
+
+
+def _kept(name: str, weight: QuantizedWeight, rank: int, n_shards: int, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Rank's slice of a weight quantized by its source, each of its tensors split as the weight is."""
+    layer = name.removesuffix(".weight")
+    return {f"{layer}.{end}": shard_of(f"{layer}.{end}", tensor, rank, n_shards, args).contiguous().clone()
+            for end, tensor in weight.tensors.items()}
 
 
 def progress(message: str) -> None:
