@@ -79,7 +79,8 @@ class Batch:
                 if self.lengths[row] <= cur_pos < end and self._completes_stop(row, cur_pos, stop, tokenizer):
                     self.ends[row] = cur_pos + 1
 
-    def fill(self, row: int, tokens: Sequence[int], stop_tokens: "set[int]", stop: tuple[str, ...], tokenizer) -> None:
+    def fill(self, row: int, tokens: Sequence[int], stop_tokens: "set[int]", stop: tuple[str, ...],
+             tokenizer) -> None:
         """Write tokens into row from the first position it has not reached (speculation: a
         round's tokens), ending the row where one of them ends it, as end_rows does."""
         first = self.reached[row]

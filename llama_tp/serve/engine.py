@@ -183,7 +183,8 @@ class Engine:
         outcomes = self.speculator.round(self.model, rows, want_logits=any(s.request.logprobs for s in sequences))
         for sequence, outcome in zip(sequences, outcomes):
             for index, token in enumerate(outcome.tokens):
-                logprob = _logprob(sequence.request, token, outcome.logits[index]) if sequence.request.logprobs else None
+                request = sequence.request
+                logprob = _logprob(request, token, outcome.logits[index]) if request.logprobs else None
                 if self._advance(sequence, token, logprob):
                     break
         stats = self.speculator.stats

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 
 
-def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor,
+                  counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: the guesses up to the first that differs from the target's choice.
 
     choices [rows, m + 1]: the target's token at each position; guesses [rows, m]; counts [rows].

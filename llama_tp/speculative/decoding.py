@@ -55,4 +55,5 @@ def _keep_top(batch: Batch, spec: Row, outcome, options: SamplingOptions, first:
     history = histories(spec.tokens + outcome.tokens[:-1], positions, options, device)
     suppress = suppressed(spec, first, positions, vocab, device)
     ids, probs = top_candidates(outcome.logits, options, batch.top_ids.shape[-1], history, suppress)
-    batch.top_ids[spec.slot, first : first + positions], batch.top_probs[spec.slot, first : first + positions] = ids, probs
+    batch.top_ids[spec.slot, first : first + positions] = ids
+    batch.top_probs[spec.slot, first : first + positions] = probs

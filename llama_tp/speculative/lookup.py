@@ -14,7 +14,8 @@ MAX_NGRAM = 3
 MIN_NGRAM = 1
 
 
-def lookup_guesses(tokens: Sequence[int], count: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
+def lookup_guesses(tokens: Sequence[int], count: int, max_ngram: int = MAX_NGRAM,
+                   min_ngram: int = MIN_NGRAM) -> list[int]:
     """Up to count tokens that followed the most recent earlier occurrence of the last n tokens of
     tokens, for the largest n from max_ngram down to min_ngram that has one; none if none has."""
     length = len(tokens)

@@ -70,7 +70,8 @@ class Speculator:
         plain = not want_logits and all(row.options.takes_best_logit for row in rows)
         forced = [list(row.forced[:count]) for row, count in zip(rows, counts)]
         if self.mode == "lookup":
-            guesses = [f + lookup_guesses(row.tokens + f, count - len(f)) for row, f, count in zip(rows, forced, counts)]
+            guesses = [f + lookup_guesses(row.tokens + f, count - len(f))
+                       for row, f, count in zip(rows, forced, counts)]
             drawn_from: list[Optional[torch.Tensor]] = [None] * len(rows)
         else:
             guesses, drawn_from = self.draft.propose(rows, counts, forced, plain)

@@ -37,7 +37,8 @@ def is_greedy(options: SamplingOptions) -> bool:
     return options.temperature < torch.finfo(torch.float32).tiny
 
 
-def histories(tokens: list[int], positions: int, options: SamplingOptions, device: torch.device) -> Optional[torch.Tensor]:
+def histories(tokens: list[int], positions: int, options: SamplingOptions,
+              device: torch.device) -> Optional[torch.Tensor]:
     """What the repetition penalty sees at the last `positions` predictions over tokens: the last
     sees every token, each one before it one fewer. [positions, len(tokens)], -1 for a token not
     seen yet; None without a penalty."""
