@@ -65,7 +65,10 @@ class Llama:
         compile: run decoding steps through torch.compile. Off by default: on this project's CPUs
             with AVX-512 eager steps call our kernels for the products and for each layer's
             attention step, and compiled ones (the rest fused) ran 1.07x as fast at batch 1 and
-            level at batch 8 on the AMD Zen 4 machine, after 7-26 s of compiling.
+            level at batch 8 on the AMD Zen 4 machine, after 7-26 s of compiling. With
+            speculate="draft", the draft's steps are compiled instead (1.24x faster for the demo's
+            int8 copy): the target's passes stay eager, through our kernels, whose several-token
+            passes give each token exactly a one-token step's logits.
         speculate: guess a few tokens a step and verify them in one pass (docs/speculative.md):
             "draft" (a draft model guesses: draft_quantize and/or draft_ckpt_dir) or "lookup"
             (guesses copied from where the last tokens appeared before in the prompt or output).
@@ -102,9 +105,9 @@ class Llama:
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
-            if compile:
+            if compile and speculate is None:
                 compile_decoding(model, placement.device)
-            speculator = build_speculator(speculate, speculate_k, draft_ckpt_dir, draft_quantize, ckpt_dir,
+            speculator = build_speculator(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile, ckpt_dir,
                                           checkpoint.args, placement, dtype, max_batch_size, max_seq_len)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         logger.info(f"Loaded in {time.perf_counter() - start:.2f} seconds")
@@ -200,6 +203,11 @@ class Llama:
         # Plain greedy decoding needs no logits gathered: each rank offers the best of its slice
         # of the vocabulary (parallel.vocab_argmax).
         on_slices = options.takes_best_logit and not logprobs and batch.top_ids is None
+        # Rounds of guesses once the prompts are in; not for a batch so large that it leaves no
+        # room for guesses (Speculator.guesses_for), whose rounds would only drop ended rows.
+        speculator = self.speculator
+        if speculator is not None and not speculator.guesses_for(self.model, len(prompts)):
+            speculator = None
         for cur_pos in range(min_len, batch.total_len):
             logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs,
                                         vocab_slice=on_slices)
@@ -219,9 +227,9 @@ class Llama:
             yield batch
             if batch.all_ended:
                 break
-            if self.speculator is not None:  # the prompts are in: the rest in rounds of guesses
-                yield from decode_rounds(self.speculator, self.model, batch, options, stop,
-                                         set(stop_tokens.tolist()), generator, logprobs, self.tokenizer)
+            if speculator is not None:  # every row has its first token: the rest in rounds of guesses
+                yield from decode_rounds(speculator, self.model, batch, options, stop, set(stop_tokens.tolist()),
+                                         generator, logprobs, self.tokenizer)
                 break
 
     def _sample(self, batch: Batch, logits: torch.Tensor, cur_pos: int, options: SamplingOptions,

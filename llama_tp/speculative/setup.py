@@ -11,6 +11,7 @@ from ..kernels import matmul
 from ..logs import logger
 from ..memory import GIB, plan
 from ..model import MAX_KERNEL_STEP_TOKENS
+from .. import parallel
 from ..parallel import Placement
 from ..quantize import QUANTIZATIONS
 from .draft import Draft
@@ -51,22 +52,24 @@ def check_speculation(speculate: Optional[str], speculate_k: Optional[int], draf
     if speculate_k is not None and (not isinstance(speculate_k, int) or isinstance(speculate_k, bool)
                                     or not 1 <= speculate_k <= MAX_K):
         raise ValueError(f"speculate_k must be a whole number of guesses from 1 to {MAX_K}, found {speculate_k!r}")
-    if compile:
-        raise ValueError("compile=True compiles one-token steps, while speculation verifies several tokens a "
-                         "step through our kernels, which give each exactly its one-token step's logits; "
-                         "leave compile off with speculate")
+    if compile and speculate == "lookup":
+        raise ValueError("compile=True compiles a draft model's steps, and speculate='lookup' has no draft: the "
+                         "target's passes run eagerly with speculation; leave compile off")
 
 
 def build_speculator(speculate: Optional[str], speculate_k: Optional[int], draft_ckpt_dir: Optional[str],
-                     draft_quantize: Optional[str], ckpt_dir: Path, args: ModelArgs, placement: Placement,
-                     dtype: torch.dtype, max_batch_size: int, max_seq_len: int) -> Optional[Speculator]:
+                     draft_quantize: Optional[str], compile: bool, ckpt_dir: Path, args: ModelArgs,
+                     placement: Placement, dtype: torch.dtype, max_batch_size: int,
+                     max_seq_len: int) -> Optional[Speculator]:
     """The speculator the checked options ask for, its draft (if any) loaded on this rank: the
     checkpoint in draft_ckpt_dir (by default the target's own, ckpt_dir) quantized as
-    draft_quantize says. args: the target's, with the tokenizer's vocabulary."""
+    draft_quantize says, its one-token steps compiled with compile. args: the target's, with
+    the tokenizer's vocabulary."""
     if speculate is None:
         return None
     k = DEFAULT_K[speculate] if speculate_k is None else speculate_k
     if speculate == "lookup":
+        logger.info(f"Speculation: prompt lookup, {k} guesses a round")
         return Speculator("lookup", k)
     draft_dir = Path(draft_ckpt_dir) if draft_ckpt_dir is not None else Path(ckpt_dir)
     if not draft_dir.is_dir():
@@ -92,4 +95,7 @@ def build_speculator(speculate: Optional[str], speculate_k: Optional[int], draft
     model = load_model(draft_dir, draft_args, placement, dtype, draft_quantize,
                        pack=matmul.packing_pays(max_batch_size, False, dtype), opened=checkpoint)
     model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
+    if compile:  # as generation.compile_decoding does for a target without speculation
+        compilation = parallel.decode_compilation(placement.device)
+        model.compile_decoding(compilation.static_shapes, **compilation.options)
     return Speculator("draft", k, Draft(model, description))
