@@ -139,6 +139,10 @@ def main(
     dtype: Optional[str] = None,
     quantize: Optional[str] = None,
     compile: bool = False,
+    speculate: Optional[str] = None,
+    speculate_k: Optional[int] = None,
+    draft_ckpt_dir: Optional[str] = None,
+    draft_quantize: Optional[str] = None,
 ):
     """Chat in the terminal (or from a pipe) with a chat model.
 
@@ -163,6 +167,11 @@ def main(
             made at load time; a quantized checkpoint loads as it is stored.
         compile: compile the decoding step once the first reply has waited for the compiler
             (3-6 s on a CPU): then 1.1-1.9x faster steps on CPU (by CPU); worth it for long chats.
+        speculate: draft or lookup: guess tokens, then verify several in one pass, with the same
+            greedy answers (docs/speculative.md); a draft needs --draft_quantize or --draft_ckpt_dir.
+        speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
+        draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
+        draft_quantize: the draft's quantization: int8 alone makes an int8 copy of this model.
     """
     room = max_gen_len or max_seq_len // 4
     if room >= max_seq_len:
@@ -176,7 +185,9 @@ def main(
     check_stop(stop)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1,
-                            dtype=dtype, quantize=quantize, compile=compile)
+                            dtype=dtype, quantize=quantize, compile=compile,
+                            speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
+                            draft_quantize=draft_quantize)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     keyboard = Keyboard(sys.stdin.fileno()) if global_rank() == 0 else None

@@ -54,6 +54,10 @@ def main(
     dtype: Optional[str] = None,
     quantize: Optional[str] = None,
     compile: bool = False,
+    speculate: Optional[str] = None,
+    speculate_k: Optional[int] = None,
+    draft_ckpt_dir: Optional[str] = None,
+    draft_quantize: Optional[str] = None,
 ):
     """Print each dialog and the model's reply.
 
@@ -82,11 +86,18 @@ def main(
         compile: compile the decoding step once the first reply has waited for the compiler
             (3-6 s on a CPU): 1.1-1.9x faster steps on CPU (by CPU) with --max_batch_size 1, little
             gain with more; worth it for long jobs.
+        speculate: draft or lookup: guess tokens, then verify several in one pass, with the same
+            greedy answers (docs/speculative.md); a draft needs --draft_quantize or --draft_ckpt_dir.
+        speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
+        draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
+        draft_quantize: the draft's quantization: int8 alone makes an int8 copy of this model.
     """
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(dialogs), stream),
-                            dtype=dtype, quantize=quantize, compile=compile)
+                            dtype=dtype, quantize=quantize, compile=compile,
+                            speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
+                            draft_quantize=draft_quantize)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     results = [] if stream else generator.chat_completion(dialogs, token_ids=True, **options)

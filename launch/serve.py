@@ -39,6 +39,10 @@ def main(
     dtype: Optional[str] = None,
     quantize: Optional[str] = None,
     compile: bool = False,
+    speculate: Optional[str] = None,
+    speculate_k: Optional[int] = None,
+    draft_ckpt_dir: Optional[str] = None,
+    draft_quantize: Optional[str] = None,
 ):
     """Answer OpenAI-style HTTP requests until Ctrl-C or SIGTERM.
 
@@ -60,6 +64,11 @@ def main(
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
         quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
         compile: compile the decoding step (worth it for a server that runs for long).
+        speculate: draft or lookup: guess tokens, then verify several in one pass, with the same
+            greedy answers (docs/speculative.md); a draft needs --draft_quantize or --draft_ckpt_dir.
+        speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
+        draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
+        draft_quantize: the draft's quantization: int8 alone makes an int8 copy of this model.
     """
     placement = parallel.init()
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
@@ -72,7 +81,9 @@ def main(
             server = ServerThread(app, bind(host, port)).start()  # /health says 503 while loading
     try:
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
-                                quantize=quantize, compile=compile)
+                                quantize=quantize, compile=compile,
+                                speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
+                                draft_quantize=draft_quantize)
         generator.model.prefix_cache.enabled = not no_prefix_cache
         engine = Engine(generator, max_prefill_tokens, mailbox)
         stopping = threading.Event()

@@ -2,9 +2,10 @@
 kept for the caller (log probabilities, top candidates)."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 # Fills the not-yet-generated positions; never a real token id, ignored by the logprob loss.
 NO_TOKEN = -1
@@ -34,6 +35,9 @@ class Batch:
     top_ids: Optional[torch.Tensor]  # bsz, total_len, show_top
     top_probs: Optional[torch.Tensor]
     cur_pos: int = -1  # the last position filled
+    # With speculation rows advance unevenly: how many positions each row has filled (else every
+    # row up to cur_pos). See fill.
+    reached: Optional[list[int]] = None
 
     @staticmethod
     def start(prompts: list[list[int]], max_gen_len: int, max_seq_len: int, device: torch.device,
@@ -60,6 +64,8 @@ class Batch:
 
     @property
     def all_ended(self) -> bool:
+        if self.reached is not None:
+            return all(end <= reached for end, reached in zip(self.ends.tolist(), self.reached))
         return bool((self.ends <= self.cur_pos + 1).all())
 
     def end_rows(self, cur_pos: int, stop_tokens: torch.Tensor, stop: tuple[str, ...], tokenizer) -> None:
@@ -69,20 +75,42 @@ class Batch:
         at_stop_token = ~self.is_prompt[:, cur_pos] & torch.isin(sampled, stop_tokens)
         self.ends = torch.where(at_stop_token, torch.clamp(self.ends, max=cur_pos), self.ends)
         if stop:
-            # A stop string that ended earlier already ended its row, so only one ending at this
-            # token can be new: decode just enough tail to hold it (up to 4 byte tokens a
-            # character) instead of the whole row at every step.
-            window = 4 * max(map(len, stop)) + 2
             for row, end in enumerate(self.ends.tolist()):
-                if self.lengths[row] <= cur_pos < end:
-                    first = max(self.lengths[row], cur_pos + 1 - window)
-                    text = tokenizer.decode(self.tokens[row, first : cur_pos + 1].tolist())
-                    if any(s in text for s in stop):
-                        self.ends[row] = cur_pos + 1
+                if self.lengths[row] <= cur_pos < end and self._completes_stop(row, cur_pos, stop, tokenizer):
+                    self.ends[row] = cur_pos + 1
+
+    def fill(self, row: int, tokens: Sequence[int], stop_tokens: "set[int]", stop: tuple[str, ...],
+             tokenizer) -> None:
+        """Write tokens into row from the first position it has not reached (speculation: a
+        round's tokens), ending the row where one of them ends it, as end_rows does."""
+        first = self.reached[row]
+        self.tokens[row, first : first + len(tokens)] = torch.tensor(tokens, device=self.tokens.device)
+        end = int(self.ends[row])
+        for pos, token in enumerate(tokens, start=first):
+            self.reached[row] = pos + 1
+            if pos >= self.lengths[row]:
+                if token in stop_tokens:
+                    end = pos
+                elif stop and self._completes_stop(row, pos, stop, tokenizer):
+                    end = pos + 1
+            if self.reached[row] >= end:
+                break
+        self.ends[row] = end
+
+    def _completes_stop(self, row: int, pos: int, stop: tuple[str, ...], tokenizer) -> bool:
+        """Whether the token at pos completes one of the stop strings in row's generated text."""
+        # A stop string that ended earlier already ended its row, so only one ending at this
+        # token can be new: decode just enough tail to hold it (up to 4 byte tokens a
+        # character) instead of the whole row at every step.
+        window = 4 * max(map(len, stop)) + 2
+        first = max(self.lengths[row], pos + 1 - window)
+        text = tokenizer.decode(self.tokens[row, first : pos + 1].tolist())
+        return any(s in text for s in stop)
 
     def generated(self, row: int) -> list[int]:
         """Row's generated tokens so far, without a stop token or anything after its end."""
-        end = min(int(self.ends[row]), self.cur_pos + 1)
+        filled = self.cur_pos + 1 if self.reached is None else self.reached[row]
+        end = min(int(self.ends[row]), filled)
         return self.tokens[row, self.lengths[row] : max(end, self.lengths[row])].tolist()
 
     def collect(self, result: Generated, echo: bool) -> None:
@@ -95,3 +123,8 @@ class Batch:
             if self.top_ids is not None:
                 ids, probs = self.top_ids[row, length:end].tolist(), self.top_probs[row, length:end].tolist()
                 result.top.append([list(zip(i, p)) for i, p in zip(ids, probs)])
+
+
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) under logits [bsz, seqlen, vocab] for targets [bsz, seqlen]; 0 where no token yet."""
+    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=NO_TOKEN)

@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Iterator, Optional, TypedDict
 
 import torch
-import torch.nn.functional as F
 
 from . import parallel
 from .args import ModelArgs
-from .batch import NO_TOKEN, Batch, Generated
+from .batch import Batch, Generated, logprobs_of
 from .checkpoint import load_model, open_checkpoint
 from .checkpoint.record import read_record
 from .kernels import matmul
@@ -21,6 +20,8 @@ from .memory import plan, report
 from .model import Transformer
 from .quantize import check_quantize
 from .sampling import SamplingOptions, choose_next, top_candidates
+from .speculative import Speculator, build_speculator, check_speculation
+from .speculative.decoding import decode_rounds
 from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
 from .text.streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
 from .text.tokenizer import load_tokenizer
@@ -52,6 +53,10 @@ class Llama:
         dtype: "str | torch.dtype | None" = None,
         quantize: Optional[str] = None,
         compile: bool = False,
+        speculate: Optional[str] = None,
+        speculate_k: Optional[int] = None,
+        draft_ckpt_dir: Optional[str] = None,
+        draft_quantize: Optional[str] = None,
     ) -> "Llama":
         """Join the process group, load this rank's slice of the checkpoint, and return a generator.
 
@@ -60,13 +65,26 @@ class Llama:
         compile: run decoding steps through torch.compile. Off by default: on this project's CPUs
             with AVX-512 eager steps call our kernels for the products and for each layer's
             attention step, and compiled ones (the rest fused) ran 1.07x as fast at batch 1 and
-            level at batch 8 on the AMD Zen 4 machine, after 7-26 s of compiling.
+            level at batch 8 on the AMD Zen 4 machine, after 7-26 s of compiling. With
+            speculate="draft", the draft's steps are compiled instead (1.24x faster for the demo's
+            int8 copy): the target's passes stay eager, through our kernels, whose several-token
+            passes give each token exactly a one-token step's logits.
+        speculate: guess a few tokens a step and verify them in one pass (docs/speculative.md):
+            "draft" (a draft model guesses: draft_quantize and/or draft_ckpt_dir) or "lookup"
+            (guesses copied from where the last tokens appeared before in the prompt or output).
+            Greedy tokens are those of decoding without it (exactly, where our CPU kernels run);
+            sampled ones follow the same distribution.
+        speculate_k: guesses a round, 1 to 15 (default: the mode's, tuned on the demo model).
+        draft_ckpt_dir: the draft's checkpoint, sharing the tokenizer (default: the target's own).
+        draft_quantize: the draft's linear layers, as quantize: "int8" alone makes the draft an
+            int8 copy of the target.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
         check_quantize(quantize)
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, found {compile!r}")
+        check_speculation(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
@@ -87,19 +105,23 @@ class Llama:
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
-            if compile:
+            if compile and speculate is None:
                 compile_decoding(model, placement.device)
+            speculator = build_speculator(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile, ckpt_dir,
+                                          checkpoint.args, placement, dtype, max_batch_size, max_seq_len)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         logger.info(f"Loaded in {time.perf_counter() - start:.2f} seconds")
         formatter = chat_format_for(tokenizer, record.chat_format, record.default_system_prompt)
-        return Llama(model, tokenizer, formatter, record.sampling)
+        return Llama(model, tokenizer, formatter, record.sampling, speculator)
 
-    def __init__(self, model: Transformer, tokenizer, formatter=None, sampling_defaults: Optional[dict] = None):
+    def __init__(self, model: Transformer, tokenizer, formatter=None, sampling_defaults: Optional[dict] = None,
+                 speculator: Optional[Speculator] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = formatter or chat_format_for(tokenizer)
         # The model's recommended temperature, top_p, top_k, repetition_penalty (checkpoint/record.py)
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.speculator = speculator  # None: one token a step
 
     def sampling_options(self, temperature: Optional[float] = None, top_p: Optional[float] = None,
                          top_k: Optional[int] = None, repetition_penalty: Optional[float] = None,
@@ -161,7 +183,8 @@ class Llama:
         """Meta's schedule: decode from the shortest prompt; longer prompts feed their own tokens.
 
         Rows end at stop_tokens (by default the tokenizer's; a chat format may add its end of turn).
-        Yields the batch before the first step and after every step, for streaming.
+        Yields the batch before the first step and after every step, for streaming. With a
+        speculator, the steps after the first are rounds of guesses (speculative/decoding.py).
         reuse: skip the start that every prompt shares with what its cache row holds from the
         call before (the conversation so far): the same results, less prefill. Not where the
         prompts' own log probabilities are wanted, which need their logits.
@@ -176,10 +199,15 @@ class Llama:
         min_len = min(batch.lengths)
         if min_len == batch.total_len > 1 and logprobs:  # nothing to generate: score the prompts
             logits = self.model.forward(batch.tokens[:, :-1], 0)
-            batch.token_logprobs[:, 1:] = _logprobs_of(logits, batch.tokens[:, 1:])
+            batch.token_logprobs[:, 1:] = logprobs_of(logits, batch.tokens[:, 1:])
         # Plain greedy decoding needs no logits gathered: each rank offers the best of its slice
         # of the vocabulary (parallel.vocab_argmax).
         on_slices = options.takes_best_logit and not logprobs and batch.top_ids is None
+        # Rounds of guesses once the prompts are in; not for a batch so large that it leaves no
+        # room for guesses (Speculator.guesses_for), whose rounds would only drop ended rows.
+        speculator = self.speculator
+        if speculator is not None and not speculator.guesses_for(self.model, len(prompts)):
+            speculator = None
         for cur_pos in range(min_len, batch.total_len):
             logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs,
                                         vocab_slice=on_slices)
@@ -191,13 +219,17 @@ class Llama:
                 sampled = self._sample(batch, logits[:, -1], cur_pos, options, stop_tokens, generator)
             batch.tokens[:, cur_pos] = torch.where(batch.is_prompt[:, cur_pos], batch.tokens[:, cur_pos], sampled)
             if logprobs:
-                batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _logprobs_of(
+                batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = logprobs_of(
                     logits, batch.tokens[:, prev_pos + 1 : cur_pos + 1]
                 )
             batch.end_rows(cur_pos, stop_tokens, stop, self.tokenizer)
             prev_pos = cur_pos
             yield batch
             if batch.all_ended:
+                break
+            if speculator is not None:  # every row has its first token: the rest in rounds of guesses
+                yield from decode_rounds(speculator, self.model, batch, options, stop, set(stop_tokens.tolist()),
+                                         generator, logprobs, self.tokenizer)
                 break
 
     def _sample(self, batch: Batch, logits: torch.Tensor, cur_pos: int, options: SamplingOptions,
@@ -410,8 +442,3 @@ def _refusal(stream: TextStream) -> Iterator[str]:
     """What stream_chat_completion yields for a dialog that smuggles in control tags."""
     stream.text = UNSAFE_ERROR
     yield UNSAFE_ERROR
-
-
-def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) under logits [bsz, seqlen, vocab] for targets [bsz, seqlen]; 0 where no token yet."""
-    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=NO_TOKEN)

@@ -68,3 +68,18 @@ class PrefixCache:
     def _touch(self, row: int) -> None:
         self._uses += 1
         self._last_used[row] = self._uses
+
+
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens a and b share."""
+    shared = min(len(a), len(b))
+    if a[:shared] == b[:shared]:  # the usual case, at the speed of one comparison
+        return shared
+    low, high = 0, shared  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -25,10 +25,13 @@ def checkpoints(tmp_path_factory) -> dict[int, str]:
     return {n: str(write_checkpoint(root / f"tp{n}", TINY_LLAMA2, weights, n, "dim")) for n in (1, 2)}
 
 
-def test_piped_session_over_two_processes(checkpoints):
+@pytest.mark.parametrize("speculation", [(), ("--speculate", "draft", "--draft_quantize", "int8")])
+def test_piped_session_over_two_processes(checkpoints, speculation):
+    """The transcript, turn after turn (each reusing the cache), as the API streams it; with
+    speculation too, whose greedy answers are the same."""
     result = run_script("chat.py", 2, "--ckpt_dir", checkpoints[2], "--tokenizer_path", str(LLAMA2_TOKENIZER),
                         "--temperature", "0", "--max_seq_len", str(MAX_SEQ_LEN), "--max_gen_len", str(MAX_GEN_LEN),
-                        stdin=SESSION, timeout=90)
+                        *speculation, stdin=SESSION, timeout=90)
     transcript = result.stdout
     api = Llama.build(checkpoints[1], str(LLAMA2_TOKENIZER), max_seq_len=MAX_SEQ_LEN, max_batch_size=1)
 

@@ -127,3 +127,18 @@ def test_static_shapes_compile_one_step_for_every_position(checkpoints, tokenize
 @pytest.mark.parametrize("n_layers, size", [(30, 10), (32, 8), (80, 10), (22, 2), (7, 7), (13, 1)])
 def test_layers_per_call_splits_the_layers_into_equal_groups(n_layers, size):
     assert model.layers_per_call(n_layers) == size
+
+
+@pytest.mark.slow
+def test_a_compiled_draft_speculates_with_the_eager_targets_greedy_tokens(checkpoints, tokenizer_path, eager):
+    """With speculation, compile=True compiles the int8 draft's steps; the target's passes stay
+    eager (our kernels), so greedy tokens are eager decoding's exactly."""
+    torch._dynamo.reset()
+    llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3,
+                        compile=True, speculate="draft", draft_quantize="int8")
+    assert llama.model.run_decode_layers is model.run_layers  # the target: eager
+    assert llama.speculator.draft.model.run_decode_layers is not model.run_layers
+    plain = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3)
+    expected = plain.generate(PROMPTS, max_gen_len=16, temperature=0)[0]
+    assert llama.generate(PROMPTS, max_gen_len=16, temperature=0)[0] == expected
+    assert llama.speculator.stats.accepted > 0

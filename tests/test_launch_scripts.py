@@ -62,6 +62,14 @@ def test_chat_completion_script_matches_api_over_two_processes(tmp_path, checkpo
     assert [r["generation"] for r in records] == [e["generation"]["content"] for e in expected]
 
 
+@pytest.mark.slow
+def test_text_completion_script_speculates_with_the_apis_tokens_over_two_processes(tmp_path, checkpoints, api):
+    records = run_with_files(tmp_path, checkpoints, "text_completion.py", 2, PROMPTS, "--speculate", "lookup",
+                             "--speculate_k", "3")
+    expected = api.text_completion(PROMPTS, temperature=0, max_gen_len=6, token_ids=True)
+    assert [r["token_ids"] for r in records] == [e["token_ids"] for e in expected]
+
+
 def test_scripts_build_no_more_rows_than_they_decode_at_once():
     assert batch_rows(4, n_prompts=2, stream=False) == 2
     assert batch_rows(4, n_prompts=9, stream=False) == 4  # the rest in later batches

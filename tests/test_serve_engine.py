@@ -125,13 +125,15 @@ def test_a_lost_rank_ends_every_request_with_an_error(llama, monkeypatch):
     harness.close()
 
 
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory) -> tuple[Llama, list[int]]:
-    """A model whose greedy answer to [1, 450] is fixed: 'The quick brown fox' then eos."""
+@pytest.fixture(scope="module", params=["plain", "speculating"])
+def chain(request, tmp_path_factory) -> tuple[Llama, list[int]]:
+    """A model whose greedy answer to [1, 450] is fixed: 'The quick brown fox' then eos; also with
+    its int8 copy as a draft, whose guesses are right: a round then ends at the stop or limit."""
     chain = [1, 450, 4996, 17354, 1701, 29916, 2]
     directory = tmp_path_factory.mktemp("chain")
     write_checkpoint(directory, TINY_LLAMA2, successor_weights(TINY_LLAMA2, 32000, dict(zip(chain[:-1], chain[1:]))), 1, "dim")
-    return Llama.build(str(directory), str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=2), chain
+    speculation = dict(speculate="draft", draft_quantize="int8") if request.param == "speculating" else {}
+    return Llama.build(str(directory), str(LLAMA2_TOKENIZER), max_seq_len=32, max_batch_size=2, **speculation), chain
 
 
 def test_stop_tokens_stop_strings_and_min_tokens(chain):
@@ -145,6 +147,8 @@ def test_stop_tokens_stop_strings_and_min_tokens(chain):
         at_string = harness.ask(request(llama, chain[:2], 20, stop=("brown f",), temperature=0))
         assert text_of(at_string) == "quick " and at_string[-1].finish_reason == "stop"
         assert tokens_of(at_string) == chain[2:5]  # up to the token that completed the string
+        at_limit = harness.ask(request(llama, chain[:2], 3, temperature=0))
+        assert tokens_of(at_limit) == chain[2:5] and at_limit[-1].finish_reason == "length"
         no_eos_yet = harness.ask(request(llama, chain[:2], 7, min_gen_len=6, temperature=0))
         assert len(tokens_of(no_eos_yet)) == 7 and no_eos_yet[-1].finish_reason == "length"
         assert 2 not in tokens_of(no_eos_yet)[:6]

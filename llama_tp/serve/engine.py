@@ -24,6 +24,7 @@ from .. import parallel
 from ..generation import Llama
 from ..logs import logger
 from ..sampling import choose_next
+from ..speculative import Row
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
 from .requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob
@@ -31,6 +32,9 @@ from .scheduler import Chunk, Scheduler, Sequence
 
 # The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
 MAX_HEARTBEAT_SECONDS = 10.0
+
+# With speculation, the acceptance so far is logged (debug) each time this many more rows are verified.
+SPECULATION_REPORT_ROWS = 1000
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class Engine:
         self.waiting: deque[RequestStream] = deque()  # rank 0: submitted, not yet admitted
         self.streams: dict[str, RequestStream] = {}  # rank 0: admitted requests' streams
         self.heartbeat = min(MAX_HEARTBEAT_SECONDS, parallel.collective_timeout().total_seconds() / 3)
+        self.speculator = generator.speculator  # None: one token a step
+        self.next_report = SPECULATION_REPORT_ROWS
 
     def run(self, stop_requested: Callable[[], bool]) -> None:
         """Serve until some rank is asked to stop (then every request ends cleanly) or a rank is
@@ -154,9 +160,37 @@ class Engine:
     def _step(self) -> None:
         plan = self.scheduler.plan()
         if plan.decode:  # first, so that generating requests get their token as soon as can be
-            self._feed(plan.decode)
+            if self.speculator is not None:
+                self._speculate(plan.decode)
+            else:
+                self._feed(plan.decode)
         for chunk in plan.prefill:
             self._feed([chunk])
+            if self.speculator is not None and self.speculator.draft is not None:
+                # The draft reads the prompt chunk by chunk too, rather than all at once in the
+                # sequence's first round, which would hold up the other rows' round.
+                tokens = chunk.sequence.tokens[: chunk.start + len(chunk.tokens)]
+                self.speculator.draft.catch_up([chunk.sequence.slot.index], [tokens], plain=True)
+
+    def _speculate(self, chunks: list[Chunk]) -> None:
+        """A round of guesses for the generating sequences (each chunk the one token its slot
+        lacks): one pass of the target verifies them all, each sequence gains a token or more."""
+        sequences = [chunk.sequence for chunk in chunks]
+        rows = [Row(s.slot.index, s.tokens, s.request.options, s.sampling.generator, s.prompt_length,
+                    sorted(s.request.stop_tokens),
+                    min(s.request.max_tokens - s.generated, self.model.max_seq_len - len(s.tokens)))
+                for s in sequences]
+        outcomes = self.speculator.round(self.model, rows, want_logits=any(s.request.logprobs for s in sequences))
+        for sequence, outcome in zip(sequences, outcomes):
+            for index, token in enumerate(outcome.tokens):
+                request = sequence.request
+                logprob = _logprob(request, token, outcome.logits[index]) if request.logprobs else None
+                if self._advance(sequence, token, logprob):
+                    break
+        stats = self.speculator.stats
+        if stats.verified_rows >= self.next_report:
+            logger.debug(f"speculation ({self.speculator.mode}) so far: {stats.describe()}")
+            self.next_report = stats.verified_rows + SPECULATION_REPORT_ROWS
 
     def _feed(self, chunks: list[Chunk]) -> None:
         """One pass over chunks of equal length (one prompt chunk, or one token of each
@@ -191,17 +225,11 @@ class Engine:
                 suppress = torch.zeros_like(logits, dtype=torch.bool)
                 suppress[:, sorted(request.stop_tokens)] = True
             token = int(choose_next(logits, options, history, suppress, sequence.sampling.generator))
-        if not request.logprobs:
-            return token, None
-        logprobs = F.log_softmax(logits[0], dim=-1)  # under the model itself, before any sampling option
-        top = ()
-        if request.top_logprobs:
-            values, ids = logprobs.topk(request.top_logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        return token, TokenLogprob(token, float(logprobs[token]), top)
+        return token, (_logprob(request, token, logits[0]) if request.logprobs else None)
 
-    def _advance(self, sequence: Sequence, token: int, logprob: Optional[TokenLogprob]) -> None:
-        """Append a chosen token and end the sequence where it ends; rank 0 hands the client its text."""
+    def _advance(self, sequence: Sequence, token: int, logprob: Optional[TokenLogprob]) -> bool:
+        """Append a chosen token and end the sequence where it ends (then True); rank 0 hands the
+        client its text."""
         request, progress = sequence.request, sequence.sampling
         sequence.tokens.append(token)
         sequence.generated += 1
@@ -222,6 +250,7 @@ class Engine:
             self._finish(sequence, "stop" if stopped else "length", [delta])
         elif self.mailbox is not None:
             self.streams[request.id].put(delta)
+        return stopped or full
 
     # Ends
 
@@ -275,6 +304,17 @@ class Engine:
         self.waiting.clear()
         self.mailbox.metrics.requests_running.set(0)
         self.mailbox.metrics.requests_waiting.set(0)
+
+
+def _logprob(request: GenerationRequest, token: int, logits: torch.Tensor) -> TokenLogprob:
+    """token's log probability under the model's logits [vocab] (before any sampling option),
+    with the likeliest tokens if the request asks."""
+    logprobs = F.log_softmax(logits, dim=-1)
+    top = ()
+    if request.top_logprobs:
+        values, ids = logprobs.topk(request.top_logprobs)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), top)
 
 
 def _with_text(delta: Delta, text: str) -> Delta:

@@ -1,0 +1,71 @@
+"""Which guesses the target accepts, and the token it adds after them: pure functions on
+probabilities, unit-tested directly.
+
+Rows of a batch guess different numbers of tokens: guesses [rows, m] are padded past each row's
+count (counts [rows]), and padding is never accepted. Position i of a row (0 <= i <= m) is the
+target's prediction after the row's tokens and its first i guesses.
+"""
+
+from typing import Optional
+
+import torch
+
+
+def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor,
+                  counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: the guesses up to the first that differs from the target's choice.
+
+    choices [rows, m + 1]: the target's token at each position; guesses [rows, m]; counts [rows].
+    Returns the accepted count [rows] and the next token [rows]: the target's choice where the
+    first guess failed, or after the last guess (the bonus token). Exactly the tokens that
+    decoding without guesses would choose.
+    """
+    m = guesses.shape[1]
+    valid = torch.arange(m, device=guesses.device)[None, :] < counts[:, None]  # rows, m
+    agree = (guesses == choices[:, :m]) & valid
+    accepted = agree.long().cumprod(dim=-1).sum(dim=-1)  # the leading run of agreements
+    return accepted, choices.gather(-1, accepted[:, None]).squeeze(-1)
+
+
+def accept_sampled(p: torch.Tensor, q: Optional[torch.Tensor], guesses: torch.Tensor, counts: torch.Tensor,
+                   generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the tokens it returns
+    follow p, the target's distributions, whatever q proposed them.
+
+    p [rows, m + 1, vocab]: the target's distribution at each position; q [rows, m, vocab]: the
+    distribution each guess was drawn from (None: the guesses were certain, as prompt lookup's
+    are: q is one-hot on each); guesses [rows, m]; counts [rows].
+    Guess i is accepted with probability min(1, p(g) / q(g)) while all before it were; at the
+    first rejection the next token is drawn from max(p - q, 0), normalised; after the last
+    guess, from p. Returns the accepted count [rows] and the next token [rows].
+
+    Every call draws rows * m uniforms, then one token a row: a seeded generator gives the same
+    result on every rank and in every run.
+    """
+    rows, m = guesses.shape
+    valid = torch.arange(m, device=guesses.device)[None, :] < counts[:, None]  # rows, m
+    index = guesses.clamp(min=0)[..., None]  # rows, m, 1
+    p_guess = p[:, :m].gather(-1, index).squeeze(-1)  # rows, m
+    q_guess = torch.ones_like(p_guess) if q is None else q.gather(-1, index).squeeze(-1)
+    uniform = torch.rand(rows, m, generator=generator, device=p.device)
+    accept = (uniform * q_guess < p_guess) & valid  # probability min(1, p / q)
+    accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # rows
+    at = torch.arange(rows, device=p.device)
+    p_next = p[at, accepted]  # rows, vocab
+    # q at the position of the next token: the rejected guess's distribution, or nothing after
+    # the last guess (so the residual is p itself).
+    rejected = accepted < counts
+    if q is None:
+        q_next = torch.zeros_like(p_next)
+        if m:
+            rejected_guess = guesses[at, accepted.clamp(max=m - 1)]
+            q_next[at[rejected], rejected_guess[rejected]] = 1.0
+    else:
+        q_padded = torch.cat([q, q.new_zeros(rows, 1, q.shape[-1])], dim=1)  # rows, m + 1, vocab
+        q_next = q_padded[at, accepted] * rejected[:, None]
+    residual = (p_next - q_next).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # A rejection needs p(g) < q(g), so the residual has mass; if rounding left none, p itself.
+    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
+    token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return accepted, token

@@ -1,0 +1,118 @@
+"""The draft model's side of a round: catching up with each row, then guessing token after token.
+
+The draft is a second Transformer (a smaller checkpoint that shares the tokenizer, or the target
+itself quantized), split over the ranks as the target is, with caches of its own in the same
+rows. Its PrefixCache record says what each of its cache rows holds, so each round feeds it
+just what it lacks: usually the last one or two tokens (the target's own token after the
+guesses it accepted, and the last of those if it never fed it), a whole prompt the first time.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import parallel
+from ..model import Transformer
+from ..prefix_cache import common_length
+from ..sampling import choose_next, distribution
+from .rows import Row, histories, is_greedy, suppressed
+
+# Rows that lack at most this many tokens are fed together, each from as far back as the one that
+# lacks the most: after a round a row lacks its new token, and the last guess it accepted if it
+# never fed that one.
+CATCH_UP_TOGETHER = 2
+
+
+class Draft:
+    def __init__(self, model: Transformer, description: str):
+        self.model = model
+        self.description = description  # for people: "int8 copy of the target", a folder
+
+    def propose(self, rows: list[Row], counts: list[int], forced: list[list[int]],
+                plain: bool) -> tuple[list[list[int]], list[Optional[torch.Tensor]]]:
+        """counts[r] guesses for each row (its forced tokens first), each drawn as the row's options
+        draw from the draft's logits; and for each row whose options sample, the distributions
+        the guesses were drawn from [counts[r], vocab] (None for greedy rows).
+
+        plain: every row is plain greedy, so the draft's best token is picked from vocabulary
+        slices (parallel.vocab_argmax) without gathering its logits.
+        """
+        guesses: list[list[int]] = [[] for _ in rows]
+        drawn_from: list[list[torch.Tensor]] = [[] for _ in rows]
+        steps = max(counts, default=0)
+        chosen = [r for r, count in enumerate(counts) if count > 0]
+        if not steps:
+            return guesses, [None] * len(rows)
+        logits = self.catch_up([rows[r].slot for r in chosen], [rows[r].tokens for r in chosen], plain)
+        for step in range(steps):
+            picks = self._pick([rows[r] for r in chosen], [guesses[r] for r in chosen],
+                               [forced[r] for r in chosen], [drawn_from[r] for r in chosen], logits, plain)
+            for r, token in zip(chosen, picks):
+                guesses[r].append(token)
+            if step + 1 < steps:
+                starts = [len(rows[r].tokens) + step for r in chosen]
+                logits = self._forward([[token] for token in picks], starts, [rows[r].slot for r in chosen], plain)
+        return ([g[:count] for g, count in zip(guesses, counts)],
+                [torch.stack(d[:count]) if d else None for d, count in zip(drawn_from, counts)])
+
+    def catch_up(self, slots: Sequence[int], sequences: Sequence[list[int]], plain: bool) -> torch.Tensor:
+        """Feed the draft what it lacks of each sequence, its last token at least, in cache row
+        slots[r]: the logits predicting each sequence's next token, [rows, vocab] (or this
+        rank's slice).
+
+        Rows that lack a token or two (every round's case) are fed in one pass; rows that lack
+        more (a prompt), in one pass for each sequence length.
+        """
+        records = self.model.prefix_cache.rows
+        lacking = [len(tokens) - min(common_length(records[slot], tokens), len(tokens) - 1)
+                   for slot, tokens in zip(slots, sequences)]
+        groups: dict[int, list[int]] = {}  # by length; 0: the rows that lack little
+        for index, (tokens, lack) in enumerate(zip(sequences, lacking)):
+            groups.setdefault(0 if lack <= CATCH_UP_TOGETHER <= len(tokens) else len(tokens), []).append(index)
+        logits: list[Optional[torch.Tensor]] = [None] * len(slots)
+        for group in groups.values():
+            # Every row's feed ends at its last token; one that holds more feeds some of it again:
+            # the same tokens at the same positions, so the same keys and values.
+            width = max(lacking[index] for index in group)
+            starts = [len(sequences[index]) - width for index in group]
+            fed = self._forward([sequences[index][start:] for index, start in zip(group, starts)], starts,
+                                [slots[index] for index in group], plain)
+            for row, index in enumerate(group):
+                logits[index] = fed[row]
+        return torch.stack(logits)
+
+    def _forward(self, tokens: list[list[int]], starts: list[int], slots: list[int], plain: bool) -> torch.Tensor:
+        """The draft's logits after tokens [rows, n] fed from starts in slots, [rows, vocab or slice]."""
+        feed = torch.tensor(tokens, device=self.model.rotary.device)
+        logits = self.model.forward(feed, starts, last_only=True, vocab_slice=plain, slots=slots)[:, -1]
+        for slot, start, fed in zip(slots, starts, tokens):
+            self.model.prefix_cache.extend(slot, start, fed)
+        return logits
+
+    @staticmethod
+    def _pick(rows: list[Row], guesses: list[list[int]], forced: list[list[int]],
+              drawn_from: list[list[torch.Tensor]], logits: torch.Tensor, plain: bool) -> list[int]:
+        """Each row's next guess from the draft's logits [rows, vocab]: forced, or drawn as the row
+        draws (its distribution kept for verifying)."""
+        if plain:
+            best = parallel.vocab_argmax(logits).tolist()
+            return [f[len(g)] if len(g) < len(f) else b for b, g, f in zip(best, guesses, forced)]
+        picks = []
+        for index, (row, row_guesses, row_forced) in enumerate(zip(rows, guesses, forced)):
+            position = len(row.tokens) + len(row_guesses)
+            row_logits = logits[index : index + 1]
+            history = histories(row.tokens + row_guesses, 1, row.options, logits.device)
+            suppress = suppressed(row, position, 1, row_logits.shape[-1], logits.device)
+            if len(row_guesses) < len(row_forced):
+                token = row_forced[len(row_guesses)]
+                if not is_greedy(row.options):
+                    drawn_from[index].append(torch.nn.functional.one_hot(
+                        torch.tensor(token, device=logits.device), logits.shape[-1]).to(logits.dtype))
+            elif is_greedy(row.options):
+                token = int(choose_next(row_logits, row.options, history, suppress))
+            else:
+                probs = distribution(row_logits, row.options, history, suppress)
+                drawn_from[index].append(probs[0])
+                token = int(torch.multinomial(probs, 1, generator=row.generator))
+            picks.append(token)
+        return picks

@@ -1,0 +1,62 @@
+"""What a round of speculation is told about each row, and what it gives back."""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..sampling import SamplingOptions
+
+
+@dataclass
+class Row:
+    """A row of a batch at the start of a round."""
+
+    slot: int  # its cache row, in the target's caches and the draft's
+    tokens: list[int]  # the row so far: the target's cache holds all but the last
+    options: SamplingOptions
+    generator: Optional[torch.Generator]  # None: torch's global one
+    prompt_length: int  # min_gen_len counts the tokens after it
+    stop_tokens: Sequence[int]  # impossible while fewer than min_gen_len tokens are generated
+    room: int  # the most tokens this round may add: the row ends after them
+    # Tokens that come next whatever the model says: the rest of a prompt longer than the
+    # batch's shortest (Meta's schedule), taken as guesses that are always right.
+    forced: Sequence[int] = ()
+
+
+@dataclass
+class Outcome:
+    """What a round added to a row."""
+
+    tokens: list[int]  # the accepted guesses, then the target's own token (or the prompt's)
+    logits: Optional[torch.Tensor] = None  # when asked: the target's logits predicting each, [len(tokens), vocab]
+
+
+def is_greedy(options: SamplingOptions) -> bool:
+    """Whether the options pick the best token (after any penalty), as choose_next decides."""
+    return options.temperature < torch.finfo(torch.float32).tiny
+
+
+def histories(tokens: list[int], positions: int, options: SamplingOptions,
+              device: torch.device) -> Optional[torch.Tensor]:
+    """What the repetition penalty sees at the last `positions` predictions over tokens: the last
+    sees every token, each one before it one fewer. [positions, len(tokens)], -1 for a token not
+    seen yet; None without a penalty."""
+    if options.repetition_penalty == 1.0:
+        return None
+    ids = torch.tensor(tokens, device=device)
+    seen = len(tokens) - positions + 1 + torch.arange(positions, device=device)  # positions
+    hidden = torch.arange(len(tokens), device=device)[None, :] >= seen[:, None]
+    return ids.expand(positions, -1).masked_fill(hidden, -1)
+
+
+def suppressed(row: Row, position: int, positions: int, vocab: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The row's stop tokens, banned at each of `positions` consecutive positions from position
+    while fewer than min_gen_len tokens come before: [positions, vocab] bool, or None if none is."""
+    min_gen_len = row.options.min_gen_len
+    if not min_gen_len or position - row.prompt_length >= min_gen_len:
+        return None
+    generated = position - row.prompt_length + torch.arange(positions, device=device)
+    suppress = torch.zeros(positions, vocab, dtype=torch.bool, device=device)
+    suppress[:, sorted(row.stop_tokens)] = (generated < min_gen_len)[:, None]
+    return suppress
