@@ -22,6 +22,7 @@ PROMPTS = [[1, 450, 4996, 17354, 1701, 306, 4658, 29892, 920], [1, 450], [1, 306
 SPECULATIONS = {
     "lookup": dict(speculate="lookup"),
     "int8 copy": dict(speculate="draft", draft_quantize="int8"),
+    "int4 copy": dict(speculate="draft", draft_quantize="int4"),
     "other model": dict(speculate="draft"),  # draft_ckpt_dir: the perturbed checkpoint
 }
 
@@ -215,7 +216,7 @@ def test_the_serving_engine_speculates_with_the_same_greedy_tokens(plain, specul
     (dict(speculate="draft"), r"speculate='draft' needs a draft: draft_quantize='int8'"),
     (dict(speculate="medusa"), r"speculate='medusa' is not supported; use 'draft'"),
     (dict(speculate="lookup", draft_quantize="int8"), r"speculate='lookup' does not use"),
-    (dict(speculate="draft", draft_quantize="int4x"), r"draft_quantize='int4x' is not supported; use one of int8"),
+    (dict(speculate="draft", draft_quantize="int4x"), r"draft_quantize='int4x' is not supported; use one of int8, int4"),
     (dict(speculate="lookup", speculate_k=16), r"speculate_k must be a whole number of guesses from 1 to 15, "
                                                r"found 16"),
     (dict(speculate="lookup", speculate_k=0), r"from 1 to 15, found 0"),
