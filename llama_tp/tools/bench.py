@@ -31,7 +31,7 @@ from ..kernels import matmul
 from ..quantize import check_quantize
 from ..text.tokenizer import load_tokenizer
 from . import demo
-from .bench_peers import Peer, check_peer, greedy_agreement, open_peer
+from .bench_peers import PLAIN_GREEDY, Peer, check_peer, greedy_agreement, open_peer
 from .cli import run
 
 PROMPT_SEED = 1234
@@ -352,11 +352,18 @@ def timing_cases(llama: Llama, peer: Optional[Peer], prompts: torch.Tensor,
     cases = {}
     for name, (batch, length, generated, counted) in shapes.items():
         rows = prompts[:batch, :length]
-        engines = {"llama_tp": partial(llama.generate, rows.tolist(), generated, temperature=0)}
+        engines = {"llama_tp": partial(generate_afresh, llama, rows.tolist(), generated)}
         if peer is not None and batch <= peer.max_batch:
             engines[peer.name] = partial(peer.generate, rows, generated)
         cases[name] = (counted, engines)
     return cases
+
+
+def generate_afresh(llama: Llama, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Plain greedy continuations with every prompt token prefilled: the cache forgets the run before,
+    which held the same prompts (a peer's run resets its cache alike)."""
+    llama.model.prefix_cache.forget()
+    return llama.generate(prompts, new_tokens, **PLAIN_GREEDY)[0]
 
 
 def print_table(report: dict) -> None:

@@ -11,6 +11,9 @@ from ..checkpoint import load_shard, shard_paths
 from ..generation import Llama
 
 PEERS = ("hf", "llamacpp")
+# Greedy choices with nothing else applied, whatever the model recommends (the demo records a
+# repetition penalty): what the peers' greedy runs do.
+PLAIN_GREEDY = dict(temperature=0, repetition_penalty=1.0)
 
 
 class Peer(NamedTuple):
@@ -68,7 +71,7 @@ def greedy_agreement(llama: Llama, peer: Peer, prompts: torch.Tensor, new_tokens
     """The fraction of greedy tokens that match the peer's, position by position, over as many
     prompts as it takes at once (a check that both engines run the same model)."""
     prompts = prompts[: peer.max_batch]
-    ours, _ = llama.generate(prompts.tolist(), max_gen_len=new_tokens, temperature=0)
+    ours, _ = llama.generate(prompts.tolist(), max_gen_len=new_tokens, **PLAIN_GREEDY)
     theirs = peer.generate(prompts, new_tokens)
     same = sum(a == b for row_a, row_b in zip(ours, theirs) for a, b in zip(row_a, row_b))
     return same / sum(len(row) for row in theirs)
