@@ -159,11 +159,9 @@ class Engine:
 
     def _step(self) -> None:
         plan = self.scheduler.plan()
-        if plan.decode:  # first, so that generating requests get their token as soon as can be
-            if self.speculator is not None:
-                self._speculate(plan.decode)
-            else:
-                self._feed(plan.decode)
+        # Prompt chunks first: a new request's first token then waits for its own prefill only,
+        # not also for a decoding pass of the whole batch. The generating requests wait for the
+        # chunk once per admission (chunks are at most max_prefill_tokens long).
         for chunk in plan.prefill:
             self._feed([chunk])
             if self.speculator is not None and self.speculator.draft is not None:
@@ -171,6 +169,11 @@ class Engine:
                 # sequence's first round, which would hold up the other rows' round.
                 tokens = chunk.sequence.tokens[: chunk.start + len(chunk.tokens)]
                 self.speculator.draft.catch_up([chunk.sequence.slot.index], [tokens], plain=True)
+        if plan.decode:
+            if self.speculator is not None:
+                self._speculate(plan.decode)
+            else:
+                self._feed(plan.decode)
 
     def _speculate(self, chunks: list[Chunk]) -> None:
         """A round of guesses for the generating sequences (each chunk the one token its slot
