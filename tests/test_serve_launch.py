@@ -1,9 +1,11 @@
 """launch/serve.py for real: torchrun jobs of 1 and 3 processes serving a tiny model, asked through
 the official openai client. Greedy answers equal chat_completion's, alone or 8 at once; a client
-that leaves frees its row; Ctrl-C ends every rank cleanly; a killed rank ends the job."""
+that leaves frees its row; a soak of a few hundred mixed requests, some abandoned, leaves every
+answer right and the server idle; Ctrl-C ends every rank cleanly; a killed rank ends the job."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -62,13 +64,15 @@ def expected(checkpoints) -> dict[int, list[dict]]:
 class Server:
     """A torchrun job of launch/serve.py, in its own session (so a signal can reach all of it)."""
 
-    def __init__(self, checkpoint: str, nproc: int, *flags: str, log: Path):
+    def __init__(self, checkpoint: str, nproc: int, *flags: str, log: Path, prefix_cache: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                    "127.0.0.1", "--master_port", str(free_port()), str(LAUNCH / "serve.py"), "--ckpt_dir", checkpoint,
                    "--tokenizer_path", LLAMA3_TOKENIZER, "--port", str(self.port), "--model_name", MODEL,
-                   "--max_seq_len", "128", "--max_batch_size", "4", "--no_prefix_cache", *flags]
+                   "--max_seq_len", "128", "--max_batch_size", "4", *flags]
+        if not prefix_cache:
+            command.append("--no_prefix_cache")
         self.log = log
         self.job = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE,
                                     stderr=log.open("w"), text=True, start_new_session=True)
@@ -181,3 +185,91 @@ def test_a_killed_rank_fails_its_requests_and_ends_the_job(server_of_3):
     assert server.ended_within(60) < 60
     log = server.log.read_text()
     assert "llama_tp error on rank 0: lost contact with another process" in log or "Signal 9" in log, log[-3000:]
+
+
+# The soak: dialogs of mixed lengths (a shared system prompt, and histories that grow), answers
+# of mixed lengths, streamed or not, some abandoned by their client.
+SOAK_SYSTEM = {"role": "system", "content": "You are a patient assistant. " * 8}
+SOAK_DIALOGS = [[{"role": "user", "content": f"Question {n}: what follows {n}?"}] for n in range(4)]
+SOAK_DIALOGS += [[SOAK_SYSTEM, {"role": "user", "content": f"Name a colour, {n}."}] for n in range(4)]
+SOAK_DIALOGS += [[{"role": "user", "content": "Count with me."}, {"role": "assistant", "content": "One, two."},
+                  {"role": "user", "content": "Three" + ", more" * n}] for n in range(0, 16, 5)]
+SOAK_MAX_TOKENS = (1, 5, 12, 24)
+SOAK_REQUESTS = 300
+
+
+def _soak_answers(checkpoint: str) -> dict[tuple[int, int], str]:
+    """chat_completion's greedy answer to each soak dialog alone, at each answer length."""
+    llama = Llama.build(checkpoint, LLAMA3_TOKENIZER, max_seq_len=128, max_batch_size=1)
+    llama.model.prefix_cache.enabled = False
+    return {(index, max_tokens): llama.chat_completion([dialog], temperature=0, max_gen_len=max_tokens)[0]
+            ["generation"]["content"]
+            for index, dialog in enumerate(SOAK_DIALOGS) for max_tokens in SOAK_MAX_TOKENS}
+
+
+def _resident_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) / 1024
+
+
+def _soak_request(url: str, index: int, max_tokens: int, stream: bool, leave_after: "int | None") -> "str | None":
+    """One request; its answer's text, or None if the client left before the end."""
+    body = {"model": MODEL, "messages": SOAK_DIALOGS[index], "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream}
+    if not stream:  # leaving: giving up waiting for the whole answer after leave_after ms (it may come first)
+        timeout = httpx.Timeout(60.0, read=60.0 if leave_after is None else leave_after / 1000)
+        try:
+            answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+        except httpx.ReadTimeout:
+            return None
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["message"]["content"]
+    pieces = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as events:
+        for line in events.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            pieces.append(chunk["choices"][0]["delta"].get("content") or "")
+            if leave_after is not None and len(pieces) > leave_after:
+                return None
+    return "".join(pieces)
+
+
+def test_a_soak_of_mixed_requests_leaves_every_answer_right_and_the_server_idle(checkpoints, tmp_path):
+    """300 requests, 12 at a time over 4 cache rows, prefix reuse on: every request that was not
+    abandoned gets exactly its answer alone; the abandoned ones are cancelled; then nothing runs
+    or waits, every request is counted once, and the rank's memory is back where it was."""
+    expected = _soak_answers(checkpoints[1])
+    server = Server(checkpoints[1], 1, "--max_waiting", "16", log=tmp_path / "stderr.txt", prefix_cache=True)
+    try:
+        chooser = random.Random(7)
+        plans = [(chooser.randrange(len(SOAK_DIALOGS)), chooser.choice(SOAK_MAX_TOKENS), chooser.random() < 0.5,
+                  chooser.choice([1, 3, 20]) if chooser.random() < 0.2 else None) for _ in range(SOAK_REQUESTS)]
+        rank = rank_pids(server.job.pid)[0]
+        with ThreadPoolExecutor(12) as pool:  # a first round, for the memory's starting point
+            results = list(pool.map(lambda plan: _soak_request(server.url, *plan), plans[:24]))
+        assert_idle(server.url)
+        idle_memory = _resident_mb(rank)
+        with ThreadPoolExecutor(12) as pool:
+            results += pool.map(lambda plan: _soak_request(server.url, *plan), plans)
+        for (index, max_tokens, _, _), text in zip(plans[:24] + plans, results):
+            assert text is None or text == expected[index, max_tokens], (index, max_tokens)
+        assert_idle(server.url)
+        ended = {state: metric(server.url, "llama_tp_requests_total", state=state)
+                 for state in ("finished", "cancelled", "failed")}
+        assert ended["failed"] == 0 and ended["finished"] + ended["cancelled"] == len(results), ended
+        # Some abandoned requests were still running when their client left; others had just ended.
+        assert 0 < ended["cancelled"] <= sum(text is None for text in results), ended
+        assert metric(server.url, "llama_tp_prompt_tokens_cached_total") > 0  # rows were reused under churn
+        assert _resident_mb(rank) < idle_memory + 64
+        assert _soak_request(server.url, 0, 12, False, None) == expected[0, 12]  # and it serves on
+    finally:
+        server.stop()
+
+
+def assert_idle(url: str) -> None:
+    wait_until(lambda: metric(url, "llama_tp_requests_running") == 0 and metric(url, "llama_tp_requests_waiting") == 0,
+               seconds=30)
+
