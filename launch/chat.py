@@ -171,7 +171,7 @@ def main(
             greedy answers (docs/speculative.md); a draft needs --draft_quantize or --draft_ckpt_dir.
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
-        draft_quantize: the draft's quantization: int8 alone makes an int8 copy of this model.
+        draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
     """
     room = max_gen_len or max_seq_len // 4
     if room >= max_seq_len:

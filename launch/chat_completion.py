@@ -90,7 +90,7 @@ def main(
             greedy answers (docs/speculative.md); a draft needs --draft_quantize or --draft_ckpt_dir.
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
-        draft_quantize: the draft's quantization: int8 alone makes an int8 copy of this model.
+        draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
     """
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS

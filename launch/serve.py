@@ -62,13 +62,14 @@ def main(
         no_prefix_cache: prefill every prompt in full, never reusing the keys and values a row
             holds from an earlier request that began the same way.
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
-        quantize: int8 (weight-only) or int8_dynamic (CPU) linear layers, made at load time.
+        quantize: int8 or int4 (weight-only; int4 on CPU) or int8_dynamic (CPU) linear layers, made
+            at load time; a quantized checkpoint loads as it is stored.
         compile: compile the decoding step (worth it for a server that runs for long).
         speculate: draft or lookup: guess tokens, then verify several in one pass, with the same
             greedy answers (docs/speculative.md); a draft needs --draft_quantize or --draft_ckpt_dir.
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
-        draft_quantize: the draft's quantization: int8 alone makes an int8 copy of this model.
+        draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
     """
     placement = parallel.init()
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
