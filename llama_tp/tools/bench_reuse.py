@@ -117,6 +117,8 @@ async def measure(url: str, model: Optional[str]) -> tuple[str, dict]:
             response.raise_for_status()
             model = response.json()["data"][0]["id"]
         markers = itertools.count(1)
+        # The server's first requests may pay for lazy set-up; a marked one shares nothing after.
+        await ask(client, url, model, unshared([{"role": "user", "content": "Hello!"}], next(markers)), 8)
         return model, {"conversation": await conversation(client, url, model, markers),
                        "shared_system_prompt": await shared_system_prompt(client, url, model, markers)}
 
