@@ -102,6 +102,9 @@ class CacheRows(NamedTuple):
     # (causal), or one token a row with every row at the same position (all below end).
     mask: Optional[torch.Tensor]
     first_slot: Optional[int]  # the rows are cache rows first_slot, first_slot + 1, ...: a view
+    # [bsz] each row's first position, where an eager step attends through our kernel
+    # (step_through_kernel; rotary is contiguous then); else None.
+    kernel_starts: Optional[torch.Tensor]
 
 
 class KVCache(nn.Module):
@@ -174,13 +177,6 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         qkv = self.wqkv(x)
         one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
-        if step_through_kernel(seqlen, self.cache) and not torch.compiler.is_compiling():
-            # Eagerly, all that follows in one call of our kernel: 12 us a layer at batch 1 (36 at
-            # batch 8) against 59 (103) for some 20 small operations (compiled, they are fused).
-            out = cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary.contiguous(), self.cache.k,
-                                                    self.cache.v, rows.slots, rows.positions[:, 0].expand(bsz),
-                                                    self.n_local_heads)
-            return self.wo(out)
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
         # Queries and keys rotate alike: one rotation for both heads' worth.
         qk = apply_rotary(qk.view(bsz, seqlen, -1, self.head_dim), rows.rotary)  # bsz, seqlen, heads + kv heads, head_dim
@@ -230,8 +226,28 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
         """x [bsz, seqlen, dim] placed in the caches as rows says."""
+        if rows.kernel_starts is not None and not torch.compiler.is_compiling():
+            return self._step_through_kernels(x, rows)
         h = x + self.attention(self.attention_norm(x), rows)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def _step_through_kernels(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+        """Eagerly, a step of a few tokens a row where our CPU kernels attend (fp32): the same
+        operations, with all that follows the wqkv product in one call of our attention kernel
+        (12 us a layer at batch 1, 36 at batch 8, against 59 and 103 for some 20 small
+        operations; compiled, they are fused), and the layer's parts called as functions rather
+        than through their modules: 0.8-1.0 ms less Python in a 6 ms step of the demo model in
+        int4. Forward hooks on the parts do not run here."""
+        attention, feed_forward, cache = self.attention, self.feed_forward, self.attention.cache
+        norm = self.attention_norm
+        qkv = attention.wqkv.forward(cpu_kernels.rms_norm(x, norm.weight, norm.eps))
+        out = cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary, cache.k, cache.v, rows.slots,
+                                                rows.kernel_starts, attention.n_local_heads)
+        h = x + attention.wo.forward(out)
+        norm = self.ffn_norm
+        gate, up = feed_forward.w13.forward(cpu_kernels.rms_norm(h, norm.weight, norm.eps)).split(
+            feed_forward.local_widths, dim=-1)
+        return h + feed_forward.w2.forward(F.silu(gate) * up)
 
 
 class Transformer(nn.Module):
@@ -360,7 +376,11 @@ class Transformer(nn.Module):
         elif not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
             # Query i of a row (at position start + i) sees every cached position of its row up to itself.
             mask = self.positions[None, None, None, :end] <= positions[:, None, :, None]  # 1 or bsz, 1, seqlen, end
-        return CacheRows(slot_ids, positions, rotary, end, mask, first)
+        kernel_starts = None
+        if kernel_attends:
+            rotary = rotary.contiguous()
+            kernel_starts = positions[:, 0].expand(bsz)
+        return CacheRows(slot_ids, positions, rotary, end, mask, first, kernel_starts)
 
 
 def layers_per_call(n_layers: int) -> int:

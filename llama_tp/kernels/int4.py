@@ -115,8 +115,9 @@ def grouped_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 
 def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x [..., in] times the int4 weight, transposed: [..., out] in x's dtype (after cpu_kernels.load())."""
-    y = torch.ops.llama_tp.int4_product(x.float().contiguous(), codes, scales, mins)
-    return y.to(x.dtype)
+    if x.dtype == torch.float32:  # decoding's case: no conversions to dispatch, 120 times a step
+        return torch.ops.llama_tp.int4_product(x.contiguous(), codes, scales, mins)
+    return torch.ops.llama_tp.int4_product(x.float().contiguous(), codes, scales, mins).to(x.dtype)
 
 
 def weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
