@@ -32,12 +32,8 @@ class PrefixCache:
         whole prompt (its last token must be fed to give the logits of the next)."""
         if not self.enabled:
             return 0
-        held = self.rows[row]
-        limit = min(len(held), len(prompt) - 1)
-        length = 0
-        while length < limit and held[length] == prompt[length]:
-            length += 1
-        return length
+        prompt = prompt if isinstance(prompt, list) else list(prompt)  # lists compare with lists only
+        return max(0, min(common_length(self.rows[row], prompt), len(prompt) - 1))
 
     def best_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
         """Of the free rows, the one that holds the longest start of prompt, if that is at least
@@ -70,8 +66,8 @@ class PrefixCache:
         self._last_used[row] = self._uses
 
 
-def common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many first tokens a and b share."""
+def common_length(a: list[int], b: list[int]) -> int:
+    """How many first tokens lists a and b share."""
     shared = min(len(a), len(b))
     if a[:shared] == b[:shared]:  # the usual case, at the speed of one comparison
         return shared

@@ -13,7 +13,6 @@ import torch
 
 from .. import parallel
 from ..model import Transformer
-from ..prefix_cache import common_length
 from ..sampling import choose_next, distribution
 from .rows import Row, histories, is_greedy, suppressed
 
@@ -63,9 +62,8 @@ class Draft:
         Rows that lack a token or two (every round's case) are fed in one pass; rows that lack
         more (a prompt), in one pass for each sequence length.
         """
-        records = self.model.prefix_cache.rows
-        lacking = [len(tokens) - min(common_length(records[slot], tokens), len(tokens) - 1)
-                   for slot, tokens in zip(slots, sequences)]
+        cache = self.model.prefix_cache
+        lacking = [len(tokens) - cache.reusable(slot, tokens) for slot, tokens in zip(slots, sequences)]
         groups: dict[int, list[int]] = {}  # by length; 0: the rows that lack little
         for index, (tokens, lack) in enumerate(zip(sequences, lacking)):
             groups.setdefault(0 if lack <= CATCH_UP_TOGETHER <= len(tokens) else len(tokens), []).append(index)
