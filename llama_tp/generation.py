@@ -19,7 +19,7 @@ from .logs import logger
 from .memory import plan, report
 from .model import Transformer
 from .quantize import check_quantize
-from .sampling import SamplingOptions, choose_next, top_candidates
+from .sampling import SamplingOptions, choose_next, stop_ban, top_candidates
 from .speculative import Speculator, build_speculator, check_speculation
 from .speculative.decoding import decode_rounds
 from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
@@ -240,9 +240,7 @@ class Llama:
         # Decided from the host-side lengths: no mask, and no device sync, once every row is past
         # min_gen_len (or without one: a row still reading its prompt needs no mask either).
         if options.min_gen_len and any(cur_pos - length < options.min_gen_len for length in batch.lengths):
-            too_early = cur_pos - batch.lengths_tensor < options.min_gen_len  # bsz
-            suppress = torch.zeros_like(logits, dtype=torch.bool)
-            suppress[:, stop_tokens] = too_early[:, None]
+            suppress = stop_ban(cur_pos - batch.lengths_tensor, options.min_gen_len, stop_tokens, logits.shape[-1])
         sampled = choose_next(logits, options, history, suppress, generator)
         if batch.top_ids is not None:
             batch.top_ids[:, cur_pos], batch.top_probs[:, cur_pos] = top_candidates(

@@ -42,10 +42,16 @@ class SamplingOptions:
             raise ValueError(f"seed must be an integer or None, found {self.seed!r}")
 
     @property
+    def greedy(self) -> bool:
+        """Whether the best token (after any penalty) is chosen: a temperature that rounds to 0 in
+        the logits' fp32, as choose_next decides."""
+        return self.temperature < torch.finfo(torch.float32).tiny
+
+    @property
     def takes_best_logit(self) -> bool:
-        """Whether the next token is simply the model's best logit: greedy (a temperature that
-        rounds to 0 in the logits' fp32), with no repetition penalty and no minimum length."""
-        return self.temperature < torch.finfo(torch.float32).tiny and self.repetition_penalty == 1.0 and not self.min_gen_len
+        """Whether the next token is simply the model's best logit: greedy, with no repetition
+        penalty and no minimum length."""
+        return self.greedy and self.repetition_penalty == 1.0 and not self.min_gen_len
 
     def generator(self, device: torch.device) -> Optional[torch.Generator]:
         """A private random generator for a per-call seed, or None for the global one."""
@@ -57,6 +63,14 @@ class SamplingOptions:
 def check_given(**settings) -> None:
     """Refuse a bad value among the settings given; None is one left to the model's or Meta's default."""
     SamplingOptions(**{name: value for name, value in settings.items() if value is not None}).check()
+
+
+def stop_ban(generated: torch.Tensor, min_gen_len: int, stop_tokens, vocab: int) -> torch.Tensor:
+    """The tokens that cannot be chosen: the stop tokens, while fewer than min_gen_len were
+    generated. generated [rows]: tokens generated before each choice -> [rows, vocab] bool."""
+    ban = torch.zeros(len(generated), vocab, dtype=torch.bool, device=generated.device)
+    ban[:, stop_tokens] = (generated < min_gen_len)[:, None]
+    return ban
 
 
 def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import parallel
 from ..generation import Llama
 from ..logs import logger
-from ..sampling import choose_next
+from ..sampling import choose_next, stop_ban
 from ..speculative import Row
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
@@ -225,8 +225,8 @@ class Engine:
             history = torch.tensor([sequence.tokens], device=self.device) if options.repetition_penalty != 1.0 else None
             suppress = None
             if sequence.generated < options.min_gen_len:  # no end of answer yet
-                suppress = torch.zeros_like(logits, dtype=torch.bool)
-                suppress[:, sorted(request.stop_tokens)] = True
+                generated = torch.tensor([sequence.generated], device=self.device)
+                suppress = stop_ban(generated, options.min_gen_len, sorted(request.stop_tokens), logits.shape[-1])
             token = int(choose_next(logits, options, history, suppress, sequence.sampling.generator))
         return token, (_logprob(request, token, logits[0]) if request.logprobs else None)
 

@@ -14,7 +14,7 @@ import torch
 from .. import parallel
 from ..model import Transformer
 from ..sampling import choose_next, distribution
-from .rows import Row, histories, is_greedy, suppressed
+from .rows import Row, histories, suppressed
 
 # Rows that lack at most this many tokens are fed together, each from as far back as the one that
 # lacks the most: after a round a row lacks its new token, and the last guess it accepted if it
@@ -103,10 +103,10 @@ class Draft:
             suppress = suppressed(row, position, 1, row_logits.shape[-1], logits.device)
             if len(row_guesses) < len(row_forced):
                 token = row_forced[len(row_guesses)]
-                if not is_greedy(row.options):
+                if not row.options.greedy:
                     drawn_from[index].append(torch.nn.functional.one_hot(
                         torch.tensor(token, device=logits.device), logits.shape[-1]).to(logits.dtype))
-            elif is_greedy(row.options):
+            elif row.options.greedy:
                 token = int(choose_next(row_logits, row.options, history, suppress))
             else:
                 probs = distribution(row_logits, row.options, history, suppress)

@@ -21,7 +21,7 @@ from ..sampling import choose_next, distribution
 from .acceptance import accept_greedy, accept_sampled
 from .draft import Draft
 from .lookup import lookup_guesses
-from .rows import Outcome, Row, histories, is_greedy, suppressed
+from .rows import Outcome, Row, histories, suppressed
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Speculator:
         ahead = torch.tensor(list(row.forced[:positions]), dtype=torch.long, device=device)
         count = torch.tensor([len(guesses)], device=device)
         padded = torch.tensor([guesses], dtype=torch.long, device=device)
-        if is_greedy(row.options):
+        if row.options.greedy:
             choices = choose_next(logits, row.options, history, suppress)
             choices[: len(ahead)] = ahead
             accepted, token = accept_greedy(choices[None], padded, count)

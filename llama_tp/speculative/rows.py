@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..sampling import SamplingOptions
+from ..sampling import SamplingOptions, stop_ban
 
 
 @dataclass
@@ -32,11 +32,6 @@ class Outcome:
     logits: Optional[torch.Tensor] = None  # when asked: the target's logits predicting each, [len(tokens), vocab]
 
 
-def is_greedy(options: SamplingOptions) -> bool:
-    """Whether the options pick the best token (after any penalty), as choose_next decides."""
-    return options.temperature < torch.finfo(torch.float32).tiny
-
-
 def histories(tokens: list[int], positions: int, options: SamplingOptions,
               device: torch.device) -> Optional[torch.Tensor]:
     """What the repetition penalty sees at the last `positions` predictions over tokens: the last
@@ -57,6 +52,4 @@ def suppressed(row: Row, position: int, positions: int, vocab: int, device: torc
     if not min_gen_len or position - row.prompt_length >= min_gen_len:
         return None
     generated = position - row.prompt_length + torch.arange(positions, device=device)
-    suppress = torch.zeros(positions, vocab, dtype=torch.bool, device=device)
-    suppress[:, sorted(row.stop_tokens)] = (generated < min_gen_len)[:, None]
-    return suppress
+    return stop_ban(generated, min_gen_len, sorted(row.stop_tokens), vocab)
