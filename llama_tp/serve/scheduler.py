@@ -30,7 +30,6 @@ class Sequence:
     reused: int = 0  # prompt tokens the slot held already
     generated: int = 0
     sampling: Any = None  # the engine's per-request state: random generator, text decoder
-    finish_reason: Optional[str] = None
 
     @property
     def pending(self) -> list[int]:
