@@ -106,14 +106,37 @@ def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
 
     torchrun stops the other ranks as soon as one exits, so without this a rank that is a
     moment late can be killed before it has printed its message. A rank that is gone or stuck
-    does not hold the others for more than timeout_seconds.
+    does not hold the others for more than timeout_seconds. Before the process group exists (a
+    command line refused at start), the ranks meet in the store torchrun's agent keeps.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized():
+        _wait_in_launcher_store(timeout_seconds)
+        return
+    if dist.get_world_size() == 1:
         return
     group = _host_groups[0] if _host_groups else None
     try:
         dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_seconds))
     except RuntimeError:  # a rank is gone or stuck: there is nobody to wait for
+        pass
+
+
+def _wait_in_launcher_store(timeout_seconds: float) -> None:
+    """Count this rank in at torchrun's agent store and wait until every rank has, or until the
+    timeout; outside torchrun, or alone, there is nobody to wait for."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    deadline = time.monotonic() + timeout_seconds
+    key = f"llama_tp/arrived/{os.environ.get('TORCHELASTIC_RUN_ID')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout_seconds))
+        arrived = store.add(key, 1)
+        while arrived < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            arrived = store.add(key, 0)
+    except (RuntimeError, KeyError, ValueError):  # no store to reach: leave without waiting
         pass
 
 

@@ -2,24 +2,33 @@
 
 import os
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional
 
 import fire
 
 from .. import parallel
+from .options import OptionError, checked_command_line, with_hyphen_note
 
 # What a user can get wrong surfaces as one of these; anything else is our bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)
 # The shell's convention for a process ended by SIGINT (128 + 2).
 INTERRUPTED_EXIT_CODE = 130
+# The shell's convention for a command line that was used wrongly, as argparse and fire exit.
+USAGE_EXIT_CODE = 2
 
 
-def run(main: Callable) -> None:
+def run(main: Callable, passes_on: Optional[Callable] = None) -> None:
     """fire.Fire(main), turning a user mistake, Ctrl-C or a lost peer into a short message and a
-    non-zero exit on every rank; LLAMA_TP_DEBUG=1 keeps the traceback."""
+    non-zero exit on every rank; LLAMA_TP_DEBUG=1 keeps the traceback. The command line is checked
+    first, before anything loads; passes_on is the function main hands its **options to."""
     debug = os.environ.get("LLAMA_TP_DEBUG") == "1"
     try:
-        fire.Fire(main)
+        command = checked_command_line(main, sys.argv[1:], passes_on)
+    except OptionError as error:
+        _exit(str(error), USAGE_EXIT_CODE, wait_for_others=True)
+    main.__doc__ = with_hyphen_note(main.__doc__)
+    try:
+        fire.Fire(main, command=command)
         parallel.leave()
     except USER_ERRORS as error:
         if debug:

@@ -1,0 +1,180 @@
+"""Every script's command line is checked against its options before anything starts."""
+
+import importlib
+import importlib.util
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import fire
+import pytest
+
+from torchrun import LAUNCH, ROOT, environment, torchrun_command
+
+from llama_tp.tools.options import HYPHEN_NOTE, OptionError, checked_command_line, option_types, with_hyphen_note
+
+
+def sample(kind: str, dest: str = "out", max_seq_len: int = 128, temperature: Optional[float] = None,
+           stream: bool = False, stop: Optional[list[str]] = None, batch_sizes: tuple[int, ...] = (1,),
+           dtype: Optional[str] = None):
+    """A script's main.
+
+    Args:
+        kind: what to do.
+    """
+    return dict(kind=kind, dest=dest, max_seq_len=max_seq_len, temperature=temperature, stream=stream,
+                stop=stop, batch_sizes=batch_sizes, dtype=dtype)
+
+
+def received_by_main(argv: list[str]) -> dict:
+    """What sample receives from the checked command line, as fire hands it over."""
+    return fire.Fire(sample, command=checked_command_line(sample, argv))
+
+
+def through_fire(argv: list[str]) -> dict:
+    """The options that the command line set to other than their defaults."""
+    defaults = {name: parameter.default for name, parameter in inspect.signature(sample).parameters.items()}
+    return {name: value for name, value in received_by_main(argv).items() if value != defaults[name]}
+
+
+def refusal(argv: list[str]) -> str:
+    with pytest.raises(OptionError) as error:
+        checked_command_line(sample, argv)
+    return str(error.value)
+
+
+def test_a_misspelled_option_names_the_closest_one():
+    assert refusal(["run", "--temprature", "0"]) == "--temprature: no such option; did you mean --temperature?"
+    assert refusal(["run", "--max-seq-lenght=64"]) == "--max-seq-lenght: no such option; did you mean --max_seq_len?"
+
+
+def test_an_unknown_option_points_to_help():
+    assert refusal(["run", "--api_key", "secret"]) == "--api_key: no such option; see --help for the options"
+
+
+def test_hyphenated_spellings_reach_main_as_the_same_options():
+    received = through_fire(["run", "--max-seq-len", "64", "--stop", '["a-b"]', "--batch-sizes", "1,2"])
+    assert received == {"kind": "run", "max_seq_len": 64, "stop": ["a-b"], "batch_sizes": (1, 2)}
+
+
+def test_switches_take_words_and_fires_forms():
+    assert received_by_main(["run", "--stream", "false"])["stream"] is False
+    assert received_by_main(["run", "--stream=Yes"])["stream"] is True
+    assert received_by_main(["run", "--stream", "--dtype", "bf16"])["stream"] is True
+    assert received_by_main(["run", "--stream", "--nostream"])["stream"] is False
+    assert refusal(["run", "--stream", "maybe"]) == "--stream maybe: expected true or false"
+
+
+def test_values_of_the_wrong_kind_are_refused_with_what_was_expected():
+    assert refusal(["run", "--max_seq_len", "many"]) == "--max_seq_len many: expected an integer"
+    assert refusal(["run", "--temperature", "hot"]) == "--temperature hot: expected a number or None"
+    assert refusal(["run", "--batch_sizes", "1,x"]) == "--batch_sizes 1,x: expected an integer, or a list of them"
+    assert refusal(["run", "--max_seq_len"]) == "--max_seq_len: needs a value, as in --max_seq_len VALUE"
+
+
+def test_numbers_and_negative_numbers_are_values():
+    received = through_fire(["run", "--temperature", "-1", "--max_seq_len=7", "--dtype", "16"])
+    assert (received["temperature"], received["max_seq_len"], received["dtype"]) == (-1, 7, 16)
+
+
+def test_positional_arguments_fill_the_options_not_named():
+    assert through_fire(["--kind", "a", "b"]) == {"kind": "a", "dest": "b"}
+    assert refusal(["a", "b", "c", "d", "e", "f", "g", "h", "i"]) == (
+        "'i': unexpected argument; options start with --, as in --kind VALUE")
+    assert refusal(["a", "b", "many"]) == "--max_seq_len many: expected an integer"
+
+
+def test_one_letter_shortcuts_resolve_only_when_unambiguous():
+    assert through_fire(["run", "-k", "x"]) == {"kind": "x", "dest": "run"}
+    assert refusal(["run", "-s", "x"]) == "-s: could be any of --stream, --stop; spell the option out"
+
+
+def test_help_goes_to_fire_whatever_else_is_on_the_line():
+    assert checked_command_line(sample, ["--temprature", "0", "--help"]) == ["--", "--help"]
+    assert checked_command_line(sample, ["run", "--", "--trace"]) == ["run", "--", "--trace"]
+
+
+def test_options_passed_on_are_accepted_but_still_checked():
+    def tool(rounds: int = 1, **passed_on):
+        pass
+
+    assert checked_command_line(tool, ["--rounds", "2", "--max-seq-len", "9"], passes_on=sample) == [
+        "--rounds=2", "--max_seq_len=9"]
+    with pytest.raises(OptionError, match="--max_seq_lne: no such option; did you mean --max_seq_len?"):
+        checked_command_line(tool, ["--max_seq_lne", "9"], passes_on=sample)
+
+
+def test_help_mentions_the_hyphenated_spellings_once():
+    doc = with_hyphen_note(sample.__doc__)
+    assert doc.index(HYPHEN_NOTE) < doc.index("Args:")
+    assert with_hyphen_note(doc) == doc
+
+
+def entry_points() -> list[str]:
+    """Every file that runs a main through llama_tp.tools.cli.run: the launch scripts and the
+    python -m llama_tp.* commands."""
+    files = sorted(ROOT.glob("launch/*.py")) + sorted(ROOT.glob("llama_tp/**/*.py"))
+    return [str(file.relative_to(ROOT)) for file in files
+            if re.search(r"^\s+run\(main\b", file.read_text(), re.MULTILINE)]
+
+
+def load_main(relative_path: str):
+    if relative_path.startswith("launch/"):
+        spec = importlib.util.spec_from_file_location(Path(relative_path).stem, ROOT / relative_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(relative_path.removesuffix(".py").replace("/", "."))
+    return module.main
+
+
+def test_every_launch_script_and_command_is_found():
+    found = set(entry_points())
+    assert {"launch/chat.py", "launch/chat_completion.py", "launch/serve.py", "launch/text_completion.py",
+            "llama_tp/convert.py", "llama_tp/reshard.py", "llama_tp/plan.py", "llama_tp/bench.py",
+            "llama_tp/bench_serve.py", "llama_tp/tools/bench_world_sizes.py"} <= found
+
+
+@pytest.mark.parametrize("entry_point", entry_points())
+def test_every_entry_point_refuses_misspelled_and_unknown_options_and_takes_hyphens(entry_point):
+    main = load_main(entry_point)
+    options = list(option_types(main))
+    named = [option for option in options if "_" in option] or options
+    option = named[-1]
+    misspelled = option[:-1] if len(option) > 3 else option + "x"
+    with pytest.raises(OptionError, match=f"^--{misspelled}: no such option; did you mean --{option}\\?$"):
+        checked_command_line(main, [f"--{misspelled}", "1"])
+    with pytest.raises(OptionError, match="^--no_such_option: no such option"):
+        checked_command_line(main, ["--no_such_option", "1"])
+    hyphenated = checked_command_line(main, [f"--{option.replace('_', '-')}=1"])
+    assert hyphenated[-1].startswith(f"--{option}=") or hyphenated[-1] in (f"--{option}", f"--no{option}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry_point", entry_points())
+def test_a_misspelled_option_stops_each_command_at_once_with_exit_code_2(entry_point):
+    command = ([sys.executable, str(ROOT / entry_point)] if entry_point.startswith("launch/") else
+               [sys.executable, "-m", entry_point.removesuffix(".py").replace("/", ".")])
+    result = subprocess.run([*command, "--max_seq_lenn", "64"], cwd=ROOT, env=environment(), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("llama_tp error on rank 0: --max_seq_lenn: no such option")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_every_rank_refuses_a_misspelled_option_before_loading(world_size, tmp_path):
+    missing = tmp_path / "never-read"
+    result = subprocess.run(torchrun_command(world_size, str(LAUNCH / "chat_completion.py"), "--ckpt_dir",
+                                             str(missing), "--tokenizer-path", str(missing), "--temprature", "0"),
+                            cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    refusals = [line for line in result.stderr.splitlines()
+                if line.startswith("llama_tp error") and "--temprature: no such option" in line]
+    assert sorted(refusals) == [f"llama_tp error on rank {rank}: --temprature: no such option; did you mean "
+                                "--temperature?" for rank in range(world_size)]
+    assert "is missing" not in result.stderr and "not found" not in result.stderr  # nothing was loaded
