@@ -1,13 +1,37 @@
-"""Shared fixtures: the real Llama 2 tokenizer and tiny random checkpoints in Meta's layout."""
+"""Shared fixtures: the real Llama 2 tokenizer and tiny random checkpoints in Meta's layout; CI's
+settings (a derandomized Hypothesis, skips of kernel tests made failures where kernels must run)."""
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from llama_tp.text.tokenizer import Tokenizer
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
 
 VOCAB = 32000  # the Llama 2 tokenizer's, which every tiny checkpoint here is paired with
+
+# HYPOTHESIS_PROFILE=ci (set by .ci/run): the same examples every run, so a red CI is reproducible.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+# Every test that needs our AVX-512 kernels says "AVX-512" in its skip reason. With
+# LLAMA_TP_REQUIRE_KERNELS=1 (set by .ci/run on a CPU with AVX-512 and a compiler), such a skip is
+# a failure: the kernels should have run, and a green run would otherwise hide that they did not.
+KERNEL_SKIP = "AVX-512"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("LLAMA_TP_REQUIRE_KERNELS") == "1" and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2]
+        if KERNEL_SKIP in reason:
+            report.outcome = "failed"
+            report.longrepr = (f"{reason}, but LLAMA_TP_REQUIRE_KERNELS=1 says the kernels must run here: "
+                               "check that the CPU has AVX-512, a C++ compiler is found and LLAMA_TP_CPU_KERNELS is not 0")
 
 
 @pytest.fixture(scope="session")

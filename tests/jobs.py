@@ -10,13 +10,14 @@ must stop by itself.
 import multiprocessing
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from distributed import rendezvous
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = PROJECT_ROOT / "launch"
@@ -38,9 +39,11 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env | {"PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1"} | extra
 
 
-def torchrun_command(script: Path, args: list[str], nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(free_port()), str(script), *args]
+def torchrun_command(script: Path, args: list[str], nproc: int = 2, launcher: tuple[str, ...] = ()) -> list[str]:
+    """launcher: more of torchrun's own options."""
+    # --standalone: the rendezvous binds a port the OS chooses, and the ranks join its store
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            *launcher, str(script), *args]
 
 
 def run_torchrun(script: Path, args: list[str], timeout: float, **env: str) -> Job:
@@ -60,12 +63,17 @@ def run_forked(script: Path, args: list[str], timeout: float, world_size: int = 
     started: the ranks to start (all by default); the others never turn up.
     """
     context = _fork_server()
-    port = free_port()
+    with rendezvous() as environment:
+        return _run_ranks(context, script, args, timeout, world_size, started, env | environment)
+
+
+def _run_ranks(context, script: Path, args: list[str], timeout: float, world_size: int,
+               started: Optional[list[int]], env: dict[str, str]) -> Job:
     started = list(range(world_size)) if started is None else started
-    logs = [Path(os.environ.get("TMPDIR", "/tmp")) / f"llama_tp_rank{r}_{os.getpid()}_{port}.log"
+    logs = [Path(os.environ.get("TMPDIR", "/tmp")) / f"llama_tp_rank{r}_{os.getpid()}_{env['MASTER_PORT']}.log"
             for r in started]
     ranks = [
-        context.Process(target=_rank_main, args=(str(script), args, rank, world_size, port, str(log), env))
+        context.Process(target=_rank_main, args=(str(script), args, rank, world_size, str(log), env))
         for rank, log in zip(started, logs)
     ]
     for log in logs:
@@ -86,12 +94,6 @@ def run_forked(script: Path, args: list[str], timeout: float, world_size: int = 
     return Job([rank.exitcode for rank in ranks], stderr, "", seconds)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 _context = None
 
 
@@ -106,8 +108,7 @@ def _fork_server():
     return _context
 
 
-def _rank_main(script: str, args: list[str], rank: int, world_size: int, port: int,
-               log: str, env: dict[str, str]) -> None:
+def _rank_main(script: str, args: list[str], rank: int, world_size: int, log: str, env: dict[str, str]) -> None:
     """One rank, as torchrun would start it: its environment, argv, and stderr to a file."""
     import torch  # already imported by the fork server
 
@@ -116,7 +117,7 @@ def _rank_main(script: str, args: list[str], rank: int, world_size: int, port: i
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     stream = open(log, "a")
     os.dup2(stream.fileno(), 2)
@@ -126,10 +127,11 @@ def _rank_main(script: str, args: list[str], rank: int, world_size: int, port: i
     runpy.run_path(script, run_name="__main__")
 
 
-def start_torchrun(script: Path, args: list[str], stderr_path: Path) -> subprocess.Popen:
-    """Start a world-size-2 torchrun job in its own session (so a signal can go to its group)."""
+def start_torchrun(script: Path, args: list[str], stderr_path: Path, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start a world-size-2 torchrun job in its own session (so a signal can go to its group);
+    launcher: more of torchrun's own options."""
     return subprocess.Popen(
-        torchrun_command(script, args), cwd=PROJECT_ROOT, env=subprocess_env(),
+        torchrun_command(script, args, launcher=launcher), cwd=PROJECT_ROOT, env=subprocess_env(),
         stdout=subprocess.PIPE, stderr=stderr_path.open("w"), text=True, start_new_session=True,
     )
 

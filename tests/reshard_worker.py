@@ -5,27 +5,26 @@
 The manifest names the checkpoints, the tokenizer and an output folder; world size W writes
 OUT/world{W}.pt holding, per checkpoint, fp32 logits of a fixed batch and greedy tokens.
 torch is imported once here and the ranks of each world size are forked from this process
-(gloo, a fresh free port each): three launches of torchrun would pay for the import in 10 processes.
+(gloo, a fresh rendezvous each): three launches of torchrun would pay for the import in 10 processes.
 """
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
+from distributed import rendezvous
 from llama_tp import Llama
 
 PROMPTS = [[1, 450, 4996, 17354, 1701, 29916], [1, 18637, 29892, 920, 29871, 13]]
 WORLD_SIZES = (1, 2, 4)
 
 
-def rank_main(rank: int, world_size: int, port: int, manifest: dict) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(rank: int, world_size: int, environment: dict[str, str], manifest: dict) -> None:
+    os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # two cores shared by several ranks
     results = {}
     for name, ckpt_dir in manifest["checkpoints"].items():
@@ -37,17 +36,12 @@ def rank_main(rank: int, world_size: int, port: int, manifest: dict) -> None:
         torch.save(results, Path(manifest["out"]) / f"world{world_size}.pt")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(manifest_path: str) -> None:
     manifest = json.loads(Path(manifest_path).read_text())
     for world_size in WORLD_SIZES:
-        mp.start_processes(rank_main, args=(world_size, free_port(), manifest), nprocs=world_size,
-                           start_method="fork")
+        with rendezvous() as environment:
+            mp.start_processes(rank_main, args=(world_size, environment, manifest), nprocs=world_size,
+                               start_method="fork")
 
 
 if __name__ == "__main__":

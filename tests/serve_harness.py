@@ -26,9 +26,10 @@ def request(generator: Llama, prompt: list[int], max_tokens: int, stop: tuple[st
 class Harness:
     """An engine serving generator's model in a thread; submit requests as the HTTP side would."""
 
-    def __init__(self, generator: Llama, max_prefill_tokens: int = 16, max_waiting: int = 64, start: bool = True):
+    def __init__(self, generator: Llama, max_prefill_tokens: int = 16, max_waiting: int = 64, start: bool = True,
+                 mailbox: Optional[Mailbox] = None):
         self.generator = generator
-        self.mailbox = Mailbox(max_waiting, ServerMetrics())
+        self.mailbox = mailbox or Mailbox(max_waiting, ServerMetrics())
         self.engine = Engine(generator, max_prefill_tokens, self.mailbox)
         self.stopping = threading.Event()
         self.loop = asyncio.new_event_loop()

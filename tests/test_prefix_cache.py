@@ -7,7 +7,7 @@ import torch
 
 from distributed import run_world
 from llama_tp import Llama
-from llama_tp.prefix_cache import PrefixCache
+from llama_tp.prefix_cache import PrefixCache, common_length
 from serve_harness import Harness, request, tokens_of
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
@@ -41,6 +41,25 @@ def test_the_best_free_row_holds_the_longest_start_else_is_the_least_recently_us
     # Two shared tokens of ten (a chat template's opening) do not earn row 0 (just used): the least recently used row
     cache.extend(0, 3, [7])
     assert cache.best_row([1, 2, 5, 5, 5, 5, 5, 5, 5, 5], free=[0, 2, 3]) == 2
+
+
+def test_ties_and_the_bound_of_best_row():
+    """Rows holding as much of the prompt: the least recently used; a row holding exactly half of
+    the prompt is reused (MIN_REUSED_SHARE is inclusive)."""
+    cache = PrefixCache(3)
+    cache.extend(2, 0, [1, 2, 9])
+    cache.extend(0, 0, [1, 2, 8])
+    cache.extend(1, 0, [5])
+    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2]) == 2  # rows 0 and 2 hold 2 tokens; 2 is older
+    cache.extend(2, 3, [7])
+    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2]) == 0
+    assert cache.best_row([1, 2, 3, 4], free=[1, 2]) == 2  # 2 of 4 tokens: half, reused over row 1
+
+
+@pytest.mark.parametrize("a, b, shared", [([1, 2, 3], [4, 2, 3], 0), ([1, 2, 3], [1, 2, 4], 2),
+                                          ([1, 2, 3, 4, 5], [1, 9, 3, 4, 5], 1), ([], [1], 0), ([1, 2], [1, 2, 3], 2)])
+def test_common_length(a, b, shared):
+    assert common_length(a, b) == shared
 
 
 @pytest.fixture(scope="module", params=["llama2", "llama3"])  # our attention kernel, and torch's

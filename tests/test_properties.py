@@ -204,4 +204,6 @@ def test_text_completion_takes_any_text_or_says_it_is_too_long(generator: Llama,
             generator.text_completion(prompts, max_gen_len=2, temperature=0)
         return
     results = generator.text_completion(prompts, max_gen_len=2, temperature=0)
-    assert [type(r["generation"]) for r in results] == [str] * len(prompts)
+    tokens = [generator.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+    expected, _ = generator.generate(tokens, max_gen_len=2, temperature=0)
+    assert [r["generation"] for r in results] == [generator.tokenizer.decode(t) for t in expected]

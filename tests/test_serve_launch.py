@@ -6,9 +6,9 @@ answer right and the server idle; Ctrl-C ends every rank cleanly; a killed rank 
 import json
 import os
 import random
+import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +23,7 @@ from jobs import alive, rank_pids
 from llama_tp import Llama
 from serve_client import client, metric, wait_until
 from tiny_checkpoint import SHARED_DATA, full_weights, write_checkpoint
-from torchrun import LAUNCH, ROOT, environment, free_port
+from torchrun import LAUNCH, ROOT, environment, torchrun_command
 
 pytestmark = pytest.mark.slow
 
@@ -65,19 +65,19 @@ class Server:
     """A torchrun job of launch/serve.py, in its own session (so a signal can reach all of it)."""
 
     def __init__(self, checkpoint: str, nproc: int, *flags: str, log: Path, prefix_cache: bool = False):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-                   "127.0.0.1", "--master_port", str(free_port()), str(LAUNCH / "serve.py"), "--ckpt_dir", checkpoint,
-                   "--tokenizer_path", LLAMA3_TOKENIZER, "--port", str(self.port), "--model_name", MODEL,
-                   "--max_seq_len", "128", "--max_batch_size", "4", *flags]
+        # --port 0: the OS chooses a free port as the server binds it; the URL line says which
+        command = torchrun_command(nproc, str(LAUNCH / "serve.py"), "--ckpt_dir", checkpoint,
+                                   "--tokenizer_path", LLAMA3_TOKENIZER, "--port", "0", "--model_name", MODEL,
+                                   "--max_seq_len", "128", "--max_batch_size", "4", *flags)
         if not prefix_cache:
             command.append("--no_prefix_cache")
         self.log = log
         self.job = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE,
                                     stderr=log.open("w"), text=True, start_new_session=True)
         line = self.job.stdout.readline()  # the URL line, once it answers
-        assert f"llama_tp serves {MODEL} at {self.url}/v1" in line, f"{line!r}\n{log.read_text()}"
+        served = re.fullmatch(rf"llama_tp serves {MODEL} at (http://127\.0\.0\.1:\d+)/v1 \(Ctrl-C to stop\)\n", line)
+        assert served, f"{line!r}\n{log.read_text()}"
+        self.url = served.group(1)
         self.ranks = list(rank_pids(self.job.pid).values())
         self.output = []  # the rest of its stdout, read as it comes so that the job never blocks on it
         threading.Thread(target=lambda: self.output.extend(self.job.stdout), daemon=True).start()
@@ -171,6 +171,22 @@ def test_ctrl_c_ends_running_answers_cleanly_and_every_rank(server_of_3):
     assert "llama_tp stopped serving" in "".join(server.output)
 
 
+def test_sigterm_ends_running_answers_cleanly_and_the_job(checkpoints, tmp_path):
+    """SIGTERM to the job (as a service manager stops it) does what Ctrl-C does."""
+    server = Server(checkpoints[1], 1, log=tmp_path / "stderr.txt")
+    try:
+        stream = client(server.url).chat.completions.create(model=MODEL, messages=DIALOGS[0], max_tokens=100,
+                                                            stream=True, extra_body={"min_tokens": 100})
+        first = next(iter(stream))
+        os.killpg(server.job.pid, signal.SIGTERM)
+        chunks = [first, *stream]
+        assert chunks[-1].choices[0].finish_reason == "stop" and len(chunks) < 100
+        assert server.ended_within(30) < 30
+        assert "llama_tp stopped serving" in "".join(server.output)
+    finally:
+        server.stop()
+
+
 def test_a_killed_rank_fails_its_requests_and_ends_the_job(server_of_3):
     server = server_of_3
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
@@ -181,10 +197,12 @@ def test_a_killed_rank_fails_its_requests_and_ends_the_job(server_of_3):
             if len(events) == 4:
                 os.kill(rank_pids(server.job.pid)[1], signal.SIGKILL)
     errors = [json.loads(line[6:]) for line in events if line.startswith("data: {\"error\"")]
-    assert errors and "the server failed" in errors[0]["error"]["message"], events[-3:]
+    assert errors and errors[0]["error"]["message"].startswith(
+        "the server failed: lost contact with another process of this job"), events[-3:]
     assert server.ended_within(60) < 60
     log = server.log.read_text()
-    assert "llama_tp error on rank 0: lost contact with another process" in log or "Signal 9" in log, log[-3000:]
+    # Rank 0 itself saw the peer go (it sent the error above), and said so before leaving.
+    assert "the engine stopped: lost contact with another process of this job" in log, log[-3000:]
 
 
 # The soak: dialogs of mixed lengths (a shared system prompt, and histories that grow), answers
@@ -217,11 +235,14 @@ def _soak_request(url: str, index: int, max_tokens: int, stream: bool, leave_aft
     body = {"model": MODEL, "messages": SOAK_DIALOGS[index], "max_tokens": max_tokens, "temperature": 0,
             "stream": stream}
     if not stream:  # leaving: giving up waiting for the whole answer after leave_after ms (it may come first)
-        timeout = httpx.Timeout(60.0, read=60.0 if leave_after is None else leave_after / 1000)
-        try:
-            answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
-        except httpx.ReadTimeout:
-            return None
+        if leave_after is None:  # a client that waits: a timeout is a failure, not an abandoned request
+            answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        else:
+            try:
+                answer = httpx.post(f"{url}/v1/chat/completions", json=body,
+                                    timeout=httpx.Timeout(60.0, read=leave_after / 1000))
+            except httpx.ReadTimeout:
+                return None
         assert answer.status_code == 200, answer.text
         return answer.json()["choices"][0]["message"]["content"]
     pieces = []

@@ -133,10 +133,13 @@ def test_refusals_through_the_openai_client(server):
 
 
 def test_unknown_path_and_method_in_openai_shape(server):
-    for response, status in ((httpx.get(f"{server.url}/v1/nothing"), 404),
-                             (httpx.get(f"{server.url}/v1/chat/completions"), 405)):
+    for response, status, code, message in (
+            (httpx.get(f"{server.url}/v1/nothing"), 404, "not_found", "GET /v1/nothing: Not Found"),
+            (httpx.get(f"{server.url}/v1/chat/completions"), 405, "method_not_allowed",
+             "GET /v1/chat/completions: Method Not Allowed")):
         assert response.status_code == status
-        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert response.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                             "code": code}}
     assert_serves(server.url)
 
 

@@ -3,7 +3,6 @@ the same bits on every rank, call after call."""
 
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -12,21 +11,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from distributed import rendezvous
 from llama_tp import parallel
 from llama_tp.kernels import cpu_kernels
 from llama_tp.parallel import collectives
 from llama_tp.parallel.shared_memory import SharedMemorySum
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out: str, native: bool) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-                   "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+def _worker(rank: int, environment: dict[str, str], out: str, native: bool) -> None:
+    os.environ |= environment | {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
     parallel.init()
     results = []
     for call in range(5):  # both parities of the double buffer, several times
@@ -56,7 +49,8 @@ EXCHANGES = pytest.mark.parametrize("native", [
 def test_shared_memory_all_reduce(tmp_path, monkeypatch, native):
     monkeypatch.setenv("LLAMA_TP_CPU_KERNELS", "1" if native else "0")  # read by the spawned processes
     out = str(tmp_path / "sums")
-    mp.start_processes(_worker, args=(_free_port(), out, native), nprocs=2, start_method="spawn")
+    with rendezvous() as environment:
+        mp.start_processes(_worker, args=(environment, out, native), nprocs=2, start_method="spawn")
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
     for call, (a, b) in enumerate(zip(*ranks[:2])):
         assert torch.equal(a, b)  # the same bits on both ranks

@@ -73,7 +73,7 @@ def test_greedy_tokens_and_logprobs_are_those_of_plain_decoding(plain, speculati
     assert echoed == expected_echoed
     for row, expected_row in zip(logprobs, expected_logprobs):
         assert row == pytest.approx(expected_row, abs=1e-5)
-    if speculation != "lookup":  # a random model's text rarely repeats itself: few lookups find a match
+    if speculation != "lookup":  # a random model's text rarely repeats: test_lookup_guesses_... covers lookup's
         assert llama.speculator.stats.accepted > 0
 
 
@@ -132,6 +132,40 @@ def test_rows_of_a_batch_accept_different_numbers_of_guesses(successors):
     assert outcomes[0] == [list(range(102, 109)), [109, 110, 111]]  # 6 accepted and a bonus; 2 and the target's own
     stats = llama.speculator.stats
     assert stats.proposed > stats.accepted > 0 and stats.tokens == 2 * 19
+
+
+@pytest.fixture(scope="module")
+def cycle(tmp_path_factory) -> str:
+    """A target whose greedy text goes round 100, 101, ..., 110, 100, ...: its answer repeats its
+    prompt, so prompt lookup's guesses are right."""
+    chain = {t: t + 1 for t in range(100, 110)} | {110: 100}
+    folder = tmp_path_factory.mktemp("cycle")
+    return str(write_checkpoint(folder, TINY_LLAMA2, successor_weights(TINY_LLAMA2, 32000, chain), 1, "dim"))
+
+
+def test_lookup_guesses_that_the_target_accepts_give_plain_decodings_tokens(cycle):
+    """Ragged rows whose answers copy their prompts: lookup guesses, the target accepts most
+    guesses, and the tokens and log probabilities are plain decoding's, through the API and the
+    serving engine."""
+    prompts = [[1, *range(100, 111)], [1, 105, 106, 107, 108, 109, 110, 100, 101]]
+    plain = Llama.build(cycle, str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=2)
+    llama = Llama.build(cycle, str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=2, speculate="lookup")
+    expected, expected_logprobs = plain.generate(prompts, max_gen_len=24, temperature=0, logprobs=True)
+    assert expected == [[100 + (n % 11) for n in range(24)], [100 + ((n + 2) % 11) for n in range(24)]]
+    tokens, logprobs = llama.generate(prompts, max_gen_len=24, temperature=0, logprobs=True)
+    assert tokens == expected
+    for row, expected_row in zip(logprobs, expected_logprobs):
+        assert row == pytest.approx(expected_row, abs=1e-5)
+    stats = llama.speculator.stats
+    assert stats.accepted > stats.tokens // 2 and stats.proposed > 0
+    accepted_by_the_api = stats.accepted
+    harness = Harness(llama)
+    try:
+        streams = [harness.submit(request(llama, prompt, 24, temperature=0)) for prompt in prompts]
+        assert [tokens_of(harness.deltas(stream)) for stream in streams] == expected
+    finally:
+        harness.close()
+    assert llama.speculator.stats.accepted > accepted_by_the_api
 
 
 def test_seeded_sampling_repeats(folders):

@@ -1,6 +1,7 @@
 """Tiny random Llama checkpoints in Meta's layout, written the way Meta's shards are."""
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -8,7 +9,8 @@ import torch
 from llama_tp.args import ModelArgs
 from llama_tp.checkpoint.sharding import split_dim
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# Beside the project; LLAMA_TP_TEST_DATA names it where the tests run from a copy (mutmut's mutants/).
+SHARED_DATA = Path(os.environ.get("LLAMA_TP_TEST_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 LLAMA2_TOKENIZER = SHARED_DATA / "llama2-tokenizer.model"
 
 TINY_LLAMA2 = {"dim": 64, "n_layers": 2, "n_heads": 4, "multiple_of": 32, "norm_eps": 1e-5, "vocab_size": -1}

@@ -1,7 +1,6 @@
 """Running launch scripts under torchrun from tests: the project's own copy, a free port, a time limit."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def environment() -> dict[str, str]:
     """This checkout first on the path, one thread per process (the test machine is small)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LLAMA_TP_TIMEOUT="60")
@@ -28,8 +21,8 @@ def environment() -> dict[str, str]:
 
 
 def torchrun_command(nproc: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra]
+    # --standalone: the rendezvous binds a port the OS chooses, and the ranks join its store
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *extra]
 
 
 def run_script(script: str, nproc: int, *args: str, timeout: float = 120, stdin: "str | None" = None,

@@ -1,0 +1,33 @@
+"""Mutation testing of one module against the fast tests that exercise it (CONTRIBUTING.md).
+
+    python tests/mutation.py llama_tp/prefix_cache.py tests/test_prefix_cache.py [more test files]
+
+mutmut reads one configuration (pyproject.toml's [tool.mutmut]); this runs it with the module as
+the only one mutated and the given test files as the only tests, so that a run takes minutes
+rather than the whole fast set once per mutant. `python -m mutmut results` lists what survived.
+"""
+
+import dataclasses
+import sys
+
+from mutmut import configuration
+from mutmut.__main__ import cli
+
+
+def main(module: str, *tests: str) -> None:
+    if not module.endswith(".py") or not tests:
+        raise SystemExit(__doc__)
+    load = configuration._load_config
+
+    def narrowed() -> configuration.Config:
+        return dataclasses.replace(load(), only_mutate=[module], pytest_add_cli_args_test_selection=[
+            "-m", "not slow", "-p", "no:cacheprovider", *tests])
+
+    configuration._load_config = narrowed
+    configuration.reset_config()
+    name = module.removesuffix(".py").replace("/", ".")
+    cli(["run", f"{name}*"])
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
