@@ -91,11 +91,14 @@ class ModelArgs:
             raise ValueError(f"{path} must hold a JSON object, found {type(params).__name__}")
         return cls.from_dict(params, source=str(path))
 
-    def with_vocab_size(self, tokenizer_vocab_size: int) -> "ModelArgs":
-        """Fill in Llama 2's vocab_size -1 from the tokenizer; refuse a disagreement."""
+    def with_vocab_size(self, tokenizer_vocab_size: int, padded: bool = False) -> "ModelArgs":
+        """Fill in Llama 2's vocab_size -1 from the tokenizer; refuse a disagreement.
+
+        padded: a vocabulary larger than the tokenizer's is fine, as Hugging Face models (Qwen's)
+        pad their embedding with rows no token uses."""
         if self.vocab_size == -1:
             return replace(self, vocab_size=tokenizer_vocab_size)
-        if self.vocab_size != tokenizer_vocab_size:
+        if self.vocab_size != tokenizer_vocab_size and not (padded and self.vocab_size > tokenizer_vocab_size):
             raise ValueError(
                 f"params.json says vocab_size {self.vocab_size} but the tokenizer has "
                 f"{tokenizer_vocab_size} tokens; use the tokenizer that came with this checkpoint"
