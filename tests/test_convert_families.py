@@ -13,11 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_families import FAMILIES, GGUF_ARCHITECTURES, SEQUENCE, WINDOW, hf_model, write_gguf
+from transformers import Qwen2Config
+
+from hf_families import COMMON, FAMILIES, GGUF_ARCHITECTURES, SEQUENCE, WINDOW, hf_model, write_gguf
 from llama_tp import Llama
+from llama_tp.args import ModelArgs
 from llama_tp.kernels import int4, int8
+from llama_tp.text.chat_format import MistralChatFormat
+from llama_tp.tools.convert.hf import model_params
 from llama_tp.tools.convert.__main__ import main as convert
 from llama_tp.tools.reshard import reshard
+from serve_harness import Harness, request, tokens_of
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 32  # greedy steps, well past the sliding window
@@ -229,3 +235,88 @@ def test_resharded_and_quantized_cousins_at_world_sizes_1_and_2(families, worlds
         assert (one["logits"] - reference["logits"]).abs().max() > 1e-3, f"{case} was not quantized"
         torch.testing.assert_close(two["logits"], one["logits"], atol=1e-4, rtol=0, msg=case)
         assert two["tokens"] == one["tokens"], case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "mistral_window"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_the_server_answers_as_the_model_does(families, family, quantize):
+    """Continuous batching on 2 cache rows, prompts past the window prefilled in chunks of 16
+    tokens, and a prompt asked again reusing its cached start: each answer is generate()'s alone
+    (transformers' own without quantization)."""
+    model, _, ckpt = families[family]
+    llama = build(ckpt, quantize=quantize)
+    tokens = batch()
+    prompts = [tokens[0, :30].tolist(), tokens[1, :6].tolist(), tokens[1, :20].tolist()]
+    llama.generate(prompts[:2], max_gen_len=2, temperature=0)  # int8's and int4's compiling, done before timing out
+    harness = Harness(llama, max_prefill_tokens=16)
+    try:
+        streams = [harness.submit(request(llama, prompt, 12, temperature=0)) for prompt in prompts]
+        answers = [tokens_of(harness.deltas(stream, timeout=300)) for stream in streams]
+        again = tokens_of(harness.deltas(harness.submit(request(llama, prompts[2] + [7], 12, temperature=0)), timeout=300))
+        assert harness.mailbox.metrics.cached_prompt_tokens._value.get() >= len(prompts[2])
+    finally:
+        harness.close()
+    for prompt, answer in zip(prompts + [prompts[2] + [7]], answers + [again]):
+        alone, _ = llama.generate([prompt], max_gen_len=12, temperature=0)
+        assert answer == alone[0]
+        if quantize is None:
+            assert answer == up_to_stop(reference_greedy(model, prompt, 12), llama.tokenizer.stop_tokens)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gemma"}, "model_type 'gemma' does not convert; llama_tp runs llama, mistral, qwen2, qwen3"),
+    ({"num_local_experts": 8}, "num_local_experts is 8: mixture of experts is not supported"),
+    ({"vision_config": {"hidden_size": 8}}, "vision_config is .*: a vision tower is not supported"),
+    ({"attention_bias": True}, "attention_bias is true"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types .* mixes attention kinds"),
+    ({"use_sliding_window": True}, "use_sliding_window True"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling .*yarn.* is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
+])
+def test_what_does_not_convert_is_refused_naming_the_config_key(tmp_path, change, message):
+    config = Qwen2Config(**COMMON).to_dict() | change
+    with pytest.raises(ValueError, match=message):
+        model_params(config, tmp_path)
+
+
+def test_mistral_chat_prompt_is_the_templates(families):
+    """[INST] turns as control tokens, one begin token, the system message before the last user
+    message: apply_chat_template's tokens for Mistral's template."""
+    from transformers import AutoTokenizer
+
+    _, folder, ckpt = families["mistral"]
+    llama = build(ckpt)
+    assert isinstance(llama.formatter, MistralChatFormat) and llama.formatter.controls
+    reference = AutoTokenizer.from_pretrained(folder)
+    dialog = [{"role": "user", "content": "the quick fox"}, {"role": "assistant", "content": "jumps over"},
+              {"role": "user", "content": "the lazy dog"}]
+    expected = reference.apply_chat_template(dialog, tokenize=True, return_dict=False)
+    assert llama.formatter.encode_dialog_prompt(dialog) == list(expected)
+    system = [{"role": "system", "content": "Paris"}, dialog[0]]
+    folded = [{"role": "user", "content": "Paris\n\nthe quick fox"}]
+    assert llama.formatter.encode_dialog_prompt(system) == list(
+        reference.apply_chat_template(folded, tokenize=True, return_dict=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mistral_window", "qwen3"])
+def test_compiled_decoding_gives_transformers_greedy_tokens(families, family):
+    """The compiled one-token step with a sliding window (a mask, not our kernel) and with q/k norms."""
+    model, _, ckpt = families[family]
+    llama = build(ckpt, compile=True)
+    prompt = batch()[0, :PROMPT_LENGTH].tolist()
+    generated, _ = llama.generate([prompt], max_gen_len=STEPS, temperature=0.0)
+    assert generated[0] == up_to_stop(reference_greedy(model, prompt), llama.tokenizer.stop_tokens)
+
+
+def test_the_switches_default_to_metas_llama_and_refuse_nonsense():
+    meta = ModelArgs.from_dict({"dim": 64, "n_layers": 1, "n_heads": 4})
+    assert (meta.head_dim, meta.qkv_bias, meta.qk_norm, meta.sliding_window) == (16, False, False, None)
+    assert ModelArgs.from_dict({"dim": 64, "n_layers": 1, "n_heads": 4, "head_size": 32}).head_dim == 32
+    for bad, message in (({"sliding_window": 0}, "sliding_window must be positive or null, found 0"),
+                         ({"head_size": -2}, "head_size must be positive"),
+                         ({"qk_norm": 1}, "qk_norm must be bool, found 1"),
+                         ({"use_scaled_rope": True, "rope_low_freq_factor": 4.0}, "must exceed rope_low_freq_factor")):
+        with pytest.raises(ValueError, match=message):
+            ModelArgs.from_dict({"dim": 64, "n_layers": 1, "n_heads": 4} | bad)
