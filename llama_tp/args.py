@@ -21,6 +21,14 @@ class ModelArgs:
     use_scaled_rope: bool = False  # Llama 3.1's long-context rescaling of rotary frequencies
     rope_scaling_factor: float = 8.0  # 8 for Llama 3.1, 32 for Llama 3.2
     rope_high_freq_factor: float = 4.0
+    rope_low_freq_factor: float = 1.0  # Llama 3.1's ramp runs between these two factors ...
+    rope_original_context: int = 8192  # ... of the context it was first trained for
+    # The close cousins' twists; the defaults are Meta's Llama, so its params.json files load as ever.
+    head_size: Optional[int] = None  # None: dim // n_heads; Qwen3 names its own (128 at dim 1024 and 16 heads)
+    qkv_bias: bool = False  # Qwen2: wq, wk and wv add a bias
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's queries and keys, before rotation
+    # Mistral 7B v0.1: a token sees only itself and the sliding_window - 1 positions before it.
+    sliding_window: Optional[int] = None
 
     @property
     def kv_heads(self) -> int:
@@ -28,7 +36,7 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -83,11 +91,14 @@ class ModelArgs:
             raise ValueError(f"{path} must hold a JSON object, found {type(params).__name__}")
         return cls.from_dict(params, source=str(path))
 
-    def with_vocab_size(self, tokenizer_vocab_size: int) -> "ModelArgs":
-        """Fill in Llama 2's vocab_size -1 from the tokenizer; refuse a disagreement."""
+    def with_vocab_size(self, tokenizer_vocab_size: int, padded: bool = False) -> "ModelArgs":
+        """Fill in Llama 2's vocab_size -1 from the tokenizer; refuse a disagreement.
+
+        padded: a vocabulary larger than the tokenizer's is fine, as Hugging Face models (Qwen's)
+        pad their embedding with rows no token uses."""
         if self.vocab_size == -1:
             return replace(self, vocab_size=tokenizer_vocab_size)
-        if self.vocab_size != tokenizer_vocab_size:
+        if self.vocab_size != tokenizer_vocab_size and not (padded and self.vocab_size > tokenizer_vocab_size):
             raise ValueError(
                 f"params.json says vocab_size {self.vocab_size} but the tokenizer has "
                 f"{tokenizer_vocab_size} tokens; use the tokenizer that came with this checkpoint"
@@ -118,7 +129,7 @@ class ModelArgs:
         for key in ("dim", "n_layers", "n_heads", "multiple_of"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{source}: {key} must be positive, found {getattr(self, key)}")
-        if self.dim % self.n_heads:
+        if self.head_size is None and self.dim % self.n_heads:
             raise ValueError(f"{source}: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"{source}: head size {self.head_dim} must be even for rotary embeddings")
@@ -130,6 +141,12 @@ class ModelArgs:
             raise ValueError(f"{source}: vocab_size must be positive or -1, found {self.vocab_size}")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError(f"{source}: norm_eps and rope_theta must be positive")
+        for key in ("head_size", "sliding_window"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"{source}: {key} must be positive or null, found {getattr(self, key)}")
+        if self.use_scaled_rope and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(f"{source}: rope_high_freq_factor {self.rope_high_freq_factor} must exceed "
+                             f"rope_low_freq_factor {self.rope_low_freq_factor}")
 
 
 def _check_type(key: str, value, annotation, source: str) -> None:

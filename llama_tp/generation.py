@@ -23,6 +23,7 @@ from .sampling import SamplingOptions, choose_next, stop_ban, top_candidates
 from .speculative import Speculator, build_speculator, check_speculation
 from .speculative.decoding import decode_rounds
 from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
+from .text.hf_tokenizer import HFTokenizer
 from .text.streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
 from .text.tokenizer import load_tokenizer
 
@@ -96,7 +97,7 @@ class Llama:
             tokenizer = load_tokenizer(tokenizer_path)
             record = read_record(ckpt_dir)  # a converted model's chat format, stop tokens, sampling
             tokenizer.stop_tokens = tokenizer.stop_tokens | set(record.stop_tokens)
-            args = args.with_vocab_size(tokenizer.n_words)
+            args = args.with_vocab_size(tokenizer.n_words, padded=isinstance(tokenizer, HFTokenizer))
             args.check_model_parallel_size(placement.world_size)
             dtype = parallel.resolve_dtype(dtype, placement.device)
             checkpoint = open_checkpoint(ckpt_dir, args)  # an int8 checkpoint loads as int8

@@ -51,13 +51,14 @@ def rotary_frequencies(args: ModelArgs) -> torch.Tensor:
     exponents = torch.arange(0, args.head_dim, 2)[: args.head_dim // 2].float() / args.head_dim
     freqs = 1.0 / (args.rope_theta**exponents)
     if args.use_scaled_rope:
-        freqs = _llama31_scaled(freqs, args.rope_scaling_factor, args.rope_high_freq_factor)
+        freqs = _llama31_scaled(freqs, args.rope_scaling_factor, args.rope_high_freq_factor,
+                                args.rope_low_freq_factor, args.rope_original_context)
     return freqs
 
 
-def _llama31_scaled(freqs: torch.Tensor, factor: float, high_freq_factor: float) -> torch.Tensor:
+def _llama31_scaled(freqs: torch.Tensor, factor: float, high_freq_factor: float, low_freq_factor: float,
+                    original_context: int) -> torch.Tensor:
     """Llama 3.1's rescaling: slow rotations stretched by factor, fast ones kept, a ramp between."""
-    low_freq_factor, original_context = 1.0, 8192
     wavelen = 2 * math.pi / freqs
     smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     ramp = (1 - smooth) * freqs / factor + smooth * freqs
@@ -111,7 +112,7 @@ class KVCache(nn.Module):
     """Preallocated keys and values of one layer: [max_batch_size, local kv heads, max_seq_len, head_dim]."""
 
     def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, windowed: bool = False):
         super().__init__()
         shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
@@ -120,8 +121,10 @@ class KVCache(nn.Module):
             # A compiled step (CUDA graphs above all) then writes the cache in place, never a copy.
             torch._dynamo.mark_static_address(buffer)
         # Whether one new token attends through our CPU kernel (attention_kernel.cpp): fp32, and
-        # heads a multiple of its 16-float registers wide. Decided here, not at every layer's step.
-        self.kernel_attends = cpu_kernels.runs_on(device) and dtype == torch.float32 and head_dim % 16 == 0
+        # heads a multiple of its 16-float registers wide, and no sliding window (it reads each row
+        # from position 0). Decided here, not at every layer's step.
+        self.kernel_attends = (cpu_kernels.runs_on(device) and dtype == torch.float32 and head_dim % 16 == 0
+                               and not windowed)
         self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
 
     def write(self, rows: CacheRows, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -171,11 +174,30 @@ class Attention(nn.Module):
         self.wqkv = column_parallel_linear(args.dim, (args.n_heads + 2 * stored_kv_heads) * self.head_dim,
                                            gather_output=False)
         self.wo = row_parallel_linear(args.n_heads * self.head_dim, args.dim)
+        # Qwen2's biases of wq, wk and wv, side by side as wqkv's rows (checkpoint_layout): held
+        # here, not in wqkv, so that quantizing or packing wqkv leaves them as they are.
+        self.qkv_bias = nn.Parameter(torch.empty(sum(self.local_widths))) if args.qkv_bias else None
+        # Qwen3's RMSNorm over each head's queries and keys: one weight for all heads, on every rank.
+        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.cache: Optional[KVCache] = None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The queries, keys and values of x side by side, [bsz, seqlen, sum(local_widths)], with the
+        bias and head norms of the models that have them; not yet rotated."""
+        qkv = self.wqkv(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        if self.q_norm is not None:
+            q, k, v = qkv.split(self.local_widths, dim=-1)
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim)).contiguous())  # bsz, seqlen, heads, head_dim
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim)).contiguous())  # bsz, seqlen, kv heads, head_dim
+            qkv = torch.cat((q.flatten(-2), k.flatten(-2), v), dim=-1)
+        return qkv
 
     def forward(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        qkv = self.wqkv(x)
+        qkv = self.project(x)
         one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
         # Queries and keys rotate alike: one rotation for both heads' worth.
@@ -240,7 +262,9 @@ class TransformerBlock(nn.Module):
         int4. Forward hooks on the parts do not run here."""
         attention, feed_forward, cache = self.attention, self.feed_forward, self.attention.cache
         norm = self.attention_norm
-        qkv = attention.wqkv.forward(cpu_kernels.rms_norm(x, norm.weight, norm.eps))
+        x_normed = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
+        plain = attention.qkv_bias is None and attention.q_norm is None
+        qkv = attention.wqkv.forward(x_normed) if plain else attention.project(x_normed)
         out = cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary, cache.k, cache.v, rows.slots,
                                                 rows.kernel_starts, attention.n_local_heads)
         h = x + attention.wo.forward(out)
@@ -263,6 +287,7 @@ class Transformer(nn.Module):
         self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=False)
         self.max_batch_size = 0
         self.max_seq_len = 0
+        self.window: Optional[int] = None  # the sliding window where it hides positions (setup_caches)
         # One new token per row: eager, or compile_decoding's (which runs the layers in groups).
         self.run_decode_layers, self.run_decode_head = run_layers, run_head
         self.decode_layer_groups = [self.layers]
@@ -280,11 +305,17 @@ class Transformer(nn.Module):
                     columns = layout[name][0][1][1]
                     layout[name] = [(f"{prefix}.{part}.{tensor}", torch.Size([rows, columns]))
                                     for part, rows in zip(parts, module.local_widths)]
+            if isinstance(module, Attention) and module.qkv_bias is not None:
+                layout[f"{prefix}.qkv_bias"] = [(f"{prefix}.{part}.bias", torch.Size([rows]))
+                                                for part, rows in zip(module.FUSED[1], module.local_widths)]
         return layout
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the KV caches and the rotary table for these runtime limits."""
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        # A sliding window as long as the caches hides nothing: then attention runs as without one.
+        window = self.args.sliding_window
+        self.window = window if window is not None and window < max_seq_len else None
         self.register_buffer("rotary", rotary_table(self.args, max_seq_len).to(device), persistent=False)
         self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_batch_size, device=device), persistent=False)
@@ -292,7 +323,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             attention = layer.attention
             attention.cache = KVCache(max_batch_size, max_seq_len, attention.n_local_kv_heads,
-                                      attention.head_dim, device, dtype)
+                                      attention.head_dim, device, dtype, windowed=self.window is not None)
 
     def compile_decoding(self, static_shapes: bool, **compile_options) -> None:
         """Run one-token steps through torch.compile, in equal groups of consecutive layers, then
@@ -372,15 +403,23 @@ class Transformer(nn.Module):
         mask = None
         if seqlen == 1 and self.static_decode_shapes:  # CUDA graphs: the whole cache, every step alike
             end = self.max_seq_len
-            mask = self.positions[None, None, None, :] <= positions[:, None, :, None]  # 1 or bsz, 1, 1, max_seq_len
-        elif not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
-            # Query i of a row (at position start + i) sees every cached position of its row up to itself.
-            mask = self.positions[None, None, None, :end] <= positions[:, None, :, None]  # 1 or bsz, 1, seqlen, end
+            mask = self.attention_mask(positions, end)  # 1 or bsz, 1, 1, max_seq_len
+        elif self.window is not None or not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
+            mask = self.attention_mask(positions, end)  # 1 or bsz, 1, seqlen, end
         kernel_starts = None
         if kernel_attends:
             rotary = rotary.contiguous()
             kernel_starts = positions[:, 0].expand(bsz)
         return CacheRows(slot_ids, positions, rotary, end, mask, first, kernel_starts)
+
+    def attention_mask(self, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """Which of the cached positions [0, end) each query at positions [1 or bsz, seqlen] sees,
+        [1 or bsz, 1, seqlen, end]: those of its row up to itself, and within the sliding window."""
+        keys, queries = self.positions[None, None, None, :end], positions[:, None, :, None]
+        mask = keys <= queries
+        if self.window is not None:
+            mask &= keys > queries - self.window
+        return mask
 
 
 def layers_per_call(n_layers: int) -> int:

@@ -26,7 +26,8 @@ LLAMA3_TEMPLATE = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id
 def test_convert_chat_format_and_default_system_prompt_from_templates():
     assert chat_format_of(CHATML_TEMPLATE) == chat_format_of(QWEN_TEMPLATE) == "chatml"
     assert chat_format_of(LLAMA3_TEMPLATE) == "llama3"
-    assert chat_format_of("{{ '[INST] ' + message['content'] + ' [/INST]' }}") == "llama2"
+    assert chat_format_of("{{ '[INST] ' + message['content'] + ' [/INST]' }}") == "mistral"
+    assert chat_format_of("{{ '[INST] ' + '<<SYS>>\\n' + system + ' [/INST]' }}") == "llama2"
     assert chat_format_of(None) is None and chat_format_of("{{ message['content'] }}") is None
     assert default_system_prompt(CHATML_TEMPLATE) == "You are tiny."
     assert default_system_prompt(QWEN_TEMPLATE) == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."

@@ -122,7 +122,7 @@ def test_convert_hf_refuses_what_it_cannot_run(converted, tmp_path):
     with pytest.raises(ValueError, match=r"wk.weight has shape \[32, 64\] in the source but .* implies \[64, 64\]"):
         convert("hf", str(tmp_path / "wrong"), str(tmp_path / "z"))
     assert not (tmp_path / "z").exists() and not list(tmp_path.glob(".z.partial*"))
-    (tmp_path / "mistral").mkdir()
-    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(ValueError, match="model_type 'mistral' is not 'llama'"):
-        convert("hf", str(tmp_path / "mistral"), str(tmp_path / "y"))
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    with pytest.raises(ValueError, match="model_type 'gemma' does not convert; llama_tp runs llama, mistral"):
+        convert("hf", str(tmp_path / "gemma"), str(tmp_path / "y"))

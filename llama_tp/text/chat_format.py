@@ -141,6 +141,8 @@ def chat_format_for(tokenizer, chat_format: Optional[str] = None, default_system
     tokenizer implies."""
     if chat_format == "chatml":
         return ChatMLFormat(tokenizer, default_system_prompt)
+    if chat_format == "mistral":
+        return MistralChatFormat(tokenizer)
     if chat_format == "llama3" or (chat_format is None and isinstance(tokenizer, Llama3Tokenizer)):
         return Llama3ChatFormat(tokenizer)
     return Llama2ChatFormat(tokenizer)
@@ -178,3 +180,44 @@ class ChatMLFormat:
             text = f"{message['role']}\n{message['content']}"
             tokens += [self.im_start, *self.tokenizer.encode(text, bos=False, eos=False), self.im_end, *newline]
         return tokens + [self.im_start, *self.tokenizer.encode("assistant\n", bos=False, eos=False)]
+
+
+class MistralChatFormat:
+    """Mistral's prompt: <s>[INST] {user} [/INST]{answer}</s>[INST] {user} [/INST], one begin token
+    for the dialog, a system message before the last user message (as Mistral's own templates put
+    it). [INST] and [/INST] are control tokens where the vocabulary has them (v0.3), else text (v0.1)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stop_tokens = tokenizer.stop_tokens
+        special = getattr(tokenizer, "special_tokens", {})
+        self.controls = B_INST in special and E_INST in special
+
+    @staticmethod
+    def is_unsafe(dialog: Dialog) -> bool:
+        """Never: where [INST] is a control token, text cannot forge it; where it is text, as in
+        Mistral's own templates, it is only text."""
+        return False
+
+    def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
+        check_dialog(dialog)
+        offset = 1 if dialog[0]["role"] == "system" else 0
+        turns = list(dialog[offset:])
+        check_turns(turns, offset)
+        if offset:
+            turns[-1] = {"role": "user", "content": f"{dialog[0]['content']}\n\n{turns[-1]['content']}"}
+        tokens = self.tokenizer.encode("", bos=True, eos=False)
+        for message in turns:
+            if message["role"] == "user":
+                tokens += self.instruction(message["content"])
+            else:
+                tokens += self.tokenizer.encode(message["content"], bos=False, eos=True)
+        return tokens
+
+    def instruction(self, content: str) -> list[int]:
+        """[INST] content [/INST]."""
+        encode = self.tokenizer.encode
+        if not self.controls:
+            return encode(f"{B_INST} {content} {E_INST}", bos=False, eos=False)
+        special = self.tokenizer.special_tokens
+        return [special[B_INST], *encode(f" {content} ", bos=False, eos=False), special[E_INST]]

@@ -46,11 +46,16 @@ def hf_config(args: ModelArgs, max_seq_len: int):
     """The LlamaConfig describing the same architecture as args."""
     from transformers import LlamaConfig
 
+    twists = [key for key in ("head_size", "qkv_bias", "qk_norm", "sliding_window") if getattr(args, key)]
+    if twists:
+        raise ValueError(f"the transformers comparison builds Meta's Llama, and this model has {', '.join(twists)} "
+                         "in its params.json; compare it with --compare llamacpp, or without --compare")
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.use_scaled_rope:
         rope |= {
-            "rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": 1.0,
-            "high_freq_factor": args.rope_high_freq_factor, "original_max_position_embeddings": 8192,
+            "rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_context,
         }
     return LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,

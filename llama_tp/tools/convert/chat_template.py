@@ -4,7 +4,9 @@ import re
 from typing import Optional
 
 # A marker only that format's template writes, and the format's name in llama_tp.json.
-FORMAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("[INST]", "llama2"))
+# Llama 2's template writes [INST] too, with its <<SYS>> system block: it is looked for first.
+FORMAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("<<SYS>>", "llama2"),
+                  ("[INST]", "mistral"))
 # The token that ends an assistant turn, beyond the tokenizer's eos.
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 

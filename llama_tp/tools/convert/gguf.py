@@ -1,9 +1,11 @@
-"""GGUF (llama.cpp) Llama files to Meta's layout: metadata to params.json, tensors dequantised, or
-kept as they are where a quantized checkpoint can hold them (gguf_blocks.py).
+"""GGUF (llama.cpp) files of the Llama family (llama, qwen2, qwen3) to Meta's layout: metadata to
+params.json, tensors dequantised, or kept as they are where a quantized checkpoint can hold them
+(gguf_blocks.py).
 
-llama.cpp's converter already stores q/k in Meta's interleaved rotary layout (it undoes Hugging
-Face's permutation), so tensors are only renamed; tests/test_demo_network.py checks this against
-transformers' own GGUF loading, which re-permutes them for its rotate-half rotary.
+For the `llama` architecture llama.cpp's converter stores q/k in Meta's interleaved rotary layout
+(it undoes Hugging Face's permutation), so tensors are only renamed; tests/test_demo_network.py
+checks this against transformers' own GGUF loading. For qwen2 and qwen3 it keeps Hugging Face's
+rotate-half order (llama.cpp rotates them "NEOX" style), which is undone here as `convert hf` does.
 """
 
 import dataclasses
@@ -15,12 +17,13 @@ import numpy as np
 import torch
 
 from ...args import ModelArgs
-from ...checkpoint.quantized import tensor_quantization
+from ...checkpoint.quantized import QuantizedWeight, tensor_quantization
 from ...model import rotary_frequencies
 from ...optional import require
 from ...checkpoint.record import ModelRecord, check_sampling
 from . import gguf_blocks, gguf_vocab
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
+from .hf import rotated_heads, unpermute
 from .writer import TensorLoader, ffn_params, meta_name, progress, resolve_dtype, write_checkpoint
 
 # Per layer, llama.cpp's tensor names to Meta's.
@@ -28,7 +31,12 @@ LAYER_NAMES = {
     "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv",
     "attn_output": "attention.wo", "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2",
     "ffn_up": "feed_forward.w3", "attn_norm": "attention_norm", "ffn_norm": "ffn_norm",
+    "attn_q_norm": "attention.q_norm", "attn_k_norm": "attention.k_norm",
 }
+# The architectures that convert, as llama.cpp names them, and what each adds to Meta's Llama.
+ARCHITECTURES = {"llama": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}
+# Those whose q/k channels llama.cpp keeps in Hugging Face's rotate-half order.
+ROTATE_HALF = ("qwen2", "qwen3")
 TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
              "output.weight": "output.weight"}
 # Llama 3.1's rescaled rotary frequencies, stored by llama.cpp as a tensor of divisors.
@@ -57,7 +65,7 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
     metadata = Metadata(reader, path)
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     params = model_params(metadata, by_name)
-    tensors = meta_tensors(by_name, path, quantize)
+    tensors = meta_tensors(by_name, path, quantize, params if metadata.arch in ROTATE_HALF else None)
     tokens = metadata.get("tokenizer.ggml.tokens")
     files, stop_tokens, template = tokenizer_files(metadata, tokens)
     chat_format = chat_format_of(template)
@@ -76,8 +84,9 @@ class Metadata:
     def __init__(self, reader, path: Path):
         self.fields, self.path = reader.fields, path
         self.arch = self.get("general.architecture")
-        if self.arch != "llama":
-            raise ValueError(f"{path} holds a {self.arch!r} model; only the 'llama' architecture converts")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{path}: general.architecture is {self.arch!r}; the architectures that convert "
+                             f"are {', '.join(ARCHITECTURES)} (see the README's table)")
 
     def get(self, key: str, default: Any = ...) -> Any:
         key = key.replace("{arch}", getattr(self, "arch", ""))
@@ -110,10 +119,18 @@ def model_params(metadata: Metadata, tensors: dict) -> dict:
     n_kv_heads = metadata.get("{arch}.attention.head_count_kv", n_heads)
     if not isinstance(n_kv_heads, int):
         raise ValueError(f"{metadata.path}: per-layer KV head counts ({n_kv_heads!r}) are not supported")
-    rope_dims = metadata.get("{arch}.rope.dimension_count", dim // n_heads)
-    if rope_dims != dim // n_heads:
-        raise ValueError(f"{metadata.path}: rotary embedding over {rope_dims} of {dim // n_heads} head "
+    head_dim = metadata.get("{arch}.attention.key_length", dim // n_heads)
+    if metadata.get("{arch}.attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"{metadata.path}: {metadata.arch}.attention.value_length differs from key_length "
+                         f"({head_dim}); llama_tp needs keys and values of one head size")
+    rope_dims = metadata.get("{arch}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ValueError(f"{metadata.path}: rotary embedding over {rope_dims} of {head_dim} head "
                          "channels is not supported; llama_tp rotates whole heads")
+    for key, what in (("{arch}.expert_count", "mixture of experts"), ("{arch}.attention.sliding_window", "a sliding window")):
+        if metadata.get(key, 0):
+            raise ValueError(f"{metadata.path}: {key.replace('{arch}', metadata.arch)} is set: {what} does not "
+                             "convert from GGUF; convert the model's Hugging Face folder with `convert hf`")
     scaling = metadata.get("{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"{metadata.path}: rope scaling {scaling!r} is not supported")
@@ -127,6 +144,8 @@ def model_params(metadata: Metadata, tensors: dict) -> dict:
         # float32 in the file: keep its shortest decimal (1e-05, not 9.999999747378752e-06).
         "norm_eps": float(str(np.float32(metadata.get("{arch}.attention.layer_norm_rms_epsilon")))),
         "rope_theta": float(str(np.float32(metadata.get("{arch}.rope.freq_base", 10000.0)))),
+        **({"head_size": head_dim} if head_dim * n_heads != dim else {}),
+        **ARCHITECTURES[metadata.arch],
     }
     if ROPE_FREQS in tensors:
         params |= llama31_rope(ModelArgs.from_dict(params), dequantized(tensors[ROPE_FREQS]), metadata.path)
@@ -143,14 +162,16 @@ def llama31_rope(args: ModelArgs, divisors: torch.Tensor, path: Path) -> dict:
     return settings
 
 
-def meta_tensors(by_name: dict, path: Path, quantize: Optional[str] = None) -> dict[str, TensorLoader]:
+def meta_tensors(by_name: dict, path: Path, quantize: Optional[str] = None,
+                 rotate_half: Optional[dict] = None) -> dict[str, TensorLoader]:
     """A loader per Meta tensor name; tied embeddings become an explicit output.weight. Under a
-    quantize, linear layers whose GGUF type that quantization holds are loaded as they are stored."""
+    quantize, linear layers whose GGUF type that quantization holds are loaded as they are stored.
+    rotate_half: the params of a model whose q/k channels are in rotate-half order, to undo it."""
     sources = {}
     for name, tensor in by_name.items():
         if name == ROPE_FREQS:
             continue  # folded into params.json
-        target = meta_name(name, TOP_NAMES, r"blk\.(\d+)\.(\w+)\.weight", LAYER_NAMES)
+        target = meta_name(name, TOP_NAMES, r"blk\.(\d+)\.(\w+)\.(weight|bias)", LAYER_NAMES)
         if target is None:
             raise ValueError(f"{path} holds tensor {name!r}, which has no place in a Llama model")
         sources[target] = tensor
@@ -159,18 +180,28 @@ def meta_tensors(by_name: dict, path: Path, quantize: Optional[str] = None) -> d
     loaders = {}
     for target, tensor in sources.items():
         kind = tensor_quantization(target, quantize)
+        heads = rotated_heads(target, rotate_half) if rotate_half else None
         if kind and gguf_blocks.kept(tensor.tensor_type.name, kind):
-            loaders[target] = lambda tensor=tensor: gguf_blocks.quantized_weight(tensor)
+            loaders[target] = lambda tensor=tensor, heads=heads: _in_meta_order(gguf_blocks.quantized_weight(tensor), heads)
             continue
         if kind:
             rounded[kind, tensor.tensor_type.name] += 1
-        loaders[target] = lambda tensor=tensor: dequantized(tensor)
+        loaders[target] = lambda tensor=tensor, heads=heads: _in_meta_order(dequantized(tensor), heads)
     if rounded:
         kept = "; ".join(f"{kind}: {', '.join(types)}" for kind, types in gguf_blocks.KEPT_TYPES.items())
         layers = ", ".join(f"{count} {gguf_type} layers to {kind}" for (kind, gguf_type), count in sorted(rounded.items()))
         progress(f"dequantised and rounded by llama_tp (kernels/int4.py, int8.py), their GGUF types not being "
                  f"kept as they are ({kept}): {layers}")
     return loaders
+
+
+def _in_meta_order(tensor: "torch.Tensor | QuantizedWeight", heads: Optional[int]) -> "torch.Tensor | QuantizedWeight":
+    """tensor with its rows of `heads` rotating heads in Meta's interleaved order (None: as it is)."""
+    if heads is None:
+        return tensor
+    if isinstance(tensor, QuantizedWeight):  # each row's blocks move with it
+        return tensor._replace(tensors={name: unpermute(part, heads) for name, part in tensor.tensors.items()})
+    return unpermute(tensor, heads)
 
 
 def dequantized(tensor) -> torch.Tensor:

@@ -18,20 +18,24 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (and Qwen3's, DeepSeek-R1's Qwen distillations'): Llama 3's split with digits one by one.
+QWEN2_FAMILY = ("qwen2", "deepseek-r1-qwen")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def pre_tokenizer_for(pre: str):
     """The `tokenizers` pre-tokenizer matching llama.cpp's split for tokenizer.ggml.pre."""
     pre_tokenizers = require("tokenizers.pre_tokenizers")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in LLAMA3_FAMILY)
+    splits = {**dict.fromkeys(LLAMA3_FAMILY, LLAMA3_SPLIT), **dict.fromkeys(QWEN2_FAMILY, QWEN2_SPLIT)}
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in splits)
     if pre in GPT2_FAMILY:
         return byte_level
     if pre in DIGITS_FAMILY:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in LLAMA3_FAMILY:
-        split = pre_tokenizers.Split(require("tokenizers").Regex(LLAMA3_SPLIT), behavior="isolated")
+    if pre in splits:
+        split = pre_tokenizers.Split(require("tokenizers").Regex(splits[pre]), behavior="isolated")
         return pre_tokenizers.Sequence([split, byte_level])
-    known = ", ".join(GPT2_FAMILY + DIGITS_FAMILY + LLAMA3_FAMILY)
+    known = ", ".join(GPT2_FAMILY + DIGITS_FAMILY + LLAMA3_FAMILY + QWEN2_FAMILY)
     raise ValueError(f"the GGUF's pre-tokenizer {pre!r} is not supported (known: {known}); "
                      "convert the model's Hugging Face folder with `convert hf` instead")
 

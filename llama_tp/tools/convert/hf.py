@@ -1,4 +1,4 @@
-"""Hugging Face Llama folders (config.json, *.safetensors, tokenizer files) to Meta's layout."""
+"""Hugging Face folders of the Llama family (config.json, *.safetensors, tokenizer files) to Meta's layout."""
 
 from pathlib import Path
 from typing import Optional
@@ -14,6 +14,7 @@ from .writer import TensorLoader, ffn_params, meta_name, resolve_dtype, write_ch
 # Per layer, Hugging Face's module names to Meta's.
 LAYER_NAMES = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+    "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
     "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
     "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
     "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
@@ -22,8 +23,15 @@ LAYER_NAMES = {
 TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
              "lm_head.weight": "output.weight"}
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-# Llama 3.1's rope scaling, as llama_tp implements it (ModelArgs.use_scaled_rope).
-LLAMA31_ROPE = {"low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+# The model_types that convert: Meta's Llama with switches (ModelArgs) for its cousins' twists.
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Config keys of what llama_tp does not compute, refused when set, with what they mean.
+UNSUPPORTED_KEYS = {
+    "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
+    "n_routed_experts": "mixture of experts", "vision_config": "a vision tower",
+    "audio_config": "an audio tower", "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "logit soft-capping",
+}
 
 
 def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
@@ -55,46 +63,77 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
 
 
 def model_params(config: dict, src: Path) -> dict:
-    """params.json for a Hugging Face LlamaConfig; refuses what llama_tp's model does not compute."""
+    """params.json for a Hugging Face config of the Llama family (ARCHITECTURES); refuses, naming the
+    config key, what llama_tp's model does not compute."""
     where = src / "config.json"
-    if config.get("model_type") != "llama":
-        raise ValueError(f"{where}: model_type {config.get('model_type')!r} is not 'llama'; only "
-                         "Llama-architecture models convert")
-    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{where}: model_type {model_type!r} does not convert; llama_tp runs "
+                         f"{', '.join(ARCHITECTURES)} (see the README's table of architectures)")
+    for key in UNSUPPORTED_KEYS:
+        if config.get(key):
+            raise ValueError(f"{where}: {key} is {config[key]!r}: {UNSUPPORTED_KEYS[key]} is not supported; "
+                             f"llama_tp runs dense decoder-only {model_type} models")
+    for key, expected in (("hidden_act", "silu"), ("mlp_bias", False), ("partial_rotary_factor", 1.0)):
         if config.get(key, expected) != expected:
-            raise ValueError(f"{where}: {key} is {config[key]!r}; llama_tp's Llama needs {expected!r}")
+            raise ValueError(f"{where}: {key} is {config[key]!r}; llama_tp's {model_type} needs {expected!r}")
+    # Llama and Qwen3 name a bias on all four projections attention_bias; Qwen2 always has q/k/v biases.
+    if config.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias is true (a bias on wo too); llama_tp has biases on "
+                         "q, k and v only (Qwen2's)")
+    attention_kinds = set(config.get("layer_types") or ["full_attention"])
+    if config.get("use_sliding_window") and model_type != "mistral" or attention_kinds != {"full_attention"}:
+        raise ValueError(f"{where}: layer_types {sorted(attention_kinds)} (use_sliding_window "
+                         f"{config.get('use_sliding_window')!r}) mixes attention kinds; llama_tp runs one "
+                         "kind in every layer")
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim", dim // n_heads) != dim // n_heads:
-        raise ValueError(f"{where}: head_dim {config['head_dim']} is not hidden_size / num_attention_heads "
-                         f"({dim // n_heads}); llama_tp does not support that")
+    head_dim = config.get("head_dim") or dim // n_heads
     # transformers 5 nests rope settings in rope_parameters; 4.x has rope_theta and rope_scaling.
-    rope = {"rope_theta": config.get("rope_theta", 10000.0), **(config.get("rope_scaling") or {}),
+    rope = {"rope_theta": config.get("rope_theta") or 10000.0, **(config.get("rope_scaling") or {}),
             **(config.get("rope_parameters") or {})}
     params = {
         "dim": dim,
         "n_layers": config["num_hidden_layers"],
         "n_heads": n_heads,
-        "n_kv_heads": config.get("num_key_value_heads", n_heads),
+        "n_kv_heads": config.get("num_key_value_heads") or n_heads,
         "vocab_size": config["vocab_size"],
         **ffn_params(dim, config["intermediate_size"]),
         "norm_eps": config.get("rms_norm_eps", 1e-6),
         "rope_theta": float(rope["rope_theta"]),
+        **({"head_size": head_dim} if head_dim * n_heads != dim else {}),
+        **({"qkv_bias": True} if model_type == "qwen2" else {}),
+        **({"qk_norm": True} if model_type == "qwen3" else {}),
+        **({"sliding_window": config["sliding_window"]} if model_type == "mistral" and config.get("sliding_window") else {}),
     }
+    return params | rope_params(rope, where)
+
+
+def rope_params(rope: dict, where: Path) -> dict:
+    """ModelArgs' rope scaling for a config's rope settings: none, or Llama 3.1's (as Llama 3.2 too)."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "llama3" and all(rope.get(k) == v for k, v in LLAMA31_ROPE.items()):
-        params |= {"use_scaled_rope": True, "rope_scaling_factor": float(rope["factor"]),
-                   "rope_high_freq_factor": float(rope["high_freq_factor"])}
-    elif rope_type != "default":
-        raise ValueError(f"{where}: rope scaling {rope!r} is not supported; llama_tp knows plain rotary "
-                         f"embeddings and Llama 3.1's ({LLAMA31_ROPE})")
-    return params
+    if rope_type == "default":
+        return {}
+    if rope_type != "llama3":
+        raise ValueError(f"{where}: rope_scaling {rope!r} is not supported; llama_tp knows plain rotary "
+                         "embeddings and Llama 3.1's (rope_type 'llama3')")
+    return {"use_scaled_rope": True, "rope_scaling_factor": float(rope["factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_original_context": int(rope["original_max_position_embeddings"])}
 
 
 def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Hugging Face's rotate-half row order of wq/wk back to Meta's interleaved channel pairs."""
-    rows, cols = weight.shape
-    halves = weight.view(n_heads, 2, rows // n_heads // 2, cols)  # heads, (first, second half), pairs, dim
-    return halves.transpose(1, 2).reshape(rows, cols)
+    """Hugging Face's rotate-half row order of wq/wk (weight or bias; or q_norm/k_norm, one head)
+    back to Meta's interleaved channel pairs."""
+    rows = weight.shape[0]
+    halves = weight.view(n_heads, 2, rows // n_heads // 2, -1)  # heads, (first, second half), pairs, dim or 1
+    return halves.transpose(1, 2).reshape(weight.shape)
+
+
+def rotated_heads(target: str, params: dict) -> Optional[int]:
+    """How many heads tensor `target` holds whose channels rotate (unpermute), or None if none do."""
+    module = target.split(".")[-2]
+    return {"wq": params["n_heads"], "wk": params["n_kv_heads"], "q_norm": 1, "k_norm": 1}.get(module)
 
 
 def meta_tensors(src: Path, params: dict, tie: bool) -> dict[str, TensorLoader]:
@@ -108,14 +147,14 @@ def meta_tensors(src: Path, params: dict, tie: bool) -> dict[str, TensorLoader]:
     for file in files:
         handle = safe_open(str(file), framework="pt")
         for name in handle.keys():
-            target = meta_name(name, TOP_NAMES, r"model\.layers\.(\d+)\.(\w+\.\w+|\w+)\.weight", LAYER_NAMES)
+            target = meta_name(name, TOP_NAMES, r"model\.layers\.(\d+)\.(\w+\.\w+|\w+)\.(weight|bias)", LAYER_NAMES)
             if target is None:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # older exports store the rotary table, which the model recomputes
                 raise ValueError(f"{file} holds tensor {name!r}, which has no place in a Llama model")
             if target in loaders:
                 raise ValueError(f"{name} appears in two files of {src}; remove the stale safetensors file")
-            heads = {"wq": params["n_heads"], "wk": params["n_kv_heads"]}.get(target.split(".")[-2])
+            heads = rotated_heads(target, params)
             loaders[target] = lambda handle=handle, name=name, heads=heads: _load(handle, name, heads)
     if tie:  # Hugging Face saves tied weights once; Meta's layout has an explicit output matrix
         loaders["output.weight"] = loaders["tok_embeddings.weight"]

@@ -51,17 +51,22 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             f"layers.{i}.attention_norm.weight": (args.dim,),
             f"layers.{i}.ffn_norm.weight": (args.dim,),
         }
+        if args.qkv_bias:
+            shapes |= {f"layers.{i}.attention.{name}.bias": (rows,) for name, rows in (("wq", q), ("wk", kv), ("wv", kv))}
+        if args.qk_norm:
+            shapes |= {f"layers.{i}.attention.{name}.weight": (args.head_dim,) for name in ("q_norm", "k_norm")}
     return shapes | {"norm.weight": (args.dim,), "output.weight": (args.vocab_size, args.dim)}
 
 
 def meta_name(name: str, top_names: dict[str, str], layer_pattern: str,
               layer_names: dict[str, str]) -> Optional[str]:
-    """Meta's name for a source tensor, given the source's names (layer_pattern captures layer, module)."""
+    """Meta's name for a source tensor, given the source's names (layer_pattern captures layer, module,
+    and weight or bias)."""
     if name in top_names:
         return top_names[name]
     match = re.fullmatch(layer_pattern, name)
     if match and match.group(2) in layer_names:
-        return f"layers.{match.group(1)}.{layer_names[match.group(2)]}.weight"
+        return f"layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
     return None
 
 
@@ -71,7 +76,7 @@ def shard_of(name: str, tensor: torch.Tensor, rank: int, n_shards: int, args: Mo
         # More ranks than KV heads: each rank stores a copy of the one KV head its query heads use.
         copies = n_shards // args.kv_heads
         heads = tensor.view(args.kv_heads, args.head_dim, -1)  # kv_heads, head_dim, dim (or groups)
-        tensor = heads.repeat_interleave(copies, dim=0).reshape(n_shards * args.head_dim, -1)
+        tensor = heads.repeat_interleave(copies, dim=0).reshape(n_shards * args.head_dim, *tensor.shape[1:])
     dim = split_dim(name, "dim")
     return tensor if dim is None else tensor.chunk(n_shards, dim=dim)[rank]
 

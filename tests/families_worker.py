@@ -1,0 +1,51 @@
+"""Load converted checkpoints of the Llama family's cousins at several world sizes; save what each gives.
+
+    python tests/families_worker.py MANIFEST.json
+
+The manifest lists cases {"name", "ckpt", "quantize", "world_sizes"}, the prompt tokens and an
+output folder; world size W writes OUT/world{W}.pt holding, per case, fp32 logits of the tokens
+and greedy tokens of the first row's prompt. The ranks of each world size are forked from this
+process (gloo, a fresh free port each), as tests/reshard_worker.py does.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from llama_tp import Llama
+from reshard_worker import free_port
+
+
+def rank_main(rank: int, world_size: int, port: int, manifest: dict) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two cores shared by several ranks
+    tokens = torch.tensor(manifest["tokens"])
+    prompt = manifest["prompt"]
+    results = {}
+    for case in manifest["cases"]:
+        if world_size not in case["world_sizes"]:
+            continue
+        ckpt = case["ckpt"]
+        llama = Llama.build(ckpt, str(Path(ckpt) / "tokenizer.json"), max_seq_len=64, max_batch_size=2,
+                            dtype="fp32", quantize=case["quantize"])
+        logits = llama.model.forward(tokens, 0)
+        generated, _ = llama.generate([prompt], max_gen_len=manifest["steps"], temperature=0.0)
+        results[case["name"]] = {"logits": logits, "tokens": generated[0]}
+    if rank == 0:
+        torch.save(results, Path(manifest["out"]) / f"world{world_size}.pt")
+
+
+def main(manifest_path: str) -> None:
+    manifest = json.loads(Path(manifest_path).read_text())
+    for world_size in sorted({w for case in manifest["cases"] for w in case["world_sizes"]}):
+        mp.start_processes(rank_main, args=(world_size, free_port(), manifest), nprocs=world_size,
+                           start_method="fork")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
