@@ -18,7 +18,7 @@ from .kernels import matmul
 from .logs import logger
 from .memory import plan, report
 from .model import Transformer
-from .quantize import check_quantize
+from .quantize import check_quantize_on
 from .sampling import SamplingOptions, choose_next, stop_ban, top_candidates
 from .speculative import Speculator, build_speculator, check_speculation
 from .speculative.decoding import decode_rounds
@@ -81,10 +81,11 @@ class Llama:
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
-        check_quantize(quantize)
+        check_quantize_on(quantize, placement.device)  # int4 on a GPU is refused here, before loading
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, found {compile!r}")
         check_speculation(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile)
+        check_quantize_on(draft_quantize, placement.device)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
