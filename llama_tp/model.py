@@ -192,12 +192,36 @@ class Attention(nn.Module):
             # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
             # masked half), and a single new token sees everything cached up to end.
             keys, values = self.cache.read(rows)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=rows.mask, is_causal=rows.mask is None and seqlen > 1,
-                enable_gqa=self.n_local_heads != self.n_local_kv_heads,
-            )
+            out = attend(q, keys, values, rows.mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
         return self.wo(out)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention of q [bsz, heads, seqlen, head_dim] to keys and values [bsz, kv heads, end, head_dim],
+    query head h reading KV head h // (heads // kv heads); causal from position 0 without a mask,
+    else each query sees where mask [1 or bsz, 1, seqlen, end] is True.
+
+    On GPUs, torch's fast kernels (flash, memory-efficient, cuDNN) refuse a mask together with
+    enable_gqa, which would leave only the math kernel: there a masked step folds its groups
+    (folded_attention). CPUs' flash kernel takes both, and runs faster than on folded queries."""
+    grouped = q.shape[1] != keys.shape[1]
+    if mask is not None and grouped and q.device.type != "cpu":
+        return folded_attention(q, keys, values, mask)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+                                          enable_gqa=grouped)
+
+
+def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """attend's masked grouped attention with each KV head's group of query heads folded into the
+    query axis, as if one head asked all their queries: no enable_gqa, which every kernel takes."""
+    bsz, heads, seqlen, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    folded = q.reshape(bsz, kv_heads, group * seqlen, head_dim)  # the group's queries one after another
+    mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).flatten(2, 3)  # 1 or bsz, 1, group * seqlen, end
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # bsz, kv heads, group * seqlen, head_dim
+    return out.reshape(bsz, heads, seqlen, head_dim)
 
 
 class FeedForward(nn.Module):
