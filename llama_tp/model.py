@@ -13,6 +13,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .kernels import cpu_kernels
+from .logs import logger
 from .prefix_cache import PrefixCache
 from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, parallel_embedding,
                        row_parallel_linear)
@@ -288,9 +289,7 @@ class Transformer(nn.Module):
         self.max_batch_size = 0
         self.max_seq_len = 0
         # One new token per row: eager, or compile_decoding's (which runs the layers in groups).
-        self.run_decode_layers, self.run_decode_head = run_layers, run_head
-        self.decode_layer_groups = [self.layers]
-        self.static_decode_shapes = False
+        self.decode_eagerly()
 
     def checkpoint_layout(self) -> dict[str, list[tuple[str, torch.Size]]]:
         """Each tensor of this model as the checkpoint tensors it is made of, stacked along dim 0,
@@ -355,8 +354,21 @@ class Transformer(nn.Module):
         for slot, start in zip(slots or range(bsz), [start_pos] * bsz if isinstance(start_pos, int) else start_pos):
             self.prefix_cache.keep(slot, start)  # from start on, the row is overwritten
         h = self.tok_embeddings(tokens)
+        if seqlen == 1 and self.run_decode_layers is not run_layers:
+            try:
+                return self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
+            except torch._dynamo.exc.TorchDynamoException as error:  # compiling failed, not the step itself
+                cause = " ".join(str(error).split())[:400]  # one line
+                logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {type(error).__name__}: {cause}")
+                self.decode_eagerly()
+                rows = self.cache_rows(bsz, seqlen, start_pos, slots)  # the eager step's shapes
+        return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice)
+
+    def _run(self, h: torch.Tensor, rows: CacheRows, compiled: bool, last_only: bool, vocab_slice: bool) -> torch.Tensor:
+        """forward's layers and head on the embedded tokens h, through compile_decoding's functions
+        or eagerly. Run again eagerly after a compiled attempt, a step rewrites the same cache entries."""
         run, groups, head = run_layers, [self.layers], run_head
-        if seqlen == 1:
+        if compiled:
             run, groups, head = self.run_decode_layers, self.decode_layer_groups, self.run_decode_head
             if self.static_decode_shapes:
                 # CUDA graphs: the last step's outputs have been consumed, their memory may be reused.
@@ -366,6 +378,12 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]  # bsz, 1, dim
         return head(self.norm, self.output, h, gather=not vocab_slice)
+
+    def decode_eagerly(self) -> None:
+        """Undo compile_decoding: one-token steps run eagerly again."""
+        self.run_decode_layers, self.run_decode_head = run_layers, run_head
+        self.decode_layer_groups = [self.layers]
+        self.static_decode_shapes = False
 
     def cache_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
                    slots: Optional[Sequence[int]]) -> CacheRows:
