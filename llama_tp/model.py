@@ -106,6 +106,9 @@ class CacheRows(NamedTuple):
     # [bsz] each row's first position, where an eager step attends through our kernel
     # (step_through_kernel; rotary is contiguous then); else None.
     kernel_starts: Optional[torch.Tensor]
+    # [max_batch_size] which cache rows take part, where a step runs every cache row (CUDA graphs:
+    # Transformer.every_row_step); the others keep what their caches hold. None: every row here does.
+    active: Optional[torch.Tensor] = None
 
 
 class KVCache(nn.Module):
@@ -135,6 +138,9 @@ class KVCache(nn.Module):
             return
         # Indexing the whole buffer: compiled, a write into a slice of it copies the whole cache.
         where = (rows.slots[:, None, None], self.heads[None, :, None], rows.positions[:, None, :])
+        if rows.active is not None:  # rows outside the step write back what they hold
+            keep = ~rows.active[:, None, None, None]
+            k, v = torch.where(keep, self.k[where], k), torch.where(keep, self.v[where], v)
         self.k.index_put_(where, k)
         self.v.index_put_(where, v)
 
@@ -353,16 +359,37 @@ class Transformer(nn.Module):
         rows = self.cache_rows(bsz, seqlen, start_pos, slots)
         for slot, start in zip(slots or range(bsz), [start_pos] * bsz if isinstance(start_pos, int) else start_pos):
             self.prefix_cache.keep(slot, start)  # from start on, the row is overwritten
+        if seqlen == 1 and self.static_decode_shapes:
+            try:
+                return self.every_row_step(tokens, rows, last_only, vocab_slice)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                self._fall_back(error)
+                rows = self.cache_rows(bsz, seqlen, start_pos, slots)
         h = self.tok_embeddings(tokens)
         if seqlen == 1 and self.run_decode_layers is not run_layers:
             try:
                 return self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
             except torch._dynamo.exc.TorchDynamoException as error:  # compiling failed, not the step itself
-                cause = " ".join(str(error).split())[:400]  # one line
-                logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {type(error).__name__}: {cause}")
-                self.decode_eagerly()
-                rows = self.cache_rows(bsz, seqlen, start_pos, slots)  # the eager step's shapes
+                self._fall_back(error)
         return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice)
+
+    def every_row_step(self, tokens: torch.Tensor, rows: CacheRows, last_only: bool, vocab_slice: bool) -> torch.Tensor:
+        """A compiled one-token step for CUDA graphs, which replay only the shapes they were
+        recorded with: every cache row runs (rows.active says which take part; the others' tokens
+        are 0 and their caches unchanged), so that each step has the same shapes and its rows and
+        positions arrive as tensors, whatever rows the step has: one graph, never recompiled, and
+        attention reads the caches where they are instead of gathering the rows' copy."""
+        every_row = torch.zeros(self.max_batch_size, 1, dtype=tokens.dtype, device=tokens.device)
+        every_row.index_copy_(0, rows.slots, tokens)  # max_batch_size, 1
+        logits = self._run(self.tok_embeddings(every_row), rows._replace(slots=self.slot_ids), compiled=True,
+                           last_only=last_only, vocab_slice=vocab_slice)
+        return logits.index_select(0, rows.slots)  # bsz, 1, vocab (or its slice)
+
+    def _fall_back(self, error: Exception) -> None:
+        """After compiling failed: say so once, and decode eagerly from now on."""
+        cause = " ".join(str(error).split())[:400]  # one line
+        logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {type(error).__name__}: {cause}")
+        self.decode_eagerly()
 
     def _run(self, h: torch.Tensor, rows: CacheRows, compiled: bool, last_only: bool, vocab_slice: bool) -> torch.Tensor:
         """forward's layers and head on the embedded tokens h, through compile_decoding's functions
@@ -411,11 +438,10 @@ class Transformer(nn.Module):
             rotary = self.rotary[positions]  # bsz, seqlen, head_dim // 2, 2
         # Our kernel reads each row up to each token's own position: no mask (compiled one-token steps too).
         kernel_attends = step_through_kernel(seqlen, self.layers[0].attention.cache)
+        if seqlen == 1 and self.static_decode_shapes:
+            return self._every_row(slot_ids, starts)
         mask = None
-        if seqlen == 1 and self.static_decode_shapes:  # CUDA graphs: the whole cache, every step alike
-            end = self.max_seq_len
-            mask = self.positions[None, None, None, :] <= positions[:, None, :, None]  # 1 or bsz, 1, 1, max_seq_len
-        elif not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
+        if not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
             # Query i of a row (at position start + i) sees every cached position of its row up to itself.
             mask = self.positions[None, None, None, :end] <= positions[:, None, :, None]  # 1 or bsz, 1, seqlen, end
         kernel_starts = None
@@ -423,6 +449,19 @@ class Transformer(nn.Module):
             rotary = rotary.contiguous()
             kernel_starts = positions[:, 0].expand(bsz)
         return CacheRows(slot_ids, positions, rotary, end, mask, first, kernel_starts)
+
+    def _every_row(self, slot_ids: torch.Tensor, starts: list[int]) -> CacheRows:
+        """Where a one-token step of every cache row goes (every_row_step): rows slot_ids at starts
+        take part, the others sit at position 0. Each row attends to the whole cache under a mask,
+        so that every step has the same shapes; the rows are cache rows 0, 1, ..., a view. slots
+        are the rows taking part (every_row_step runs them all)."""
+        device = self.positions.device
+        every_start = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
+        every_start.index_copy_(0, slot_ids, torch.tensor(starts, device=device))
+        positions = every_start[:, None]  # max_batch_size, 1
+        mask = self.positions[None, None, None, :] <= positions[:, None, :, None]  # max_batch_size, 1, 1, max_seq_len
+        active = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device).index_fill_(0, slot_ids, True)
+        return CacheRows(slot_ids, positions, self.rotary[positions], self.max_seq_len, mask, 0, None, active)
 
 
 def layers_per_call(n_layers: int) -> int:
