@@ -40,11 +40,15 @@ def joined_with_timeout(seconds: int) -> dict:
         sent = parallel.broadcast_object("from rank 0" if placement.rank == 0 else None)
         with parallel.agreement("checking"):
             parallel.check_same_on_every_rank("the arguments", [1, 2])
+        pickles_before_quiet_step = len(object_groups)
+        quiet = parallel.gather_objects_if_any("nothing", anything=False)
+        pickles_in_quiet_step = len(object_groups) - pickles_before_quiet_step
+        news = parallel.gather_objects_if_any(placement.rank, anything=placement.rank == 1)
     finally:
         dist.all_gather_object, dist.broadcast_object_list = originals
     result = {"timeouts": group_timeouts(placement.device), "object_backends": object_groups,
               "gathered": gathered, "sent": sent, "device": str(placement.device),
-              "default_backend": dist.get_backend()}
+              "default_backend": dist.get_backend(), "quiet": (quiet, pickles_in_quiet_step), "news": news}
     parallel.leave()
     return result
 

@@ -1,5 +1,6 @@
 """Every process group llama_tp and fairscale make waits LLAMA_TP_TIMEOUT, not torch's defaults
-(NCCL's 10 minutes, gloo's 30), and host objects travel over gloo."""
+(NCCL's 10 minutes, gloo's 30), host objects travel over gloo, and an exchange with nothing
+to say pickles nothing."""
 
 import pytest
 
@@ -18,3 +19,5 @@ def test_every_group_carries_the_timeout_and_objects_ride_gloo():
         assert seen["gathered"] == [{"rank": 0}, {"rank": 1}]
         assert seen["sent"] == "from rank 0"
         assert seen["device"] == "cpu" and seen["default_backend"] == "gloo"
+        assert seen["quiet"] == (None, 0)  # no rank had news: no pickles
+        assert seen["news"] == [0, 1]  # one rank had: everyone's

@@ -266,6 +266,16 @@ def gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
+def gather_objects_if_any(obj: Any, anything: bool) -> Optional[list[Any]]:
+    """gather_objects(obj) if any rank has `anything` to say, else None: then only a byte a rank
+    travels, and nothing is pickled (a serving step without news)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj] if anything else None
+    flags = [torch.zeros(1, dtype=torch.uint8) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([anything], dtype=torch.uint8), group=host_group())
+    return gather_objects(obj) if any(flag.item() for flag in flags) else None
+
+
 def _start_launcher_watchdog(poll_seconds: float = 1.0) -> None:
     """Exit if torchrun dies (e.g. killed with SIGKILL), so no rank is left behind as an orphan.
 
