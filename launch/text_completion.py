@@ -50,7 +50,7 @@ def main(
     show_top: int = 0,
     dtype: Optional[str] = None,
     quantize: Optional[str] = None,
-    compile: bool = False,
+    compile: Optional[bool] = None,
     speculate: Optional[str] = None,
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
@@ -80,9 +80,9 @@ def main(
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
         quantize: int8 or int4 (weight-only; int4 on CPU) or int8_dynamic (CPU) linear layers,
             made at load time; a quantized checkpoint loads as it is stored.
-        compile: compile the decoding step once the first reply has waited for the compiler
-            (3-6 s on a CPU): 1.1-1.9x faster steps on CPU (by CPU) with --max_batch_size 1, little
-            gain with more; worth it for long jobs.
+        compile: compile the decoding step (by default on GPUs, not on CPUs) once the first
+            reply has waited for the compiler (3-6 s on a CPU): 1.1-1.9x faster steps on CPU
+            (by CPU) with --max_batch_size 1, little gain with more; worth it for long jobs.
         speculate: draft or lookup: guess tokens, then verify several in one pass, with the same
             greedy answers (docs/speculative.md); a draft needs --draft_quantize or --draft_ckpt_dir.
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).

@@ -18,7 +18,7 @@ from .kernels import matmul
 from .logs import logger
 from .memory import plan, report
 from .model import Transformer
-from .quantize import check_quantize
+from .quantize import check_quantize_on
 from .sampling import SamplingOptions, choose_next, stop_ban, top_candidates
 from .speculative import Speculator, build_speculator, check_speculation
 from .speculative.decoding import decode_rounds
@@ -53,7 +53,7 @@ class Llama:
         seed: int = 1,
         dtype: "str | torch.dtype | None" = None,
         quantize: Optional[str] = None,
-        compile: bool = False,
+        compile: Optional[bool] = None,
         speculate: Optional[str] = None,
         speculate_k: Optional[int] = None,
         draft_ckpt_dir: Optional[str] = None,
@@ -63,7 +63,10 @@ class Llama:
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
-        compile: run decoding steps through torch.compile. Off by default: on this project's CPUs
+        compile: run decoding steps through torch.compile (CUDA graphs on GPUs). By default on GPUs,
+            where eager steps are bound by launching some 25 kernels a layer (not with
+            speculate="lookup", which has no draft to compile); a failure to compile is one warning
+            and eager decoding. Off by default on CPUs: on this project's CPUs
             with AVX-512 eager steps call our kernels for the products and for each layer's
             attention step, and compiled ones (the rest fused) ran 1.07x as fast at batch 1 and
             level at batch 8 on the AMD Zen 4 machine, after 7-26 s of compiling. With
@@ -82,10 +85,13 @@ class Llama:
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
-        check_quantize(quantize)
+        check_quantize_on(quantize, placement.device)  # int4 on a GPU is refused here, before loading
+        if compile is None:
+            compile = placement.device.type == "cuda" and speculate != "lookup"
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, found {compile!r}")
         check_speculation(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile)
+        check_quantize_on(draft_quantize, placement.device)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")

@@ -13,6 +13,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .kernels import cpu_kernels
+from .logs import logger
 from .prefix_cache import PrefixCache
 from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, parallel_embedding,
                        row_parallel_linear)
@@ -106,6 +107,9 @@ class CacheRows(NamedTuple):
     # [bsz] each row's first position, where an eager step attends through our kernel
     # (step_through_kernel; rotary is contiguous then); else None.
     kernel_starts: Optional[torch.Tensor]
+    # [max_batch_size] which cache rows take part, where a step runs every cache row (CUDA graphs:
+    # Transformer.every_row_step); the others keep what their caches hold. None: every row here does.
+    active: Optional[torch.Tensor] = None
 
 
 class KVCache(nn.Module):
@@ -137,6 +141,9 @@ class KVCache(nn.Module):
             return
         # Indexing the whole buffer: compiled, a write into a slice of it copies the whole cache.
         where = (rows.slots[:, None, None], self.heads[None, :, None], rows.positions[:, None, :])
+        if rows.active is not None:  # rows outside the step write back what they hold
+            keep = ~rows.active[:, None, None, None]
+            k, v = torch.where(keep, self.k[where], k), torch.where(keep, self.v[where], v)
         self.k.index_put_(where, k)
         self.v.index_put_(where, v)
 
@@ -214,12 +221,36 @@ class Attention(nn.Module):
             # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
             # masked half), and a single new token sees everything cached up to end.
             keys, values = self.cache.read(rows)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=rows.mask, is_causal=rows.mask is None and seqlen > 1,
-                enable_gqa=self.n_local_heads != self.n_local_kv_heads,
-            )
+            out = attend(q, keys, values, rows.mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
         return self.wo(out)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention of q [bsz, heads, seqlen, head_dim] to keys and values [bsz, kv heads, end, head_dim],
+    query head h reading KV head h // (heads // kv heads); causal from position 0 without a mask,
+    else each query sees where mask [1 or bsz, 1, seqlen, end] is True.
+
+    On GPUs, torch's fast kernels (flash, memory-efficient, cuDNN) refuse a mask together with
+    enable_gqa, which would leave only the math kernel: there a masked step folds its groups
+    (folded_attention). CPUs' flash kernel takes both, and runs faster than on folded queries."""
+    grouped = q.shape[1] != keys.shape[1]
+    if mask is not None and grouped and q.device.type != "cpu":
+        return folded_attention(q, keys, values, mask)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+                                          enable_gqa=grouped)
+
+
+def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """attend's masked grouped attention with each KV head's group of query heads folded into the
+    query axis, as if one head asked all their queries: no enable_gqa, which every kernel takes."""
+    bsz, heads, seqlen, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    folded = q.reshape(bsz, kv_heads, group * seqlen, head_dim)  # the group's queries one after another
+    mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).flatten(2, 3)  # 1 or bsz, 1, group * seqlen, end
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # bsz, kv heads, group * seqlen, head_dim
+    return out.reshape(bsz, heads, seqlen, head_dim)
 
 
 class FeedForward(nn.Module):
@@ -289,9 +320,7 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
         self.window: Optional[int] = None  # the sliding window where it hides positions (setup_caches)
         # One new token per row: eager, or compile_decoding's (which runs the layers in groups).
-        self.run_decode_layers, self.run_decode_head = run_layers, run_head
-        self.decode_layer_groups = [self.layers]
-        self.static_decode_shapes = False
+        self.decode_eagerly()
 
     def checkpoint_layout(self) -> dict[str, list[tuple[str, torch.Size]]]:
         """Each tensor of this model as the checkpoint tensors it is made of, stacked along dim 0,
@@ -361,9 +390,43 @@ class Transformer(nn.Module):
         rows = self.cache_rows(bsz, seqlen, start_pos, slots)
         for slot, start in zip(slots or range(bsz), [start_pos] * bsz if isinstance(start_pos, int) else start_pos):
             self.prefix_cache.keep(slot, start)  # from start on, the row is overwritten
+        if seqlen == 1 and self.static_decode_shapes:
+            try:
+                return self.every_row_step(tokens, rows, last_only, vocab_slice)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                self._fall_back(error)
+                rows = self.cache_rows(bsz, seqlen, start_pos, slots)
         h = self.tok_embeddings(tokens)
+        if seqlen == 1 and self.run_decode_layers is not run_layers:
+            try:
+                return self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
+            except torch._dynamo.exc.TorchDynamoException as error:  # compiling failed, not the step itself
+                self._fall_back(error)
+        return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice)
+
+    def every_row_step(self, tokens: torch.Tensor, rows: CacheRows, last_only: bool, vocab_slice: bool) -> torch.Tensor:
+        """A compiled one-token step for CUDA graphs, which replay only the shapes they were
+        recorded with: every cache row runs (rows.active says which take part; the others' tokens
+        are 0 and their caches unchanged), so that each step has the same shapes and its rows and
+        positions arrive as tensors, whatever rows the step has: one graph, never recompiled, and
+        attention reads the caches where they are instead of gathering the rows' copy."""
+        every_row = torch.zeros(self.max_batch_size, 1, dtype=tokens.dtype, device=tokens.device)
+        every_row.index_copy_(0, rows.slots, tokens)  # max_batch_size, 1
+        logits = self._run(self.tok_embeddings(every_row), rows._replace(slots=self.slot_ids), compiled=True,
+                           last_only=last_only, vocab_slice=vocab_slice)
+        return logits.index_select(0, rows.slots)  # bsz, 1, vocab (or its slice)
+
+    def _fall_back(self, error: Exception) -> None:
+        """After compiling failed: say so once, and decode eagerly from now on."""
+        cause = " ".join(str(error).split())[:400]  # one line
+        logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {type(error).__name__}: {cause}")
+        self.decode_eagerly()
+
+    def _run(self, h: torch.Tensor, rows: CacheRows, compiled: bool, last_only: bool, vocab_slice: bool) -> torch.Tensor:
+        """forward's layers and head on the embedded tokens h, through compile_decoding's functions
+        or eagerly. Run again eagerly after a compiled attempt, a step rewrites the same cache entries."""
         run, groups, head = run_layers, [self.layers], run_head
-        if seqlen == 1:
+        if compiled:
             run, groups, head = self.run_decode_layers, self.decode_layer_groups, self.run_decode_head
             if self.static_decode_shapes:
                 # CUDA graphs: the last step's outputs have been consumed, their memory may be reused.
@@ -373,6 +436,12 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]  # bsz, 1, dim
         return head(self.norm, self.output, h, gather=not vocab_slice)
+
+    def decode_eagerly(self) -> None:
+        """Undo compile_decoding: one-token steps run eagerly again."""
+        self.run_decode_layers, self.run_decode_head = run_layers, run_head
+        self.decode_layer_groups = [self.layers]
+        self.static_decode_shapes = False
 
     def cache_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
                    slots: Optional[Sequence[int]]) -> CacheRows:
@@ -400,11 +469,10 @@ class Transformer(nn.Module):
             rotary = self.rotary[positions]  # bsz, seqlen, head_dim // 2, 2
         # Our kernel reads each row up to each token's own position: no mask (compiled one-token steps too).
         kernel_attends = step_through_kernel(seqlen, self.layers[0].attention.cache)
+        if seqlen == 1 and self.static_decode_shapes:
+            return self._every_row(slot_ids, starts)
         mask = None
-        if seqlen == 1 and self.static_decode_shapes:  # CUDA graphs: the whole cache, every step alike
-            end = self.max_seq_len
-            mask = self.attention_mask(positions, end)  # 1 or bsz, 1, 1, max_seq_len
-        elif self.window is not None or not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
+        if self.window is not None or not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
             mask = self.attention_mask(positions, end)  # 1 or bsz, 1, seqlen, end
         kernel_starts = None
         if kernel_attends:
@@ -420,6 +488,19 @@ class Transformer(nn.Module):
         if self.window is not None:
             mask &= keys > queries - self.window
         return mask
+
+    def _every_row(self, slot_ids: torch.Tensor, starts: list[int]) -> CacheRows:
+        """Where a one-token step of every cache row goes (every_row_step): rows slot_ids at starts
+        take part, the others sit at position 0. Each row attends to the whole cache under a mask,
+        so that every step has the same shapes; the rows are cache rows 0, 1, ..., a view. slots
+        are the rows taking part (every_row_step runs them all)."""
+        device = self.positions.device
+        every_start = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
+        every_start.index_copy_(0, slot_ids, torch.tensor(starts, device=device))
+        positions = every_start[:, None]  # max_batch_size, 1
+        mask = self.attention_mask(positions, self.max_seq_len)  # max_batch_size, 1, 1, max_seq_len
+        active = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device).index_fill_(0, slot_ids, True)
+        return CacheRows(slot_ids, positions, self.rotary[positions], self.max_seq_len, mask, 0, None, active)
 
 
 def layers_per_call(n_layers: int) -> int:

@@ -8,8 +8,9 @@ checkpoint: checkpoint/quantized.py).
   product runs torch.compile's kernel for grouped_product, which does the same more slowly.
   Other products convert the weight back to the activations' dtype in one compiled pass and
   multiply it through oneDNN. All are compiled on first use (seconds; they need a C++ compiler,
-  as --compile does). Elsewhere the weight is converted back on the fly: that saves memory, not
-  time.
+  as --compile does). On GPUs the same compiled code runs (Triton's), converting the weight back
+  as it reads it. The loader quantizes each weight on the CPU before it moves to its device
+  (checkpoint.load_into), so a model that fits in int8, not in bf16, loads.
 - "int4": weight-only, grouped 4-bit (kernels/int4.py, GGUF's Q4_1 and Q4_0 arithmetic) in the
   transformer's layers, 0.625 bytes per weight; the output head grouped int8, as llama.cpp's
   4-bit files keep theirs at 6-8 bits (the demo model's is Q8_0). The demo model's greedy answers
@@ -48,6 +49,16 @@ def check_quantize(quantize: Optional[str]) -> None:
         )
 
 
+def check_quantize_on(quantize: Optional[str], device: torch.device) -> None:
+    """Refuse, before anything is loaded, a quantization the device cannot run: int4 off the CPU,
+    or int8 and int4 on a CPU without a C++ compiler for their compiled products."""
+    check_quantize(quantize)
+    if quantize == "int4":
+        parallel.check_int4_device(device)
+    if quantize in ("int8", "int4") and device.type == "cpu":
+        parallel.require_cxx_compiler(f"quantize='{quantize}' on CPU", "use quantize='int8_dynamic' or none")
+
+
 @functools.cache
 def _compiled(kernel: Callable) -> Callable:
     """kernel compiled for each shape it meets; compiled once per process, on first use."""
@@ -78,9 +89,10 @@ class Int8Linear(nn.Module):
         self.blocked = False  # weight, scales and zeros in our kernel's layout (use_kernel)
 
     @classmethod
-    def quantizing(cls, layer: nn.Module) -> "Int8Linear":
-        """The layer with its weight quantized here (quantize_int8 of this rank's slice)."""
-        return cls(*quantize_int8(layer.weight.detach()), parallel.communication_after(layer))
+    def quantizing(cls, layer: nn.Module, weight: Optional[torch.Tensor] = None) -> "Int8Linear":
+        """The layer with its weight (by default layer.weight: this rank's slice) quantized here
+        (quantize_int8)."""
+        return cls(*quantize_int8(_weight_of(layer, weight)), parallel.communication_after(layer))
 
     def use_kernel(self) -> None:
         """Lay the weight out for our int8 kernel, whose products it then takes."""
@@ -94,8 +106,8 @@ class Int8Linear(nn.Module):
                 return self.communicate(int8.product(x, self.weight, self.scales, self.zeros, self.out_features))
             weight = _run(int8.dequantize_blocks, self.weight, self.scales, self.zeros, self.out_features, x.dtype)
             return self.communicate(matmul.linear(x, weight))
-        if x.device.type != "cpu":
-            return self.communicate(matmul.linear(x, dequantize(self.weight, self.scales, self.zeros, x.dtype)))
+        # Elsewhere (GPUs too) compiled code converts the weight back as it reads it, in one kernel:
+        # eagerly that would be an fp32 and an x.dtype copy of every weight at every step.
         if x.shape[:-1].numel() == 1:  # bound by reading the weight: read it as int8
             return self.communicate(_run(grouped_product, x, self.weight, self.scales, self.zeros))
         # Bound by arithmetic: oneDNN's fp32 product on the weight converted back.
@@ -120,9 +132,9 @@ class Int4Linear(nn.Module):
         self.operands: Optional[tuple[torch.Tensor, ...]] = None
 
     @classmethod
-    def quantizing(cls, layer: nn.Module) -> "Int4Linear":
-        """The layer with its weight quantized here (quantize_int4 of this rank's slice)."""
-        return cls(*int4.quantize_int4(layer.weight.detach()), parallel.communication_after(layer))
+    def quantizing(cls, layer: nn.Module, weight: Optional[torch.Tensor] = None) -> "Int4Linear":
+        """As Int8Linear.quantizing, with quantize_int4."""
+        return cls(*int4.quantize_int4(_weight_of(layer, weight)), parallel.communication_after(layer))
 
     def use_kernel(self) -> None:
         """Multiply through our int4 kernel from now on (once the weights are loaded)."""
@@ -138,6 +150,15 @@ class Int4Linear(nn.Module):
         if x.numel() <= int4.MAX_ROWS * x.shape[-1]:  # decoding: bound by reading the weight
             return self.communicate(int4.product(x, *operands))
         return self.communicate(matmul.linear(x, int4.weight(*operands).to(x.dtype)))
+
+
+def _weight_of(layer: nn.Module, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    return layer.weight.detach() if weight is None else weight
+
+
+# The quantizations that the loader applies weight by weight, on the CPU, before the weights move
+# to their device (checkpoint.load_into); int8_dynamic is CPU-only and replaces loaded layers.
+QUANTIZED_AT_LOAD = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 class DynamicInt8Linear(nn.Module):
@@ -204,11 +225,7 @@ def quantize_model(model: nn.Module, quantize: Optional[str]) -> nn.Module:
     check_quantize(quantize)
     if quantize is None:
         return model
-    device = next(model.parameters()).device
-    if quantize == "int4":
-        parallel.check_int4_device(device)
-    if quantize in ("int8", "int4") and device.type == "cpu":
-        parallel.require_cxx_compiler(f"quantize='{quantize}' on CPU", "use quantize='int8_dynamic' or none")
+    check_quantize_on(quantize, next(model.parameters()).device)
     replacements = {"int8": Int8Linear.quantizing, "int4": Int4Linear.quantizing, "int8_dynamic": DynamicInt8Linear}
     # Each full-precision weight is freed as it goes.
     return replace_linear_layers(model, lambda name, layer: replacements[layer_quantization(name, quantize)](layer))

@@ -10,6 +10,10 @@ from hypothesis import settings
 from llama_tp.text.tokenizer import Tokenizer
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
 
+# The suite runs on CPU with gloo wherever it runs, GPUs or not (and so do the processes it starts);
+# tests/gpu/ asks for the GPUs itself.
+os.environ["LLAMA_TP_DEVICE"] = "cpu"
+
 VOCAB = 32000  # the Llama 2 tokenizer's, which every tiny checkpoint here is paired with
 
 # HYPOTHESIS_PROFILE=ci (set by .ci/run): the same examples every run, so a red CI is reproducible.

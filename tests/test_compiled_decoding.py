@@ -119,9 +119,37 @@ def test_static_shapes_compile_one_step_for_every_position(checkpoints, tokenize
     for batch in logits:
         for got, want in zip(logits[batch], eager()[0][batch], strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # A group's graph and the head's, for batch 3 and for batch 1, however many positions were
-    # stepped through.
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 * 2
+    # A group's graph and the head's, for batch 3 and batch 1 alike (a step runs every cache row),
+    # however many positions were stepped through.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.slow
+def test_static_shapes_serve_staggered_rows_without_recompiling(checkpoints, tokenizer_path):
+    """Rows anywhere in the cache, each at its own position, in batches of any size (a server's
+    steps, speculation after a row ends): after one warm-up step, the CUDA-graph layout never
+    compiles again, and its logits are eager decoding's; rows outside a step keep their caches."""
+    torch._dynamo.reset()
+    folder = str(checkpoints["llama3", 1])
+    eager_model = build(folder, tokenizer_path, compile=False).model
+    compiled = build(folder, tokenizer_path, compile=False).model
+    compiled.compile_decoding(static_shapes=True, dynamic=False)
+    tokens = torch.randint(0, 32000, (3, 20), generator=torch.Generator().manual_seed(5))
+    prompts = [(0, 0, 6), (1, 0, 3), (2, 0, 9)]  # cache row, start, length
+    for model_ in (eager_model, compiled):
+        for slot, start, length in prompts:
+            model_.forward(tokens[slot : slot + 1, start : start + length], start, slots=[slot])
+    compiled.forward(tokens[:1, 6:7], 6, slots=[0])  # warm-up: compiles the one graph
+    eager_model.forward(tokens[:1, 6:7], 6, slots=[0])
+    steps = [([2, 0], [9, 7]), ([1], [3]), ([0, 1, 2], [8, 4, 10]), ([2, 1], [11, 5]), ([1], [6]), ([0, 2], [9, 12])]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for slots, starts in steps:
+            step_tokens = torch.stack([tokens[slot, start : start + 1] for slot, start in zip(slots, starts)])
+            got = compiled.forward(step_tokens, starts, slots=slots)
+            want = eager_model.forward(step_tokens, starts, slots=slots)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer, eager_layer in zip(compiled.layers, eager_model.layers):
+        torch.testing.assert_close(layer.attention.cache.k[:, :, :13], eager_layer.attention.cache.k[:, :, :13])
 
 
 @pytest.mark.parametrize("n_layers, size", [(30, 10), (32, 8), (80, 10), (22, 2), (7, 7), (13, 1)])

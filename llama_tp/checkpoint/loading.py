@@ -21,7 +21,8 @@ from ..kernels import cpu_kernels, matmul
 from ..logs import logger
 from ..model import LINEAR_LAYERS, Transformer
 from ..parallel import EmbeddingLayout, Placement
-from ..quantize import Int4Linear, Int8Linear, quantize_model, use_kernels
+from ..quantize import (QUANTIZED_AT_LOAD, Int4Linear, Int8Linear, check_quantize_on, layer_quantization,
+                        quantize_model, replace_linear_layers, use_kernels)
 from . import mapped_pages
 from .quantized import check_quantized_load, stored_quantization, unfilled_layers
 from .sharding import assemble_slice
@@ -94,11 +95,15 @@ def checkpoint_vocab_size(shard: dict[str, torch.Tensor], n_shards: int) -> int:
 
 
 def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.device,
-              dtype: torch.dtype, source: Path, pack_linear: bool = False) -> None:
+              dtype: torch.dtype, source: Path, pack_linear: bool = False, quantize: Optional[str] = None) -> None:
     """Move this rank's tensors into the model strictly: every key present, every shape right.
 
-    Tensors the model holds side by side (Transformer.checkpoint_layout) are stacked here.
+    Tensors the model holds side by side (Transformer.checkpoint_layout) are stacked here, on
+    the CPU where shard's tensors are, and each final tensor moves to device once, its sources
+    given back as it goes: the device holds no more than the model's weights at any time.
     pack_linear: lay the linear layers' weights out for the device's fastest kernel (matmul.pack).
+    quantize: "int8" or "int4": quantize each linear layer's weight on the CPU, in dtype as
+    quantize_model would, before it moves (QUANTIZED_AT_LOAD).
     """
     layout = model.checkpoint_layout()
     expected = {part: shape for parts in layout.values() for part, shape in parts}
@@ -128,23 +133,37 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
     packing = pack_linear and matmul.packable(device, dtype)
     staging = threading.local()  # each converting thread's buffer for weights on their way to packing
 
-    def convert(name: str) -> torch.Tensor:
-        """One model tensor from its checkpoint tensors: stacked, converted, packed if asked."""
+    layers = dict(model.named_modules())
+    quantized_layers = {f"{name}.weight": layer_quantization(name, quantize) for name in layers
+                        if name.split(".")[-1] in LINEAR_LAYERS and quantize in QUANTIZED_AT_LOAD}
+
+    def convert(name: str) -> "torch.Tensor | torch.nn.Module":
+        """One model tensor from its checkpoint tensors: stacked, converted, packed if asked; or,
+        for a linear layer quantized here, the quantized layer."""
         sources = [shard[part] for part, _ in layout[name]]
         if packing and name.endswith(LINEAR_WEIGHTS):
-            tensor = matmul.pack(_staged(sources, dtype, staging))
+            converted = matmul.pack(_staged(sources, dtype, staging))
         else:
-            tensor = sources[0] if len(sources) == 1 else torch.cat(sources)
-            tensor = tensor.to(device=device, dtype=stored_dtypes.get(name, (dtype,))[0])
+            tensor = sources[0] if len(sources) == 1 else torch.cat(sources)  # on the CPU
+            if name in quantized_layers:
+                layer = layers[name.removesuffix(".weight")]
+                converted = QUANTIZED_AT_LOAD[quantized_layers[name]].quantizing(layer, tensor.to(dtype)).to(device)
+            else:
+                # Converted on the CPU, then moved: the device sees only the final tensor.
+                converted = tensor.to(stored_dtypes.get(name, (dtype,))[0]).to(device)
         for source_tensor in sources:
-            if tensor is not source_tensor:  # converted, stacked or packed: the source is no longer used
+            if converted is not source_tensor:  # converted, stacked or packed: the source is no longer used
                 mapped_pages.release(source_tensor)
-        return tensor
+        return converted
 
     # Converting is copying memory, which one thread (oneDNN's reorder uses one) does not keep
     # busy: the demo model loads in 0.29 s instead of 0.31 with two threads on this 2-core machine.
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         state = dict(zip(layout, pool.map(convert, layout)))
+    quantized = {name.removesuffix(".weight"): state.pop(name) for name in quantized_layers}
+    replace_linear_layers(model, lambda name, layer: quantized.get(name, layer))
+    for name, layer in quantized.items():
+        state.update({f"{name}.{tensor}": value for tensor, value in layer.state_dict().items()})
     model.load_state_dict(state, strict=True, assign=True)
     if packing:
         for module in model.modules():
@@ -246,16 +265,23 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
                f"llama_tp.reshard {ckpt_dir} DST_DIR --mp {world_size}` saves this work at every start")
     model = Transformer(checkpoint.args, world_size, checkpoint.layout)
     stored = checkpoint.quantization
+    device = placement.device
     if stored:
-        check_quantized_load(ckpt_dir, checkpoint.args, world_size, placement.device, quantize, stored)
+        check_quantized_load(ckpt_dir, checkpoint.args, world_size, device, quantize, stored)
         unfilled_layers(model, checkpoint.first_shard.keys(), stored)
-    # A quantized checkpoint's embedding and norms are converted in load_into, its quantized layers kept as they are.
-    state = load_slice(checkpoint, placement.rank, world_size, placement.device, None if stored else dtype)
+    else:
+        check_quantize_on(quantize, device)
+    # The slice is assembled on the CPU (mapped, converted only where the CPU computes); load_into
+    # moves each final tensor to the device. A quantized checkpoint's embedding and norms are
+    # converted in load_into, its quantized layers kept as they are.
+    convert_here = device.type == "cpu" and not stored
+    state = load_slice(checkpoint, placement.rank, world_size, torch.device("cpu"), dtype if convert_here else None)
     pack_linear = pack and quantize is None and not stored
-    load_into(model, state, placement.device, dtype, Path(ckpt_dir), pack_linear=pack_linear)
-    if matmul.kernel_runs(placement.device, dtype):
+    load_into(model, state, device, dtype, Path(ckpt_dir), pack_linear=pack_linear,
+              quantize=None if stored else quantize)
+    if matmul.kernel_runs(device, dtype):
         cpu_kernels.load()  # before torch.compile traces a decoding step that calls it
-    return use_kernels(model if stored else quantize_model(model, quantize))
+    return use_kernels(quantize_model(model, quantize) if quantize == "int8_dynamic" else model)
 
 
 def _shape(shard: dict[str, torch.Tensor], name: str, dims: int) -> tuple[int, ...]:

@@ -1,7 +1,8 @@
 """The one place that knows about processes: backend, device, process groups, parallel layers.
 
 Everything else asks this package; nothing outside it imports torch.distributed or reads the
-torchrun environment. NCCL and `cuda:LOCAL_RANK` when CUDA is present, gloo and CPU otherwise.
+torchrun environment. NCCL and this process's GPU when CUDA is present (group.device_for), gloo
+and CPU otherwise or with LLAMA_TP_DEVICE=cpu; host objects always travel over gloo.
 
 `group`: this process's place, device, dtype and process groups; `failures`: failing and leaving
 together; `layers`: fairscale's parallel layers; `collectives`: their sums and gathers, through
@@ -26,7 +27,9 @@ from .group import (
     collective_timeout,
     decode_compilation,
     gather_objects,
+    gather_objects_if_any,
     global_rank,
+    host_group,
     init,
     model_parallel_rank,
     model_parallel_size,
@@ -52,7 +55,9 @@ __all__ = [
     "decode_compilation",
     "describe_peer_failure",
     "gather_objects",
+    "gather_objects_if_any",
     "global_rank",
+    "host_group",
     "init",
     "is_peer_failure",
     "leave",

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
 
 from .collectives import forget_shared_sum
-from .group import _host_groups, collective_timeout, gather_objects
+from .group import _host_groups, collective_timeout, gather_objects, host_group
 from .shared_memory import is_exchange_timeout
 
 @contextmanager
@@ -114,9 +114,8 @@ def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
         return
     if dist.get_world_size() == 1:
         return
-    group = _host_groups[0] if _host_groups else None
     try:
-        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_seconds))
+        dist.monitored_barrier(host_group(), timeout=timedelta(seconds=timeout_seconds))
     except RuntimeError:  # a rank is gone or stuck: there is nobody to wait for
         pass
 

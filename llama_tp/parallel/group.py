@@ -55,14 +55,52 @@ class Placement:
         return self.rank == 0
 
 
+# LLAMA_TP_DEVICE: "cpu" runs on CPU with gloo on a machine that has GPUs (the test suite does);
+# "cuda" insists on GPUs; unset (or "auto"): GPUs where CUDA sees one.
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def requested_device() -> str:
+    """LLAMA_TP_DEVICE, checked: one of DEVICE_CHOICES."""
+    value = os.environ.get("LLAMA_TP_DEVICE", "auto").strip().lower() or "auto"
+    if value not in DEVICE_CHOICES:
+        raise ValueError(f"LLAMA_TP_DEVICE={value!r} is not one of {', '.join(DEVICE_CHOICES)}; "
+                         "set it to cpu to run on CPU, or leave it unset")
+    return value
+
+
 def accelerator_available() -> bool:
-    return torch.cuda.is_available()
+    """Whether this job runs on GPUs: CUDA sees one and LLAMA_TP_DEVICE does not say cpu."""
+    requested = requested_device()
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("LLAMA_TP_DEVICE=cuda but CUDA sees no GPU (check CUDA_VISIBLE_DEVICES and the "
+                         "driver), or set LLAMA_TP_DEVICE=cpu")
+    return requested != "cpu" and torch.cuda.is_available()
 
 
 def device_for(local_rank: int) -> torch.device:
+    """This process's device: its GPU if the job runs on GPUs (choose_gpu), else the CPU."""
     if accelerator_available():
-        return torch.device("cuda", local_rank)
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        return torch.device("cuda", choose_gpu(local_rank, local_world_size, torch.cuda.device_count()))
     return torch.device("cpu")
+
+
+def choose_gpu(local_rank: int, local_world_size: int, visible: int) -> int:
+    """The index of this process's GPU among the `visible` ones: 0 where each process sees one GPU
+    of its own (SLURM, Kubernetes), else LOCAL_RANK's, which must exist: two processes on one
+    GPU make NCCL fail with "Duplicate GPU" after a long wait. Checked against the host's process
+    count (LOCAL_WORLD_SIZE), so that every rank refuses, not only those without a GPU."""
+    if visible == 1:
+        return 0
+    if max(local_rank + 1, local_world_size) > visible:
+        raise ValueError(
+            f"this host runs {max(local_rank + 1, local_world_size)} processes but shows {visible} GPUs to "
+            f"each, so LOCAL_RANK {local_rank} may have no GPU of its own; start at most {visible} processes "
+            f"a host (--nproc_per_node {visible}), give each its own GPU through CUDA_VISIBLE_DEVICES, "
+            "or set LLAMA_TP_DEVICE=cpu"
+        )
+    return local_rank
 
 
 DTYPES = {
@@ -140,28 +178,48 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
         )
     set_log_rank(rank)
     device = device_for(local_rank)
-    if accelerator_available():
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if accelerator_available() else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = collective_timeout()
+        # device_id binds NCCL's communicator to this GPU now, rather than guessing it at the first collective.
+        bound = {"device_id": device} if device.type == "cuda" else {}
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **bound)
         else:
             # A plain `python` run: a one-process group needs no network rendezvous.
             store = tempfile.NamedTemporaryFile(prefix="llama_tp_rendezvous_", delete=False).name
             os.unlink(store)
             dist.init_process_group(
-                backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout,
+                backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout, **bound,
             )
         if world_size > 1:
             # Made now, on every rank together: creating a group is itself a collective.
-            _host_groups.append(dist.new_group(backend="gloo") if backend != "gloo" else None)
+            _host_groups.append(dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None)
             _start_launcher_watchdog()
     if not fairscale_mp.model_parallel_is_initialized():
-        with _quiet():
+        with _quiet(), _groups_with_timeout(collective_timeout()):
             fairscale_mp.initialize_model_parallel(model_parallel_size)
     return Placement(rank, world_size, local_rank, device)
+
+
+@contextmanager
+def _groups_with_timeout(timeout: timedelta) -> Iterator[None]:
+    """Give the groups fairscale makes our timeout: it calls new_group without one, which means
+    NCCL's 10 minutes (gloo's 30), after which NCCL's watchdog kills the process before our
+    messages, the server's error answers or a clean exit can happen."""
+    original = dist.new_group
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("timeout", timeout)
+        return original(*args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = original
 
 
 def global_rank() -> int:
@@ -183,12 +241,19 @@ def model_parallel_size() -> int:
     return fairscale_mp.get_model_parallel_world_size()
 
 
+def host_group() -> Any:
+    """The group for host objects: gloo beside NCCL (as vLLM and SGLang keep a CPU group), so that
+    a pickle is not copied to a GPU, sent and synced back, and a rank with a broken GPU does not
+    hold up the others' messages; None (the default group) where that is gloo already."""
+    return _host_groups[0] if _host_groups else None
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank src's value of obj, on every rank (for decisions only rank 0 can make)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, src=src, group=host_group())
     return holder[0]
 
 
@@ -197,8 +262,18 @@ def gather_objects(obj: Any) -> list[Any]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=host_group())
     return gathered
+
+
+def gather_objects_if_any(obj: Any, anything: bool) -> Optional[list[Any]]:
+    """gather_objects(obj) if any rank has `anything` to say, else None: then only a byte a rank
+    travels, and nothing is pickled (a serving step without news)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj] if anything else None
+    flags = [torch.zeros(1, dtype=torch.uint8) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([anything], dtype=torch.uint8), group=host_group())
+    return gather_objects(obj) if any(flag.item() for flag in flags) else None
 
 
 def _start_launcher_watchdog(poll_seconds: float = 1.0) -> None:

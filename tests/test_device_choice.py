@@ -1,0 +1,69 @@
+"""Which device a process takes (parallel.group.device_for), with the GPU count faked: the CUDA
+path's choices checked on a machine without one."""
+
+import pytest
+import torch
+
+from llama_tp.parallel import group
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend CUDA sees `count` GPUs."""
+    def pretend(count: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.delenv("LLAMA_TP_DEVICE", raising=False)
+    return pretend
+
+
+def test_one_visible_gpu_is_cuda_0_whatever_the_local_rank(gpus, monkeypatch):
+    gpus(1)  # SLURM or Kubernetes: each process sees its own GPU
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert group.device_for(3) == torch.device("cuda", 0)
+
+
+def test_each_local_rank_takes_its_own_gpu(gpus, monkeypatch):
+    gpus(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert [group.device_for(rank) for rank in range(4)] == [torch.device("cuda", rank) for rank in range(4)]
+
+
+@pytest.mark.parametrize("local_rank", [0, 2])
+def test_more_processes_than_gpus_is_refused_on_every_rank(gpus, monkeypatch, local_rank):
+    gpus(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"runs 3 processes but shows 2 GPUs.*--nproc_per_node 2.*LLAMA_TP_DEVICE=cpu"):
+        group.device_for(local_rank)
+
+
+def test_a_local_rank_without_a_gpu_is_refused_without_local_world_size(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="LOCAL_RANK 2"):
+        group.device_for(2)
+
+
+def test_llama_tp_device_cpu_runs_on_cpu_beside_gpus(gpus, monkeypatch):
+    gpus(8)
+    monkeypatch.setenv("LLAMA_TP_DEVICE", "cpu")
+    assert not group.accelerator_available()
+    assert group.device_for(0) == torch.device("cpu")
+
+
+def test_llama_tp_device_cuda_without_a_gpu_is_refused(gpus, monkeypatch):
+    gpus(0)
+    monkeypatch.setenv("LLAMA_TP_DEVICE", "cuda")
+    with pytest.raises(ValueError, match="CUDA sees no GPU"):
+        group.device_for(0)
+
+
+def test_no_gpu_means_cpu(gpus):
+    gpus(0)
+    assert group.device_for(0) == torch.device("cpu")
+
+
+def test_an_unknown_llama_tp_device_is_refused(monkeypatch):
+    monkeypatch.setenv("LLAMA_TP_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="LLAMA_TP_DEVICE='gpu' is not one of auto, cpu, cuda"):
+        group.device_for(0)
