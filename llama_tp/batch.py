@@ -38,10 +38,6 @@ class Batch:
     # With speculation rows advance unevenly: how many positions each row has filled (else every
     # row up to cur_pos). See fill.
     reached: Optional[list[int]] = None
-    # The repetition penalty's view: which tokens each row holds before seen_upto, [bsz, vocab + 1]
-    # (the last column takes padding). See seen_before.
-    seen: Optional[torch.Tensor] = None
-    seen_upto: int = 0
 
     @staticmethod
     def start(prompts: list[list[int]], max_gen_len: int, max_seq_len: int, device: torch.device,
@@ -71,16 +67,6 @@ class Batch:
         if self.reached is not None:
             return all(end <= reached for end, reached in zip(self.ends.tolist(), self.reached))
         return bool((self.ends <= self.cur_pos + 1).all())
-
-    def seen_before(self, cur_pos: int, vocab: int) -> torch.Tensor:
-        """Which tokens each row holds before cur_pos, [bsz, vocab] bool: grown from the last call's
-        by the positions filled since, on the device, rather than rebuilt from the whole row."""
-        if self.seen is None:
-            self.seen = torch.zeros(len(self.lengths), vocab + 1, dtype=torch.bool, device=self.tokens.device)
-        new = self.tokens[:, self.seen_upto : cur_pos]
-        self.seen.scatter_(1, new.masked_fill(new < 0, vocab), True)
-        self.seen_upto = cur_pos
-        return self.seen[:, :vocab]
 
     def end_rows(self, cur_pos: int, stop_tokens: torch.Tensor, stop: tuple[str, ...], tokenizer) -> None:
         """Note the position cur_pos just filled and end the rows it finished."""

@@ -3,7 +3,7 @@ own random generator (vLLM's sampler and gpt-fast's decode_one_token are the mod
 
 The order is sampling.py's rule for one row: the caller's logits processors (functions on the
 step's logits [rows, vocab]: a structured-output mask, logit_bias, presence penalties), the
-repetition penalty from each row's seen mask (SeenTokens), the stop-token ban; then greedy rows
+repetition penalty from each row's history (TokenHistory), the stop-token ban; then greedy rows
 take their best logit, and the others sample at their temperature from what top-k, min-p and
 top-p leave.
 
@@ -43,6 +43,7 @@ class StepOptions:
     sampled: tuple[int, ...]  # rows that sample (the others are greedy)
     sampled_index: torch.Tensor  # the same, on the device
     temperature: torch.Tensor  # sampled rows, 1
+    inverse_temperature: torch.Tensor  # 1 / temperature: multiplying is cheaper than dividing
     top_p: torch.Tensor  # sampled rows, 1; 1 or more: no cut
     top_k: Optional[torch.Tensor]  # sampled rows, 1, 0 for no cut; None when no row cuts
     min_p: Optional[torch.Tensor]  # sampled rows, 1, 0 for no cut; None when no row cuts
@@ -80,7 +81,8 @@ def step_options(options: "tuple[SamplingOptions, ...]", vocab: int, device: tor
     penalties = [o.repetition_penalty for o in options]
     return StepOptions(
         sampled, torch.tensor(sampled, dtype=torch.long, device=device),
-        column([o.temperature for o in chosen]), column([o.top_p for o in chosen]),
+        column([o.temperature for o in chosen]), column([1 / o.temperature for o in chosen]),
+        column([o.top_p for o in chosen]),
         column(top_k, torch.long) if any(top_k) else None,
         column([o.min_p for o in chosen]) if any(o.min_p for o in chosen) else None,
         subset([i for i, o in enumerate(chosen) if o.top_p < 1]),
@@ -90,26 +92,26 @@ def step_options(options: "tuple[SamplingOptions, ...]", vocab: int, device: tor
     )
 
 
-class SeenTokens:
-    """Which tokens each cache row has held, for the repetition penalty: a [rows, vocab] mask kept
-    on the device and updated with each new token, never rebuilt from a row's history."""
+class TokenHistory:
+    """Each cache row's tokens so far, for the repetition penalty: kept on the device and
+    appended to with each new token, never rebuilt from a Python list. [rows, capacity] ids,
+    -1 past a row's end."""
 
-    def __init__(self, rows: int, vocab: int, device: torch.device):
-        self.mask = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+    def __init__(self, rows: int, capacity: int, device: torch.device):
+        self.ids = torch.full((rows, capacity), -1, dtype=torch.long, device=device)
 
     def reset(self, row: int, tokens: Sequence[int]) -> None:
         """Row now holds exactly tokens (a new request's prompt)."""
-        self.mask[row] = False
-        self.mark(row, tokens)
+        self.ids[row] = -1
+        self.write(row, 0, tokens)
 
-    def mark(self, row: int, tokens: Union[Sequence[int], torch.Tensor]) -> None:
-        """Row has also seen tokens (host ids, or ids on the device); negative ids are padding."""
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.mask.device)
-        self.mask[row, ids[ids >= 0]] = True
+    def write(self, row: int, start: int, tokens: Sequence[int]) -> None:
+        """Row's tokens from position start are these (host ids)."""
+        self.ids[row, start : start + len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=self.ids.device)
 
-    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Each of rows [n] has seen its token [n], both on the device: a step's new tokens."""
-        self.mask[rows, tokens] = True
+    def append(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Each of rows [n] holds its token [n] at its position [n], all on the device: a step's new tokens."""
+        self.ids[rows, positions] = tokens
 
 
 @dataclass
@@ -140,24 +142,26 @@ class Draw:
 
 
 def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
-           seen: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None,
+           history: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None,
            processors: Sequence[LogitsProcessor] = ()) -> Draw:
     """The next token of every row: logits [rows, vocab] -> Draw, with row r's options[r] applied.
 
     generators: one for every row (or None: torch's global one), or one per row.
-    seen [rows, vocab] bool: tokens the repetition penalty discourages (SeenTokens' rows).
+    history [rows, n]: each row's tokens so far, which the repetition penalty discourages
+    (negative ids are padding).
     ban [rows, vocab] bool: tokens that must not be chosen (stop tokens before min_gen_len).
     """
     step = step_options(tuple(options), logits.shape[-1], logits.device)
-    logits = adjusted(logits, step, seen, ban, processors)
-    # The first of equal best, as argmax picks, in a third of argmax's time on CPU.
-    tokens = logits.max(dim=-1).indices
-    if not step.sampled:
-        return Draw(tokens)
-    scaled = logits[step.sampled_index] if len(step.sampled) < len(options) else logits
+    logits = adjusted(logits, step, history, ban, processors)
+    if not step.sampled:  # the first of equal best, as argmax picks, in a third of argmax's time on CPU
+        return Draw(logits.max(dim=-1).indices)
+    greedy = len(step.sampled) < len(options)
+    tokens = logits.max(dim=-1).indices if greedy else torch.empty(len(options), dtype=torch.long,
+                                                                       device=logits.device)
+    scaled = logits[step.sampled_index] if greedy else logits
     # Shift first: for a tiny temperature logits / temperature overflows to inf (softmax: NaN),
     # while values <= 0 divided by it only reach -inf.
-    scaled = (scaled - scaled.max(dim=-1, keepdim=True).values) / step.temperature
+    scaled = (scaled - scaled.max(dim=-1, keepdim=True).values).mul_(step.inverse_temperature)
     uniform = _uniforms(step.sampled, generators, logits.device)
     best = torch.topk(scaled, step.candidates, dim=-1) if step.nucleus.rows or step.top_k is not None else None
     scaled, values = _cut(scaled, best, step)
@@ -179,26 +183,37 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
 
 
 def choose(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
-           seen: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None,
+           history: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None,
            processors: Sequence[LogitsProcessor] = ()) -> torch.Tensor:
     """sample's tokens [rows], settled here (a read-back when some row sampled)."""
-    return sample(logits, options, generators, seen, ban, processors).settle()
+    return sample(logits, options, generators, history, ban, processors).settle()
 
 
-def adjusted(logits: torch.Tensor, step: StepOptions, seen: Optional[torch.Tensor], ban: Optional[torch.Tensor],
+def adjusted(logits: torch.Tensor, step: StepOptions, history: Optional[torch.Tensor], ban: Optional[torch.Tensor],
              processors: Sequence[LogitsProcessor]) -> torch.Tensor:
     """The logits after the processors, the repetition penalty and the ban."""
     logits = logits.float()
     for processor in processors:
         logits = processor(logits)
-    if step.penalty is not None and seen is not None:
-        # CTRL (Keskar et al. 2019), as in transformers: shrink positive logits, grow negative
-        # ones; a penalty of 1 leaves its row exactly as it was.
-        penalised = torch.where(logits > 0, logits / step.penalty, logits * step.penalty)
-        logits = torch.where(seen, penalised, logits)
+    if step.penalty is not None and history is not None and history.shape[-1]:
+        logits = penalised(logits, history, step.penalty)
     if ban is not None:
         logits = logits.masked_fill(ban, float("-inf"))
     return logits
+
+
+def penalised(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019), as in transformers: the logits [rows, vocab]
+    of the tokens in each row's history [rows, n] (negative ids: padding) shrink if positive and
+    grow if negative, by the row's penalty [rows, 1] (1: unchanged). Only the history's tokens are
+    read and written: rows x n values, not four passes over rows x vocab."""
+    # Padding reads and writes one of the row's own tokens (its largest id), so that every write
+    # to a column carries the same value; a row with no token at all keeps its logits.
+    fill = history.max(dim=-1, keepdim=True).values
+    ids = torch.where(history < 0, fill, history).clamp(min=0)
+    values = logits.gather(-1, ids)
+    changed = torch.where(values > 0, values / penalty, values * penalty)
+    return logits.scatter(-1, ids, torch.where(fill >= 0, changed, values))
 
 
 def _cut(scaled: torch.Tensor, best, step: StepOptions) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -220,7 +235,8 @@ def _candidate_weights(values: torch.Tensor, scaled: torch.Tensor,
                        top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept probabilities of each row's candidates (values [rows, n], best first; 0 for those
     top-p cuts), and whether the candidates held the row's whole nucleus [rows]."""
-    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))
+    # The best scaled logit is 0: the sum of exp cannot overflow, so no logsumexp's extra passes.
+    probs = torch.exp(values - torch.exp(scaled).sum(dim=-1, keepdim=True).log())
     mass_before = torch.cumsum(probs, dim=-1) - probs
     # A token stays if the tokens ranked above it have not reached p yet; the first always stays.
     keep = mass_before < top_p

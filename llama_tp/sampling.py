@@ -131,10 +131,7 @@ def choose_next(logits: torch.Tensor, options: SamplingOptions, history: Optiona
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """The next token of each row: logits [bsz, vocab] -> token ids [bsz], with every option
     applied; every row sampled at once (sampler.py), from the distribution `distribution` gives."""
-    seen = None
-    if options.repetition_penalty != 1.0 and history is not None and history.numel():
-        seen = seen_in(history, logits.shape[-1])
-    return choose(logits, [options] * logits.shape[0], generator, seen, suppress)
+    return choose(logits, [options] * logits.shape[0], generator, history, suppress)
 
 
 def _tempered(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """The batched sampler (sampler.py): every row with its own options and generator in one call,
 drawing from exactly the distribution sampling.py defines (chi-square), whether a row's nucleus
-fits its candidates or needs the full sort; the seen mask's repetition penalty."""
+fits its candidates or needs the full sort; the repetition penalty from each row's history."""
 
 import pytest
 import torch
 from scipy.stats import chi2
 
 from llama_tp import sampler
-from llama_tp.sampler import SeenTokens, choose, sample
+from llama_tp.sampler import TokenHistory, choose, sample
 from llama_tp.sampling import SamplingOptions, adjust_logits, choose_next, distribution
 
 VOCAB = 12
@@ -98,23 +98,24 @@ def test_processors_and_bans_apply_before_sampling():
         assert tokens.tolist() == [0, 5]
 
 
-def test_the_seen_mask_penalises_as_the_history_does_token_0_included():
+def test_the_repetition_penalty_reads_the_history_token_0_included():
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(2))
     history = torch.tensor([[0, 5, -1, -1], [3, 0, 7, 7], [-1, -1, -1, 4]])  # -1: padding, as speculation pads
-    seen = SeenTokens(3, 20, logits.device)
-    for row in range(3):
-        seen.reset(row, history[row].tolist())
     options = SamplingOptions(temperature=0, repetition_penalty=1.7)
-    penalised = adjust_logits(logits, options, history)
-    assert penalised[0, 0] != logits[0, 0] and penalised[2, 0] == logits[2, 0]
-    expected = penalised.max(dim=-1).indices
-    assert torch.equal(choose(logits, [options] * 3, seen=seen.mask), expected)
-    assert torch.equal(choose_next(logits, options, history), expected)
+    penalised = adjust_logits(logits, options, history)  # the definition: a [rows, vocab] mask
+    assert penalised[0, 0] != logits[0, 0] and penalised[1, 0] != logits[1, 0] and penalised[2, 0] == logits[2, 0]
+    step = sampler.step_options((options,) * 3, 20, logits.device)
+    assert torch.equal(sampler.adjusted(logits, step, history, None, ()), penalised)
+    assert torch.equal(choose(logits, [options] * 3, history=history), penalised.max(dim=-1).indices)
+    assert torch.equal(choose_next(logits, options, history), penalised.max(dim=-1).indices)
+    nothing_yet = torch.full((1, 3), -1)
+    assert torch.equal(sampler.adjusted(logits[:1], step, nothing_yet, None, ()), logits[:1])
 
 
-def test_seen_tokens_grow_with_each_step():
-    seen = SeenTokens(2, 8, torch.device("cpu"))
-    seen.reset(0, [1, 2])
-    seen.reset(1, [0])
-    seen.add(torch.tensor([0, 1]), torch.tensor([7, 3]))
-    assert seen.mask.nonzero().tolist() == [[0, 1], [0, 2], [0, 7], [1, 0], [1, 3]]
+def test_the_history_grows_with_each_step():
+    history = TokenHistory(2, 6, torch.device("cpu"))
+    history.reset(0, [1, 2])
+    history.reset(1, [0])
+    history.append(torch.tensor([0, 1]), torch.tensor([2, 1]), torch.tensor([7, 3]))
+    history.write(1, 2, [4, 4])
+    assert history.ids.tolist() == [[1, 2, 7, -1, -1, -1], [0, 3, 4, 4, -1, -1]]

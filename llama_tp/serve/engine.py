@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import parallel
 from ..generation import Llama
 from ..logs import logger
-from ..sampler import Draw, LogitsProcessor, SeenTokens, sample
+from ..sampler import Draw, LogitsProcessor, TokenHistory, sample
 from ..speculative import Row
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
@@ -81,7 +81,7 @@ class Engine:
         self.heartbeat = min(MAX_HEARTBEAT_SECONDS, parallel.collective_timeout().total_seconds() / 3)
         self.speculator = generator.speculator  # None: one token a step
         # Each cache row's tokens, for the repetition penalty: kept on the device, grown a token a step.
-        self.seen = SeenTokens(self.model.max_batch_size, self.model.args.vocab_size, self.device)
+        self.history = TokenHistory(self.model.max_batch_size, self.model.max_seq_len, self.device)
         self.logits_processors: list[StepProcessor] = []
         self.next_report = SPECULATION_REPORT_ROWS
 
@@ -157,7 +157,7 @@ class Engine:
             watches_text = self.mailbox is not None or bool(admission.request.stop)
             decoder = IncrementalDecoder(self.tokenizer, admission.request.stop) if watches_text else None
             sequence.sampling = Progress(generator, decoder)
-            self.seen.reset(admission.slot, admission.request.prompt_tokens)
+            self.history.reset(admission.slot, admission.request.prompt_tokens)
             if self.mailbox is not None:
                 self.mailbox.metrics.prompt_tokens.inc(sequence.prompt_length)
                 self.mailbox.metrics.cached_prompt_tokens.inc(sequence.reused)
@@ -193,7 +193,7 @@ class Engine:
                 for s in sequences]
         outcomes = self.speculator.round(self.model, rows, want_logits=any(s.request.logprobs for s in sequences))
         for sequence, outcome in zip(sequences, outcomes):
-            self.seen.mark(sequence.slot.index, outcome.tokens)
+            self.history.write(sequence.slot.index, len(sequence.tokens), outcome.tokens)
             for index, token in enumerate(outcome.tokens):
                 request = sequence.request
                 logprob = _logprob(request, token, outcome.logits[index]) if request.logprobs else None
@@ -234,8 +234,11 @@ class Engine:
         together), twice in a step where some row's nucleus needed the full sort."""
         slots = torch.tensor([s.slot.index for s in sequences], device=self.device)
         options = [s.request.options for s in sequences]
-        seen = self.seen.mask[slots] if any(o.repetition_penalty != 1.0 for o in options) else None
-        draw = sample(logits, options, [s.sampling.generator for s in sequences], seen,
+        lengths = [len(s.tokens) for s in sequences]
+        history = None
+        if any(o.repetition_penalty != 1.0 for o in options):
+            history = self.history.ids[slots, : max(lengths)]
+        draw = sample(logits, options, [s.sampling.generator for s in sequences], history,
                       self._stop_bans(sequences, logits.shape[-1]), processors)
         top = max(s.request.top_logprobs for s in sequences)
         logprobs = F.log_softmax(logits.float(), dim=-1) if any(s.request.logprobs for s in sequences) else None
@@ -243,7 +246,7 @@ class Engine:
         if draw.unsettled is not None and any(row[1] for row in rows):
             draw = Draw(draw.settle([bool(row[1]) for row in rows]))
             rows = _read_back(draw.tokens, None, logprobs, top)
-        self.seen.add(slots, draw.tokens)
+        self.history.append(slots, torch.tensor(lengths, device=self.device), draw.tokens)
         picks = []
         for sequence, row in zip(sequences, rows):
             token, request = int(row[0]), sequence.request
