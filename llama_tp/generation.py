@@ -19,7 +19,8 @@ from .logs import logger
 from .memory import plan, report
 from .model import Transformer
 from .quantize import check_quantize_on
-from .sampling import SamplingOptions, choose_next, stop_ban, top_candidates
+from .sampler import choose
+from .sampling import SamplingOptions, stop_ban, top_candidates
 from .speculative import Speculator, build_speculator, check_speculation
 from .speculative.decoding import decode_rounds
 from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
@@ -241,14 +242,17 @@ class Llama:
 
     def _sample(self, batch: Batch, logits: torch.Tensor, cur_pos: int, options: SamplingOptions,
                 stop_tokens: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-        """A token for cur_pos of every row, from the last logits [bsz, vocab], with all options applied."""
+        """A token for cur_pos of every row, from the last logits [bsz, vocab], with all options
+        applied: every row in one call of the batched sampler (the repetition penalty reads the
+        rows' tokens on the device, batch.tokens)."""
+        vocab = logits.shape[-1]
         history = batch.tokens[:, :cur_pos] if options.repetition_penalty != 1.0 else None
         suppress = None
         # Decided from the host-side lengths: no mask, and no device sync, once every row is past
         # min_gen_len (or without one: a row still reading its prompt needs no mask either).
         if options.min_gen_len and any(cur_pos - length < options.min_gen_len for length in batch.lengths):
-            suppress = stop_ban(cur_pos - batch.lengths_tensor, options.min_gen_len, stop_tokens, logits.shape[-1])
-        sampled = choose_next(logits, options, history, suppress, generator)
+            suppress = stop_ban(cur_pos - batch.lengths_tensor, options.min_gen_len, stop_tokens, vocab)
+        sampled = choose(logits, [options] * len(batch.lengths), generator, history, suppress)
         if batch.top_ids is not None:
             batch.top_ids[:, cur_pos], batch.top_probs[:, cur_pos] = top_candidates(
                 logits, options, batch.top_ids.shape[-1], history, suppress

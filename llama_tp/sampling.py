@@ -1,10 +1,15 @@
-"""Choosing the next token from logits: greedy, temperature, top-k and nucleus (top-p) sampling,
-with Hugging Face's repetition penalty and a minimum length before stop tokens are allowed."""
+"""Choosing the next token from logits: greedy, temperature, top-k, min-p and nucleus (top-p)
+sampling, with Hugging Face's repetition penalty and a minimum length before stop tokens are
+allowed. The options, and the definition for one set of options (distribution, sample_top_p);
+sampler.py samples a whole step's rows, each with its own options, in one call."""
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .sampler import choose
 
 
 @dataclass(frozen=True)
@@ -15,12 +20,13 @@ class SamplingOptions:
     top_p: float = 0.9
     top_k: Optional[int] = None  # None or 0: no top-k cut
     repetition_penalty: float = 1.0  # 1: none; >1 discourages tokens already in the row (CTRL's rule)
+    min_p: float = 0.0  # 0: none; else tokens less likely than min_p times the best one are cut
     min_gen_len: int = 0  # stop tokens are impossible before this many tokens are generated
     seed: Optional[int] = None  # None: the global generator seeded by Llama.build
 
     def check(self) -> None:
         """Raise ValueError naming the first option out of range."""
-        for name in ("temperature", "top_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "min_p"):
             value = getattr(self, name)
             # fire hands over whatever the user typed, e.g. the str 'hot'
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -29,6 +35,8 @@ class SamplingOptions:
             raise ValueError(f"temperature must be 0 (greedy) or more, found {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], found {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1) (0 for no cut, e.g. 0.05), found {self.min_p}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be a positive integer (or 0/None for no cut), found {self.top_k!r}")
         if not self.repetition_penalty > 0:
@@ -100,9 +108,7 @@ def adjust_logits(logits: torch.Tensor, options: SamplingOptions, history: Optio
     suppress [bsz, vocab] bool: tokens that must not be chosen (stop tokens before min_gen_len).
     """
     if options.repetition_penalty != 1.0 and history is not None and history.numel():
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        valid = history >= 0
-        seen.scatter_(1, history.clamp(min=0), valid)
+        seen = seen_in(history, logits.shape[-1])
         # CTRL (Keskar et al. 2019), as in transformers: shrink positive logits, grow negative ones.
         penalised = torch.where(logits > 0, logits / options.repetition_penalty, logits * options.repetition_penalty)
         logits = torch.where(seen, penalised, logits)
@@ -111,17 +117,21 @@ def adjust_logits(logits: torch.Tensor, options: SamplingOptions, history: Optio
     return logits
 
 
+def seen_in(history: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Which tokens each row of history [rows, n] holds (negative ids are padding): [rows, vocab] bool."""
+    # Padding goes to a column past the vocabulary, dropped after: clamping it to token 0 would
+    # write column 0 both True and False, and which write wins is up to the device.
+    seen = torch.zeros(history.shape[0], vocab + 1, dtype=torch.bool, device=history.device)
+    seen.scatter_(1, history.masked_fill(history < 0, vocab), True)
+    return seen[:, :vocab]
+
+
 def choose_next(logits: torch.Tensor, options: SamplingOptions, history: Optional[torch.Tensor] = None,
                 suppress: Optional[torch.Tensor] = None,
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """The next token of each row: logits [bsz, vocab] -> token ids [bsz], with every option applied."""
-    logits = adjust_logits(logits, options, history, suppress)
-    # A temperature that rounds to 0 in the logits' dtype is greedy too (dividing by it gives NaN).
-    if options.temperature < torch.finfo(logits.dtype).tiny:
-        # The first of equal best, as argmax picks, in a third of argmax's time on CPU (65 vs 23 us
-        # for a vocabulary of 49152).
-        return logits.max(dim=-1).indices
-    return sample_top_p(_tempered(logits, options), options.top_p, generator).reshape(-1)
+    """The next token of each row: logits [bsz, vocab] -> token ids [bsz], with every option
+    applied; every row sampled at once (sampler.py), from the distribution `distribution` gives."""
+    return choose(logits, [options] * logits.shape[0], generator, history, suppress)
 
 
 def _tempered(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
@@ -132,6 +142,8 @@ def _tempered(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
     if options.top_k:
         kth_best = torch.topk(logits, min(options.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if options.min_p:  # the best is at 0: a token's probability over the best's is exp(logit)
+        logits = logits.masked_fill(logits < math.log(options.min_p), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 

@@ -131,3 +131,23 @@ def test_the_command_line(llama2_tokenizer, tmp_path):
 def test_refuses_bad_options(options, words):
     with pytest.raises(ValueError, match=words):
         main(url="http://127.0.0.1:1", **options)
+
+
+def test_the_sampled_load_sends_temperature_and_leaves_the_rest_to_the_server(llama2_tokenizer, tmp_path):
+    with served(llama2_tokenizer, max_seq_len=512, slots=2) as s:
+        main(url=s.url, concurrency=2, requests=2, max_tokens=8, sampling="sampled", json_path=str(tmp_path / "b.json"))
+        options = s.engine.requests[-1].options
+        defaults = s.engine.requests[-1].options.__class__()
+        assert options.temperature == 0.7 and options.repetition_penalty == defaults.repetition_penalty
+    assert json.loads((tmp_path / "b.json").read_text())["command"]["sampling"] == {"temperature": 0.7}
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"sampling": "hot"}, "--sampling 'hot'"),
+    ({"ours": "int3"}, "--ours 'int3'"),
+    ({"peer": "vllm"}, "--peer 'vllm'"),
+    ({"peer": "llama-server", "gguf": "x.gguf"}, "--llama_server PATH"),
+])
+def test_refuses_unknown_loads_and_servers(options, words):
+    with pytest.raises(ValueError, match=words):
+        main(url="http://127.0.0.1:1", **options)

@@ -15,7 +15,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence as Rows
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import parallel
 from ..generation import Llama
 from ..logs import logger
-from ..sampling import choose_next, stop_ban
+from ..sampler import Draw, LogitsProcessor, TokenHistory, sample
 from ..speculative import Row
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
@@ -32,6 +32,10 @@ from .scheduler import Chunk, Scheduler, Sequence
 
 # The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
 MAX_HEARTBEAT_SECONDS = 10.0
+
+# A hook for extra per-request logits processors (a structured-output mask, logit_bias): given a
+# step's sequences, the processor for their logits [rows, vocab], or None when none of them needs one.
+StepProcessor = Callable[[Rows[Sequence]], Optional[LogitsProcessor]]
 
 # With speculation, the acceptance so far is logged (debug) each time this many more rows are verified.
 SPECULATION_REPORT_ROWS = 1000
@@ -76,6 +80,9 @@ class Engine:
         self.streams: dict[str, RequestStream] = {}  # rank 0: admitted requests' streams
         self.heartbeat = min(MAX_HEARTBEAT_SECONDS, parallel.collective_timeout().total_seconds() / 3)
         self.speculator = generator.speculator  # None: one token a step
+        # Each cache row's tokens, for the repetition penalty: kept on the device, grown a token a step.
+        self.history = TokenHistory(self.model.max_batch_size, self.model.max_seq_len, self.device)
+        self.logits_processors: list[StepProcessor] = []
         self.next_report = SPECULATION_REPORT_ROWS
 
     def run(self, stop_requested: Callable[[], bool]) -> None:
@@ -153,6 +160,7 @@ class Engine:
             watches_text = self.mailbox is not None or bool(admission.request.stop)
             decoder = IncrementalDecoder(self.tokenizer, admission.request.stop) if watches_text else None
             sequence.sampling = Progress(generator, decoder)
+            self.history.reset(admission.slot, admission.request.prompt_tokens)
             if self.mailbox is not None:
                 self.mailbox.metrics.prompt_tokens.inc(sequence.prompt_length)
                 self.mailbox.metrics.cached_prompt_tokens.inc(sequence.reused)
@@ -188,6 +196,7 @@ class Engine:
                 for s in sequences]
         outcomes = self.speculator.round(self.model, rows, want_logits=any(s.request.logprobs for s in sequences))
         for sequence, outcome in zip(sequences, outcomes):
+            self.history.write(sequence.slot.index, len(sequence.tokens), outcome.tokens)
             for index, token in enumerate(outcome.tokens):
                 request = sequence.request
                 logprob = _logprob(request, token, outcome.logits[index]) if request.logprobs else None
@@ -202,7 +211,9 @@ class Engine:
         """One pass over chunks of equal length (one prompt chunk, or one token of each
         generating request), then the next token of each sequence whose pending tokens it fed."""
         sequences = [chunk.sequence for chunk in chunks]
-        plain_greedy = all(s.request.options.takes_best_logit and not s.request.logprobs for s in sequences)
+        processors = [p for p in (make(sequences) for make in self.logits_processors) if p is not None]
+        plain_greedy = not processors and all(s.request.options.takes_best_logit and not s.request.logprobs
+                                              for s in sequences)
         tokens = torch.tensor([chunk.tokens for chunk in chunks], device=self.device)
         logits = self.model.forward(tokens, [chunk.start for chunk in chunks], last_only=True,
                                     vocab_slice=plain_greedy, slots=[s.slot.index for s in sequences])
@@ -214,24 +225,56 @@ class Engine:
         if plain_greedy:  # each rank offers the best of its slice: no logits gathered
             picks = [(token, None) for token in parallel.vocab_argmax(logits).tolist()]
         else:
-            picks = [self._choose(sequence, logits[row : row + 1]) for row, sequence in enumerate(sequences)]
+            picks = self._choose(sequences, logits, processors)
         for sequence, (token, logprob) in zip(sequences, picks):
             self._advance(sequence, token, logprob)
 
-    def _choose(self, sequence: Sequence, logits: torch.Tensor) -> tuple[int, Optional[TokenLogprob]]:
-        """The next token for one sequence from its logits [1, vocab], with every option applied,
-        and its log probability under the model when the request asks."""
-        request, options = sequence.request, sequence.request.options
-        if options.takes_best_logit:
-            token = int(logits.max(dim=-1).indices)
-        else:
-            history = torch.tensor([sequence.tokens], device=self.device) if options.repetition_penalty != 1.0 else None
-            suppress = None
-            if sequence.generated < options.min_gen_len:  # no end of answer yet
-                generated = torch.tensor([sequence.generated], device=self.device)
-                suppress = stop_ban(generated, options.min_gen_len, sorted(request.stop_tokens), logits.shape[-1])
-            token = int(choose_next(logits, options, history, suppress, sequence.sampling.generator))
-        return token, (_logprob(request, token, logits[0]) if request.logprobs else None)
+    def _choose(self, sequences: list[Sequence], logits: torch.Tensor,
+                processors: list[LogitsProcessor]) -> list[tuple[int, Optional[TokenLogprob]]]:
+        """The next token of every sequence from its logits [rows, vocab], each with its own options
+        and generator, in one call; and its log probability under the model where asked. The host
+        reads the step back once (tokens, log probabilities and the likeliest alternatives
+        together), twice in a step where some row's nucleus needed the full sort."""
+        slots = torch.tensor([s.slot.index for s in sequences], device=self.device)
+        options = [s.request.options for s in sequences]
+        lengths = [len(s.tokens) for s in sequences]
+        history = None
+        if any(o.repetition_penalty != 1.0 for o in options):
+            history = self.history.ids[slots, : max(lengths)]
+        draw = sample(logits, options, [s.sampling.generator for s in sequences], history,
+                      self._stop_bans(sequences, logits.shape[-1]), processors)
+        top = max(s.request.top_logprobs for s in sequences)
+        logprobs = F.log_softmax(logits.float(), dim=-1) if any(s.request.logprobs for s in sequences) else None
+        rows = _read_back(draw.tokens, draw.unsettled, logprobs, top)
+        if draw.unsettled is not None and any(row[1] for row in rows):
+            draw = Draw(draw.settle([bool(row[1]) for row in rows]))
+            rows = _read_back(draw.tokens, None, logprobs, top)
+        self.history.append(slots, torch.tensor(lengths, device=self.device), draw.tokens)
+        picks = []
+        for sequence, row in zip(sequences, rows):
+            token, request = int(row[0]), sequence.request
+            logprob = None
+            if request.logprobs:
+                n = request.top_logprobs
+                ids, values = row[3 : 3 + top][:n], row[3 + top :][:n]
+                logprob = TokenLogprob(token, row[2], tuple((int(i), v) for i, v in zip(ids, values)))
+            picks.append((token, logprob))
+        return picks
+
+    def _stop_bans(self, sequences: list[Sequence], vocab: int) -> Optional[torch.Tensor]:
+        """Each row's stop tokens, banned while it has generated fewer than its min_gen_len:
+        [rows, vocab] bool, or None when no row bans any."""
+        rows, tokens = [], []
+        for row, sequence in enumerate(sequences):
+            if sequence.generated < sequence.request.options.min_gen_len:  # no end of answer yet
+                stop_tokens = sorted(sequence.request.stop_tokens)
+                rows += [row] * len(stop_tokens)
+                tokens += stop_tokens
+        if not rows:
+            return None
+        ban = torch.zeros(len(sequences), vocab, dtype=torch.bool, device=self.device)
+        ban[torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device)] = True
+        return ban
 
     def _advance(self, sequence: Sequence, token: int, logprob: Optional[TokenLogprob]) -> bool:
         """Append a chosen token and end the sequence where it ends (then True); rank 0 hands the
@@ -321,6 +364,21 @@ def _logprob(request: GenerationRequest, token: int, logits: torch.Tensor) -> To
         values, ids = logprobs.topk(request.top_logprobs)
         top = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def _read_back(tokens: torch.Tensor, unsettled: Optional[torch.Tensor], logprobs: Optional[torch.Tensor],
+               top: int) -> list[list[float]]:
+    """A step's choices for the host in one copy: per row, its token, whether it is unsettled, and
+    with logprobs [rows, vocab] the token's log probability, then the `top` likeliest ids and
+    their log probabilities."""
+    columns = [tokens.double()[:, None], torch.zeros_like(tokens, dtype=torch.float64)[:, None]
+               if unsettled is None else unsettled.double()[:, None]]
+    if logprobs is not None:
+        columns.append(logprobs.gather(-1, tokens[:, None]).double())
+        if top:
+            values, ids = logprobs.topk(top, dim=-1)
+            columns += [ids.double(), values.double()]
+    return torch.cat(columns, dim=-1).tolist()
 
 
 def _with_text(delta: Delta, text: str) -> Delta:

@@ -1,0 +1,106 @@
+"""Where a serving step's time goes: our engine run in this process (no HTTP, one rank) on the
+serving benchmark's requests, closed loop at one concurrency, its parts timed: the model's
+passes (decoding and prefill), choosing the tokens (sampling, log probabilities, the read-back)
+and the host's work per token (text, stop strings, the scheduler). Then torch.profiler's
+busiest operators over a window of decoding steps. `python -m llama_tp.bench_serve --profile`.
+"""
+
+import time
+from collections import defaultdict, deque
+from functools import wraps
+
+import torch
+
+from ..generation import Llama
+from ..serve.engine import Admission, Engine, News
+from ..serve.requests import GenerationRequest
+from . import demo
+
+# The decoding steps torch.profiler watches, after these many steps of warm-up.
+PROFILED_STEPS = 30
+WARMUP_STEPS = 20
+
+
+def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    """Serve `requests` of bench_serve's requests, `concurrency` at a time; print and return the parts."""
+    from .bench_serve import PROMPTS, SAMPLINGS  # bench_serve imports this module only when asked
+
+    checkpoint = demo.demo_checkpoint(1)
+    llama = Llama.build(str(checkpoint), str(checkpoint / "tokenizer.json"), max_seq_len=2048,
+                        max_batch_size=concurrency, quantize=None if quantize == "fp32" else quantize)
+    engine = Engine(llama, max_prefill_tokens=256)
+    seconds: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    _time(engine, "_choose", "choosing tokens", seconds, calls)
+    _time(engine, "_advance", "host work per token", seconds, calls)
+    forward = engine.model.forward
+
+    @wraps(forward)
+    def timed_forward(tokens, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(tokens, *args, **kwargs)
+        finally:
+            part = "model: decoding" if tokens.shape[1] == 1 else "model: prefill"
+            seconds[part] += time.perf_counter() - start
+
+    engine.model.forward = timed_forward
+    options = llama.sampling_options(**SAMPLINGS[sampling])
+    pending = deque(
+        GenerationRequest(f"profile-{index}", tuple(llama.formatter.encode_dialog_prompt(
+            [{"role": "user", "content": prompt}])), max(1, round(max_tokens * share)), options,
+            frozenset(llama.formatter.stop_tokens))
+        for index, (prompt, share) in ((i, PROMPTS[i % len(PROMPTS)]) for i in range(requests)))
+    steps = 0
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    start = time.perf_counter()
+    try:
+        while pending or engine.scheduler.running:
+            engine._apply(News(_admissions(engine, pending, concurrency)))
+            if steps == WARMUP_STEPS:
+                profiler.start()
+            engine._step()
+            steps += 1
+            if steps == WARMUP_STEPS + PROFILED_STEPS:
+                profiler.stop()
+    finally:
+        engine.model.forward = forward  # the model is shared with nothing else, but leave it whole
+    wall = time.perf_counter() - start
+    generated = calls["host work per token"]  # one call a token
+    seconds["other (scheduler, feeding, Python)"] = wall - sum(seconds.values())
+    print(f"\nprofile: ours {quantize}, {sampling}, {concurrency} requests at a time, {requests} requests, "
+          f"{steps} steps in {wall:.1f} s: {generated / wall:.1f} tokens/s in-process")
+    for part, value in sorted(seconds.items(), key=lambda item: -item[1]):
+        print(f"  {part:<40}{1000 * value / steps:>8.2f} ms a step  {100 * value / wall:>5.1f}%")
+    if steps > WARMUP_STEPS:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return {"quantize": quantize, "sampling": sampling, "steps": steps, "seconds": wall, "tokens": generated,
+            "parts": dict(seconds)}
+
+
+def _admissions(engine: Engine, pending: deque, concurrency: int) -> tuple[Admission, ...]:
+    """The waiting requests that fit now, as rank 0 would admit them (a closed loop)."""
+    admitted, taken = [], set()
+    while pending and len(engine.scheduler.running) + len(admitted) < concurrency:
+        slot = engine.scheduler.choose_slot(pending[0].prompt_tokens, taken)
+        if slot is None:
+            break
+        taken.add(slot)
+        admitted.append(Admission(pending.popleft(), slot, seed=len(taken)))
+    return tuple(admitted)
+
+
+def _time(engine: Engine, method: str, part: str, seconds: dict[str, float], calls: dict[str, int]) -> None:
+    """Time every call of engine's method into seconds[part], and count them in calls[part]."""
+    original = getattr(engine, method)
+
+    @wraps(original)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds[part] += time.perf_counter() - start
+            calls[part] += 1
+
+    setattr(engine, method, timed)

@@ -1,0 +1,72 @@
+"""A serving step reads back from the device once for all its rows (tokens, log probabilities
+and the likeliest alternatives together): the host waits on the device once a step (issue 31,
+item 9). Counted on CPU through a TorchFunctionMode that sees every read-back a Tensor method does."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from llama_tp import Llama
+from llama_tp.serve.engine import Admission, Engine, News
+from serve_harness import request
+from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
+from torchrun import one_thread  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Every Tensor method that copies device data to the host, or waits for it to decide.
+READ_BACKS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+              torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+class CountReadBacks(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READ_BACKS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Llama:
+    directory = tmp_path_factory.mktemp("tiny")
+    write_checkpoint(directory, TINY_LLAMA2, full_weights(TINY_LLAMA2, 32000), 1, "dim")
+    return Llama.build(str(directory), str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=4)
+
+
+def decode_step_read_backs(llama: Llama, requests) -> list[str]:
+    """Admit requests, prefill them, then count the read-backs of one decoding step of them all."""
+    engine = Engine(llama, max_prefill_tokens=64)
+    engine._apply(News(tuple(Admission(r, slot, 7 + slot) for slot, r in enumerate(requests))))
+    while any(len(s.pending) > 1 for s in engine.scheduler.running):
+        engine._step()
+    assert len(engine.scheduler.plan().decode) == len(requests)
+    with CountReadBacks() as counter:
+        engine._step()
+    return counter.calls
+
+
+PROMPTS = [[1, 450, 4996, 17354], [1, 306, 4658], [1, 3869, 526, 29871, 13], [1, 15043]]
+
+
+def test_a_sampled_step_with_every_option_reads_back_once(llama):
+    # The tiny random model's distributions are flat: top-k keeps each nucleus within the candidates.
+    requests = [request(llama, PROMPTS[0], 8, temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1),
+                request(llama, PROMPTS[1], 8, temperature=0, logprobs=True, top_logprobs=3),
+                request(llama, PROMPTS[2], 8, temperature=1.2, top_k=20, min_gen_len=4, logprobs=True),
+                request(llama, PROMPTS[3], 8, temperature=0.7, top_p=1.0, seed=3)]
+    assert decode_step_read_backs(llama, requests) == ["tolist"]
+
+
+def test_a_greedy_step_reads_back_once(llama):
+    requests = [request(llama, prompt, 8, temperature=0) for prompt in PROMPTS]
+    assert decode_step_read_backs(llama, requests) == ["tolist"]
+
+
+def test_a_nucleus_wider_than_the_candidates_costs_a_second_read_back(llama):
+    """The tiny model's flat distribution puts 0.9 of the mass far beyond the 256 best tokens."""
+    requests = [request(llama, prompt, 8, temperature=0.8, top_p=0.9) for prompt in PROMPTS]
+    assert decode_step_read_backs(llama, requests) == ["tolist", "tolist"]
