@@ -79,13 +79,13 @@ class JobProgress:
     """Prompts done, tokens a second and the time left, on rank 0's stderr: a tqdm bar on a
     terminal, else a log line every LOG_EVERY_SECONDS."""
 
-    def __init__(self, total: int, done: int = 0):
-        self.shown = global_rank() == 0
+    def __init__(self, total: int, done: int = 0, unit: str = "prompts"):
+        self.shown, self.unit = global_rank() == 0, unit
         self.total, self.initial, self.done, self.tokens = total, done, done, 0
         self.start = self.last_line = time.monotonic()
         self.bar: Optional[tqdm] = None
         if self.shown and sys.stderr.isatty():
-            self.bar = tqdm(total=total, initial=done, unit="prompt", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=done, unit=unit.rstrip("s"), file=sys.stderr, dynamic_ncols=True)
 
     def update(self, tokens: int) -> None:
         """One more prompt done, which generated tokens."""
@@ -109,7 +109,7 @@ class JobProgress:
         ran, left = self.done - self.initial, self.total - self.done
         seconds = int(elapsed / ran * left) if ran > 0 else None
         eta = f"{seconds // 60}m{seconds % 60:02d}s left" if seconds is not None else "time left unknown"
-        return f"{self.done}/{self.total} prompts, {self.rate():.1f} tokens/s, {eta}"
+        return f"{self.done}/{self.total} {self.unit}, {self.rate():.1f} tokens/s, {eta}"
 
     def close(self) -> None:
         if self.bar is not None:
