@@ -28,6 +28,7 @@ from typing import Optional, Union
 
 import httpx
 
+from . import bench_offline
 from .bench_reuse import run_reuse
 from .cli import run
 from .stream_client import Outcome, send
@@ -192,15 +193,20 @@ def main(
             '{"repeat_penalty": 1.0}' for llama.cpp, whose default penalises repeats.
         case: "load" (the concurrencies above) or "reuse": time to first token with and
             without reusing cached prompts, in a growing conversation and behind a shared system
-            prompt (bench_reuse.py; the other options but url, model, json_path and label unused).
+            prompt (bench_reuse.py; the other options but url, model, json_path and label unused);
+            or "offline": 256 dialogs through the chat script's path and through our own server
+            at 16 clients, started here with the demo model (bench_offline.py; json_path only).
     """
+    if case == "offline":
+        bench_offline.main(json_path=json_path)
+        return
     url = url.rstrip("/")
     if case == "reuse":
         model, results = run_reuse(url, model)
         write_report(json_path, label, url, model, {"case": "reuse"}, results)
         return
     if case != "load":
-        raise ValueError(f"--case {case!r} is not one of load, reuse")
+        raise ValueError(f"--case {case!r} is not one of load, reuse, offline")
     levels = (concurrency,) if isinstance(concurrency, int) else tuple(concurrency)  # fire: "8" is an int
     if not levels or any(not isinstance(c, int) or c < 1 for c in levels):
         raise ValueError(f"--concurrency must be positive integers, e.g. 1,4,8,16; found {concurrency!r}")
