@@ -100,6 +100,7 @@ class Engine:
             self._fail_everything(error)
             raise
 
+    @torch.inference_mode()
     def run_job(self, requests: Iterable[tuple[GenerationRequest, int]]) -> None:
         """A batch job (Llama.generate's): every rank holds every request and its seed, so there
         is no news to exchange; each rank admits them in order as rows free up (a row that ends
