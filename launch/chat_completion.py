@@ -10,6 +10,7 @@ from llama_tp import Dialog, Llama
 from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
+from llama_tp.tools.job_output import run_job
 from llama_tp.tools.prompts import batch_rows, load_prompts, prompt_record, write_json
 
 EXAMPLE_DIALOGS: list[Dialog] = [
@@ -45,6 +46,8 @@ def main(
     max_gen_len: Optional[int] = None,
     prompts_file: Optional[str] = None,
     output_json: Optional[str] = None,
+    output_jsonl: Optional[str] = None,
+    resume: bool = False,
     top_k: Optional[int] = None,
     repetition_penalty: Optional[float] = None,
     stop: Optional[list[str]] = None,
@@ -71,9 +74,14 @@ def main(
         max_seq_len: longest dialog plus reply, in tokens.
         max_batch_size: most dialogs decoded together (one with --stream).
         max_gen_len: most tokens per reply; by default up to the end of the context.
-        prompts_file: a JSON list of dialogs, each a list of {"role", "content"} messages;
-            without it, a few built-in examples.
-        output_json: rank 0 writes a JSON list here, per dialog {prompt, generation, token_ids}.
+        prompts_file: a JSON list of dialogs, each a list of {"role", "content"} messages, or
+            one dialog a line (JSON Lines); without it, a few built-in examples. Dialogs beyond
+            --max_batch_size wait for a row to free up: a row whose answer ends takes the next
+            dialog at the next step.
+        output_jsonl: rank 0 appends a JSON line here as each dialog finishes, {index, prompt,
+            generation, token_ids}, whole and flushed: a killed job keeps what it finished.
+        resume: skip the dialogs that --output_jsonl holds already, and go on appending.
+        output_json: rank 0 writes a JSON list here at the end, per dialog {prompt, generation, token_ids}.
         top_k: sample only among the k most likely tokens (default: the model's, else no limit).
         repetition_penalty: >1 discourages tokens already in the dialog (default: the model's, else 1: off).
         stop: strings that end a reply, e.g. '["User:"]'; the reply is cut before them.
@@ -93,6 +101,8 @@ def main(
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
     """
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
+    if stream and (output_jsonl or resume):
+        raise ValueError("--output_jsonl and --resume are for batch jobs; run them without --stream")
     dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(dialogs), stream),
                             dtype=dtype, quantize=quantize, compile=compile,
@@ -100,7 +110,10 @@ def main(
                             draft_quantize=draft_quantize)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
-    results = [] if stream else generator.chat_completion(dialogs, token_ids=True, **options)
+    results = [] if stream else run_job(
+        dialogs, lambda batch, batch_seed, on_result: generator.chat_completion(
+            batch, token_ids=True, on_result=on_result, **(options | {"seed": batch_seed})),
+        lambda result: result["generation"]["content"], output_jsonl, resume, seed)
     records = []
     for index, dialog in enumerate(dialogs):
         for message in dialog:
@@ -111,12 +124,11 @@ def main(
             for piece in pieces:
                 print0(piece, end="")
             print0()
-            text, token_ids = pieces.text, pieces.tokens
+            records.append(prompt_record(dialog, pieces.text, pieces.tokens))
         else:
-            text, token_ids = results[index]["generation"]["content"], results[index]["token_ids"]
-            print0(text)
+            records.append(results[index])
+            print0(results[index]["generation"])
         print0("\n==================================\n")
-        records.append(prompt_record(dialog, text, token_ids))
     if output_json:
         write_json(output_json, records)
 

@@ -10,6 +10,7 @@ from llama_tp import Llama
 from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
+from llama_tp.tools.job_output import run_job
 from llama_tp.tools.prompts import batch_rows, load_prompts, prompt_record, write_json
 
 EXAMPLE_PROMPTS = [
@@ -41,6 +42,8 @@ def main(
     max_batch_size: int = 4,
     prompts_file: Optional[str] = None,
     output_json: Optional[str] = None,
+    output_jsonl: Optional[str] = None,
+    resume: bool = False,
     top_k: Optional[int] = None,
     repetition_penalty: Optional[float] = None,
     stop: Optional[list[str]] = None,
@@ -68,8 +71,13 @@ def main(
         max_seq_len: longest prompt plus generation, in tokens.
         max_gen_len: most tokens generated per prompt.
         max_batch_size: most prompts decoded together (one with --stream).
-        prompts_file: a JSON list of prompt strings; without it, a few built-in examples.
-        output_json: rank 0 writes a JSON list here, per prompt {prompt, generation, token_ids}.
+        prompts_file: a JSON list of prompt strings, or one a line (JSON Lines); without it, a
+            few built-in examples. Prompts beyond --max_batch_size wait for a row to free up:
+            a row whose answer ends takes the next prompt at the next step.
+        output_jsonl: rank 0 appends a JSON line here as each prompt finishes, {index, prompt,
+            generation, token_ids}, whole and flushed: a killed job keeps what it finished.
+        resume: skip the prompts that --output_jsonl holds already, and go on appending.
+        output_json: rank 0 writes a JSON list here at the end, per prompt {prompt, generation, token_ids}.
         top_k: sample only among the k most likely tokens (default: the model's, else no limit).
         repetition_penalty: >1 discourages tokens already in the text (default: the model's, else 1: off).
         stop: strings that end a completion, e.g. '["\\n\\n"]'; the text is cut before them.
@@ -92,6 +100,8 @@ def main(
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     if stream and show_top:
         raise ValueError("--show_top lists candidates after generation; run it without --stream")
+    if stream and (output_jsonl or resume):
+        raise ValueError("--output_jsonl and --resume are for batch jobs; run them without --stream")
     prompts = load_prompts(prompts_file, "text") if prompts_file else EXAMPLE_PROMPTS
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(prompts), stream),
                             dtype=dtype, quantize=quantize, compile=compile,
@@ -110,14 +120,20 @@ def main(
             print0("\n\n==================================\n")
             records.append(prompt_record(prompt, pieces.text, pieces.tokens))
     else:
-        results = generator.text_completion(prompts, show_top=show_top, token_ids=True, **options)
-        for prompt, result in zip(prompts, results):
-            print0(prompt)
-            print0(f"> {result['generation']}")
+        first_top = []
+
+        def answer(batch: list[str], batch_seed, on_result) -> None:
+            results = generator.text_completion(batch, show_top=show_top, token_ids=True, on_result=on_result,
+                                                **(options | {"seed": batch_seed}))
+            first_top.append(results[0].get("top"))
+
+        records = run_job(prompts, answer, lambda result: result["generation"], output_jsonl, resume, seed)
+        for record in records:
+            print0(record["prompt"])
+            print0(f"> {record['generation']}")
             print0("\n==================================\n")
-            records.append(prompt_record(prompt, result["generation"], result["token_ids"]))
-        if show_top:
-            print_top(results[0]["top"])
+        if show_top and first_top:
+            print_top(first_top[0])
     if output_json:
         write_json(output_json, records)
 

@@ -3,9 +3,10 @@
 Every rank calls the same methods with the same arguments in lockstep and gets the same result.
 """
 
+import dataclasses
 import time
 from pathlib import Path
-from typing import Iterator, Optional, TypedDict
+from typing import Callable, Iterator, Optional, TypedDict
 
 import torch
 
@@ -14,6 +15,7 @@ from .args import ModelArgs
 from .batch import Batch, Generated, logprobs_of
 from .checkpoint import load_model, open_checkpoint
 from .checkpoint.record import read_record
+from .continuous import Finished, check_seeds, prompt_seeds, run_continuously
 from .kernels import matmul
 from .logs import logger
 from .memory import plan, report
@@ -153,27 +155,63 @@ class Llama:
         repetition_penalty: Optional[float] = None,
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
-        seed: Optional[int] = None,
+        seed: "int | list[int] | None" = None,
     ) -> tuple[list[list[int]], Optional[list[list[float]]]]:
         """Continue each prompt by up to max_gen_len tokens, stopping at the tokenizer's stop tokens.
 
-        More prompts than max_batch_size are run in consecutive batches. Sampling settings left
-        at None are the model's recommended ones (its llama_tp.json), else Meta's: temperature
-        0.6, top_p 0.9, no top-k cut, no repetition penalty (see sampling_options).
+        The prompts run through continuous batching on max_batch_size cache rows: a row whose
+        answer ends takes the next prompt at the next step. Each prompt gets the answer it gets
+        alone: greedy, the same tokens; sampled, its own generator, seeded for prompt i from
+        seed (continuous.prompt_seed: prompt 0 gets seed itself), or from a list of one seed
+        per prompt. Sampling settings left at None are the model's recommended ones (its
+        llama_tp.json), else Meta's: temperature 0.6, top_p 0.9, no top-k cut, no repetition
+        penalty (see sampling_options).
         Returns the generated tokens (prompt included with echo) and, with logprobs, the log
         probability of each returned token. A row that produces one of the `stop` strings ends
         with the token that completed it (text_completion then cuts the text before the string).
         """
-        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
-        self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo))
-        generated = self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo)
+        self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo), seed)
+        generated = self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo, seed=seed)
         return generated.tokens, (generated.logprobs if logprobs else None)
 
     def _generate(self, prompt_tokens: list[list[int]], max_gen_len: int, options: SamplingOptions,
                   stop: tuple[str, ...], logprobs: bool = False, echo: bool = False,
-                  show_top: int = 0, stop_tokens: Optional[set[int]] = None) -> Generated:
-        """generate's work, in batches of max_batch_size, optionally keeping each step's top candidates."""
+                  show_top: int = 0, stop_tokens: Optional[set[int]] = None, seed: "int | list[int] | None" = None,
+                  on_row: Optional[Callable[[int, Generated], None]] = None) -> Generated:
+        """generate's work, through continuous batching (continuous.py); on_row(i, generated) is
+        called as prompt i's result is in generated. In static batches of max_batch_size, sharing
+        one generator: one prompt (the same thing, and its conversation's cache row stays row 0);
+        where each step's top candidates (show_top) or the prompts' own log probabilities (echo
+        with logprobs) are wanted, which the engine does not keep; and sampling with speculation,
+        whose rounds guess fewer tokens a row the more rows share them (Speculator.guesses_for),
+        so that a sampled answer would change with what runs beside it."""
+        sampled_rounds = self.speculator is not None and not options.greedy
+        if len(prompt_tokens) == 1 or show_top or (logprobs and echo) or sampled_rounds:
+            if isinstance(seed, list):
+                options = dataclasses.replace(options, seed=seed[0])
+            result = self._generate_static(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top,
+                                           stop_tokens)
+            for row in range(len(prompt_tokens)) if on_row is not None else ():
+                on_row(row, result)
+            return result
+        result = Generated([[] for _ in prompt_tokens], [[] for _ in prompt_tokens], [])
+
+        def finished(answer: Finished) -> None:
+            result.tokens[answer.index] = (prompt_tokens[answer.index] if echo else []) + answer.tokens
+            result.logprobs[answer.index] = answer.logprobs
+            if on_row is not None:
+                on_row(answer.index, result)
+
+        run_continuously(self, prompt_tokens, max_gen_len, options, stop, stop_tokens or self.tokenizer.stop_tokens,
+                         logprobs, prompt_seeds(seed, len(prompt_tokens)), finished)
+        return result
+
+    def _generate_static(self, prompt_tokens: list[list[int]], max_gen_len: int, options: SamplingOptions,
+                         stop: tuple[str, ...], logprobs: bool, echo: bool, show_top: int,
+                         stop_tokens: Optional[set[int]]) -> Generated:
+        """Consecutive batches of max_batch_size under Meta's schedule, keeping what _decode keeps."""
         size = self.model.max_batch_size
         result = Generated([], [], [])
         generator = options.generator(self.model.rotary.device)  # one per call: batches continue it
@@ -271,25 +309,29 @@ class Llama:
         repetition_penalty: Optional[float] = None,
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
-        seed: Optional[int] = None,
+        seed: "int | list[int] | None" = None,
         show_top: int = 0,
         token_ids: bool = False,
+        on_result: Optional[Callable[[int, CompletionPrediction], None]] = None,
     ) -> list[CompletionPrediction]:
         """Continue each text prompt; max_gen_len defaults to the whole context.
 
         The text ends before the first `stop` string. With show_top N, each result's "top" lists,
         for every generated token, the N most likely candidates and their probabilities; with
-        token_ids, "token_ids" holds the generated token ids.
+        token_ids, "token_ids" holds the generated token ids. seed as in generate. on_result(i,
+        result) is called on every rank as prompt i's result is in (for writing results as they
+        come); the list returned holds them all in the prompts' order.
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
-        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
         prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
-        self._check_generate_args(prompt_tokens, max_gen_len, options)
-        generated = self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top)
-        results = []
-        for row, tokens in enumerate(generated.tokens):
+        self._check_generate_args(prompt_tokens, max_gen_len, options, seed=seed)
+        results: list[CompletionPrediction] = [{} for _ in prompts]
+
+        def completed(row: int, generated: Generated) -> None:
+            tokens = generated.tokens[row]
             # With echo, a stop string inside the prompt does not count.
             start = len(self.tokenizer.decode(prompt_tokens[row])) if echo else 0
             result: CompletionPrediction = {"generation": cut_at_stop(self.tokenizer.decode(tokens), stop, start)}
@@ -302,7 +344,11 @@ class Llama:
                 result["top"] = [
                     [(self.tokenizer.decode([t]), p) for t, p in step] for step in generated.top[row]
                 ]
-            results.append(result)
+            results[row] = result
+            if on_result is not None:
+                on_result(row, result)
+
+        self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top, seed=seed, on_row=completed)
         return results
 
     def chat_completion(
@@ -316,41 +362,47 @@ class Llama:
         repetition_penalty: Optional[float] = None,
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
-        seed: Optional[int] = None,
+        seed: "int | list[int] | None" = None,
         token_ids: bool = False,
+        on_result: Optional[Callable[[int, ChatPrediction], None]] = None,
     ) -> list[ChatPrediction]:
         """The assistant's next message for each dialog, in the chat format the tokenizer implies.
 
         With token_ids, "token_ids" holds the generated token ids (none for a refused dialog).
+        seed and on_result as in text_completion (a refused dialog's result comes first).
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
-        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
+        options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
         prompt_tokens = [self._encode_dialog(dialog, index) for index, dialog in enumerate(dialogs)]
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
         safe_tokens = [prompt_tokens[row] for row in safe]
-        self._check_generate_args(safe_tokens, max_gen_len, options)
-        generated = self._generate(
-            safe_tokens, max_gen_len, options, stop, logprobs, stop_tokens=self.formatter.stop_tokens
-        ) if safe else Generated([], [], [])
-        results: list[ChatPrediction] = [
-            {"generation": {"role": "assistant", "content": UNSAFE_ERROR}} for _ in dialogs
-        ]
-        for row, tokens in zip(safe, generated.tokens):
-            content = cut_at_stop(self.tokenizer.decode(tokens), stop)
-            results[row] = {"generation": {"role": "assistant", "content": content}}
-        if token_ids:
-            for result in results:
-                result["token_ids"] = []
-            for row, tokens in zip(safe, generated.tokens):
-                results[row]["token_ids"] = tokens
-        if logprobs:
-            for result in results:
-                result["tokens"], result["logprobs"] = [], []
-            for index, (row, tokens) in enumerate(zip(safe, generated.tokens)):
-                results[row]["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
-                results[row]["logprobs"] = generated.logprobs[index]
+        self._check_generate_args(safe_tokens, max_gen_len, options, seed=seed, prompts=len(dialogs))
+        results: list[ChatPrediction] = [{} for _ in dialogs]
+
+        def answered(row: int, tokens: list[int], token_logprobs: list[float], content: str) -> None:
+            result: ChatPrediction = {"generation": {"role": "assistant", "content": content}}
+            if token_ids:
+                result["token_ids"] = tokens
+            if logprobs:
+                result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
+                result["logprobs"] = token_logprobs
+            results[row] = result
+            if on_result is not None:
+                on_result(row, result)
+
+        for row in sorted(set(range(len(dialogs))) - set(safe)):
+            answered(row, [], [], UNSAFE_ERROR)
+
+        def completed(index: int, generated: Generated) -> None:
+            tokens = generated.tokens[index]
+            answered(safe[index], tokens, generated.logprobs[index], cut_at_stop(self.tokenizer.decode(tokens), stop))
+
+        if safe:  # each dialog keeps the seed of its place in the call
+            seeds = prompt_seeds(seed, len(dialogs)) if seed is not None else None
+            self._generate(safe_tokens, max_gen_len, options, stop, logprobs, stop_tokens=self.formatter.stop_tokens,
+                           seed=[seeds[row] for row in safe] if seeds else None, on_row=completed)
         return results
 
     def stream_text_completion(
@@ -422,9 +474,13 @@ class Llama:
             raise ValueError(f"dialog {index}: {error}") from None
 
     def _check_generate_args(self, prompt_tokens: list[list[int]], max_gen_len: int,
-                             options: SamplingOptions, other_args: tuple = ()) -> None:
-        """Refuse bad arguments, and arguments that differ between ranks (the decode would hang)."""
-        parallel.check_same_on_every_rank("the generation arguments", (prompt_tokens, max_gen_len, options, other_args))
+                             options: SamplingOptions, other_args: tuple = (), seed: "int | list[int] | None" = None,
+                             prompts: Optional[int] = None) -> None:
+        """Refuse bad arguments, and arguments that differ between ranks (the decode would hang).
+        prompts: how many seeds a list of them must hold (by default one per prompt_tokens)."""
+        parallel.check_same_on_every_rank("the generation arguments",
+                                          (prompt_tokens, max_gen_len, options, other_args, seed))
+        check_seeds(seed, len(prompt_tokens) if prompts is None else prompts)
         if not isinstance(max_gen_len, int) or max_gen_len < 1:
             raise ValueError(f"max_gen_len must be a positive integer, found {max_gen_len!r}")
         options.check()
@@ -451,3 +507,8 @@ def _refusal(stream: TextStream) -> Iterator[str]:
     """What stream_chat_completion yields for a dialog that smuggles in control tags."""
     stream.text = UNSAFE_ERROR
     yield UNSAFE_ERROR
+
+
+def _call_seed(seed: "int | list[int] | None") -> Optional[int]:
+    """The options' seed: the call's, or None where each prompt's own is given."""
+    return None if isinstance(seed, list) else seed

@@ -7,9 +7,9 @@ the request before. Every rank keeps the same record (the same calls reach every
 of them reuse alike.
 
 The model keeps the record true: a forward pass that writes a row from some position on cuts
-the row's record there (keep). Those that know which tokens they fed, the generation API (rows
-0, 1, ... of each batch) and the serving engine (a request per row, wherever it is free), add
-them (extend).
+the row's record there (keep). Those that know which tokens they fed, the generation API's static
+batches (rows 0, 1, ...) and the serving engine (a request per row, wherever it is free; also
+generate's continuous batching), add them (extend).
 """
 
 from typing import Sequence

@@ -15,13 +15,12 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence as Rows
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence as Rows
 
 import torch
 import torch.nn.functional as F
 
 from .. import parallel
-from ..generation import Llama
 from ..logs import logger
 from ..sampler import Draw, LogitsProcessor, TokenHistory, sample
 from ..speculative import Row
@@ -29,6 +28,9 @@ from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
 from .requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob
 from .scheduler import Chunk, Scheduler, Sequence
+
+if TYPE_CHECKING:  # the generation API runs batch jobs through this engine (run_job)
+    from ..generation import Llama
 
 # The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
 MAX_HEARTBEAT_SECONDS = 10.0
@@ -65,12 +67,15 @@ class Progress:
     generator: torch.Generator
     decoder: Optional[IncrementalDecoder]
     answer: list[int] = field(default_factory=list)  # generated tokens, without a stop token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the answer's, where the request asks
     first_token_at: Optional[float] = None
 
 
 class Engine:
-    def __init__(self, generator: Llama, max_prefill_tokens: int, mailbox: Optional[Mailbox] = None):
-        """mailbox: rank 0's, from the HTTP side; None on the other ranks."""
+    def __init__(self, generator: "Llama", max_prefill_tokens: int, mailbox: Optional[Mailbox] = None,
+                 on_finish: Optional[Callable[[Sequence, str], None]] = None):
+        """mailbox: rank 0's, from the HTTP side; None on the other ranks (and in a batch job).
+        on_finish: a batch job's: told of each sequence as it ends, with its finish reason."""
         self.model = generator.model
         self.tokenizer = generator.tokenizer
         self.device = generator.model.rotary.device
@@ -84,6 +89,7 @@ class Engine:
         self.history = TokenHistory(self.model.max_batch_size, self.model.max_seq_len, self.device)
         self.logits_processors: list[StepProcessor] = []
         self.next_report = SPECULATION_REPORT_ROWS
+        self.on_finish = on_finish
 
     def run(self, stop_requested: Callable[[], bool]) -> None:
         """Serve until some rank is asked to stop (then every request ends cleanly) or a rank is
@@ -100,6 +106,24 @@ class Engine:
         except BaseException as error:
             self._fail_everything(error)
             raise
+
+    @torch.inference_mode()
+    def run_job(self, requests: Iterable[tuple[GenerationRequest, int]]) -> None:
+        """A batch job (Llama.generate's): every rank holds every request and its seed, so there
+        is no news to exchange; each rank admits them in order as rows free up (a row that ends
+        takes the next request at the next step) and steps until all have ended."""
+        waiting = deque(requests)
+        while waiting or self.scheduler.running:
+            admitted, taken = [], set()
+            while waiting:
+                slot = self.scheduler.choose_slot(waiting[0][0].prompt_tokens, taken)
+                if slot is None:
+                    break
+                request, seed = waiting.popleft()
+                taken.add(slot)
+                admitted.append(Admission(request, slot, seed))
+            self._apply(News(tuple(admitted)))
+            self._step()
 
     # News
 
@@ -285,6 +309,8 @@ class Engine:
         stopped = token in request.stop_tokens
         if not stopped:
             progress.answer.append(token)
+            if logprob is not None:
+                progress.logprobs.append(logprob)
         piece = progress.decoder.push(progress.answer) if progress.decoder is not None and not stopped else ""
         stopped = stopped or (progress.decoder is not None and progress.decoder.stopped)
         full = sequence.generated >= request.max_tokens or len(sequence.tokens) >= self.model.max_seq_len
@@ -306,6 +332,8 @@ class Engine:
     def _finish(self, sequence: Sequence, reason: str, deltas: list[Delta]) -> None:
         """End a running sequence on every rank; rank 0 sends its last text and counts."""
         self.scheduler.release(sequence)
+        if self.on_finish is not None:
+            self.on_finish(sequence, reason)
         if self.mailbox is None:
             return
         stream = self.streams.pop(sequence.request.id)

@@ -11,10 +11,12 @@ import enum
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
-from .metrics import ServerMetrics
 from .requests import GenerationRequest, Overloaded, RequestStream, Unavailable
+
+if TYPE_CHECKING:  # prometheus_client (the serve extra) only where a server runs: batch jobs need the engine alone
+    from .metrics import ServerMetrics
 
 
 class ServerState(enum.Enum):
@@ -32,7 +34,7 @@ class Cancel:
 class Mailbox:
     """Requests and cancellations from the HTTP thread to the engine, and the engine's state back."""
 
-    def __init__(self, max_waiting: int, metrics: ServerMetrics):
+    def __init__(self, max_waiting: int, metrics: "ServerMetrics"):
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.state = ServerState.LOADING

@@ -39,6 +39,7 @@ from typing import Optional, Union
 
 import httpx
 
+from . import bench_offline
 from .bench_reuse import run_reuse
 from .bench_servers import free_port, server_for
 from .cli import run
@@ -217,7 +218,9 @@ def main(
             '{"repeat_penalty": 1.0}' for llama.cpp, whose default penalises repeats.
         case: "load" (the concurrencies above) or "reuse": time to first token with and
             without reusing cached prompts, in a growing conversation and behind a shared system
-            prompt (bench_reuse.py; the other options but url, model, json_path and label unused).
+            prompt (bench_reuse.py; the other options but url, model, json_path and label unused);
+            or "offline": 256 dialogs through the chat script's path and through our own server
+            at 16 clients, started here with the demo model (bench_offline.py; json_path only).
         sampling: "greedy", "sampled" (temperature 0.7, the server's defaults otherwise), or both.
         ours: start our server on the demo model for each of these, in turn: fp32, int4.
         peer: start llama.cpp's C++ server ("llama-server") on the demo model's GGUF too.
@@ -227,13 +230,16 @@ def main(
             and print where a step's time goes (each --ours quantization, else fp32; each
             --sampling; the largest concurrency).
     """
+    if case == "offline":
+        bench_offline.main(json_path=json_path)
+        return
     url = url.rstrip("/")
     if case == "reuse":
         model, results = run_reuse(url, model)
         write_report(json_path, label, url, model, {"case": "reuse"}, results)
         return
     if case != "load":
-        raise ValueError(f"--case {case!r} is not one of load, reuse")
+        raise ValueError(f"--case {case!r} is not one of load, reuse, offline")
     levels = (concurrency,) if isinstance(concurrency, int) else tuple(concurrency)  # fire: "8" is an int
     if not levels or any(not isinstance(c, int) or c < 1 for c in levels):
         raise ValueError(f"--concurrency must be positive integers, e.g. 1,4,8,16; found {concurrency!r}")

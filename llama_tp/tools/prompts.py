@@ -1,4 +1,5 @@
-"""The launch scripts' files: prompts to read (--prompts_file) and results to write (--output_json)."""
+"""The launch scripts' files: prompts to read (--prompts_file) and results to write at the end
+(--output_json); results written as they finish are job_output.py's."""
 
 import json
 import os
@@ -21,17 +22,19 @@ def batch_rows(max_batch_size: int, n_prompts: int, stream: bool) -> int:
 
 
 def load_prompts(path: str, kind: Literal["text", "chat"]) -> list:
-    """A JSON list of strings (text) or of dialogs (chat), checked item by item."""
+    """A JSON list of strings (text) or of dialogs (chat), or the same items one a line (JSON
+    Lines: a .jsonl file, or any file that is not one JSON value), checked item by item."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"prompts file {file} does not exist; pass --prompts_file with a JSON file")
     try:
-        prompts = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{file} is not valid UTF-8 JSON ({error}); fix the file") from None
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{file} is not valid UTF-8 ({error}); fix the file") from None
+    prompts = _json_lines(file, text) if file.suffix == ".jsonl" else _json_or_lines(file, text)
     example = '["Once upon a time"]' if kind == "text" else '[[{"role": "user", "content": "Hi"}]]'
     if not isinstance(prompts, list) or not prompts:
-        raise ValueError(f"{file} must hold a non-empty JSON list, e.g. {example}")
+        raise ValueError(f"{file} must hold a non-empty JSON list, e.g. {example}, or one item a line")
     for index, prompt in enumerate(prompts):
         if kind == "text" and not isinstance(prompt, str):
             raise ValueError(f"{file}: item {index} must be a string, found {prompt!r}; e.g. {example}")
@@ -41,6 +44,28 @@ def load_prompts(path: str, kind: Literal["text", "chat"]) -> list:
             except ValueError as error:
                 raise ValueError(f"{file}: dialog {index}: {error}; e.g. {example}") from None
     return prompts
+
+
+def _json_or_lines(file: Path, text: str) -> Any:
+    """One JSON value, or, if the file holds several, JSON Lines."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        if error.msg != "Extra data":
+            raise ValueError(f"{file} is not valid JSON ({error}); fix the file") from None
+        return _json_lines(file, text)
+
+
+def _json_lines(file: Path, text: str) -> list:
+    """One JSON value a line; blank lines skipped."""
+    items = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{file} line {number} is not valid JSON ({error}); fix the file") from None
+    return items
 
 
 def write_json(path: str, records: list[dict[str, Any]]) -> None:

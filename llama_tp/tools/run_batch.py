@@ -1,0 +1,218 @@
+"""`python -m llama_tp.run_batch -i requests.jsonl -o results.jsonl` (or under torchrun): a file
+of requests in OpenAI's batch format, answered as our server answers them, through continuous
+batching without HTTP.
+
+Each input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+"/v1/completions", "body": {...}}; each body is checked by the server's own code (protocol.py,
+prepare.py) and answered in the server's shapes (responses.py). Each output line is
+{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}, as OpenAI's
+batch API writes it: a body the server would refuse gets the server's error as its response (400
+and OpenAI's error JSON); a line that is not a request at all (not JSON, no custom_id, another
+url) gets "response": null and the reason in "error". No line stops the job. Output lines come as
+requests finish, each written whole (match them by custom_id, as with OpenAI's).
+"""
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..continuous import JOB_PREFILL_TOKENS, prompt_seeds
+from ..generation import Llama
+from ..logs import logger
+from ..parallel import global_rank
+from ..serve.engine import Engine
+from ..serve.prepare import chat_request, completion_request
+from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from ..serve.requests import Delta, GenerationRequest
+from ..serve.responses import ChatReply, CompletionReply, Reply
+from ..serve.scheduler import Sequence
+from ..text.streaming import cut_at_stop
+from . import demo
+from .job_output import JobProgress
+
+# url: the body's model, how it becomes the engine's request, and the shape of its answer (as app.py's routes).
+ENDPOINTS = {
+    "/v1/chat/completions": (ChatCompletionRequest, chat_request, ChatReply),
+    "/v1/completions": (CompletionRequest, completion_request, CompletionReply),
+}
+
+
+class LineError(Exception):
+    """A line that is not a batch request: answered with "error", not with a response."""
+
+    def __init__(self, code: str, message: str, custom_id: Optional[str] = None):
+        super().__init__(message)
+        self.code, self.message, self.custom_id = code, message, custom_id
+
+
+@dataclass
+class Pending:
+    """A checked request, waiting for its answer."""
+
+    custom_id: str
+    reply: Reply
+    request: GenerationRequest
+
+
+def main(
+    input_file: str,
+    output_file: str,
+    ckpt_dir: Optional[str] = None,
+    tokenizer_path: Optional[str] = None,
+    model_name: Optional[str] = None,
+    max_batch_size: int = 8,
+    max_seq_len: int = 2048,
+    no_prefix_cache: bool = False,
+    dtype: Optional[str] = None,
+    quantize: Optional[str] = None,
+    compile: bool = False,
+    speculate: Optional[str] = None,
+    speculate_k: Optional[int] = None,
+    draft_ckpt_dir: Optional[str] = None,
+    draft_quantize: Optional[str] = None,
+):
+    """Answer every request of an OpenAI batch file, as the server would.
+
+    Args:
+        input_file: (-i) the requests, one JSON object a line: {"custom_id", "method": "POST",
+            "url": "/v1/chat/completions" or "/v1/completions", "body"}. Every rank reads it.
+        output_file: (-o) rank 0 writes one line per request here, as each finishes:
+            {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}.
+        ckpt_dir: folder with params.json and consolidated.XX.pth shards; leave out both paths to
+            run the built-in demo model (SmolLM2-135M-Instruct).
+        tokenizer_path: the tokenizer file that came with the checkpoint.
+        model_name: the name the bodies' "model" must give, as for the server (default: the
+            checkpoint folder's name, or smollm2-135m-instruct for the demo model).
+        max_batch_size: requests generating at once: each holds a row of the KV cache.
+        max_seq_len: the longest prompt plus answer, in tokens.
+        no_prefix_cache: prefill every prompt in full, never reusing what a row holds.
+        dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
+        quantize: int8 or int4 (weight-only; int4 on CPU) or int8_dynamic (CPU) linear layers.
+        compile: compile the decoding step (worth it for long jobs).
+        speculate: draft or lookup: guess tokens, then verify several in one pass (docs/speculative.md).
+        speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
+        draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
+        draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+    """
+    lines = read_lines(input_file)
+    target = Path(output_file)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {target}: folder {target.parent} does not exist")
+    name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
+    ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype, quantize=quantize,
+                            compile=compile, speculate=speculate, speculate_k=speculate_k,
+                            draft_ckpt_dir=draft_ckpt_dir, draft_quantize=draft_quantize)
+    generator.model.prefix_cache.enabled = not no_prefix_cache
+    with Output(target) as output:
+        answer_all(generator, name, lines, output)
+
+
+def read_lines(path: str) -> list[str]:
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"batch file {file} does not exist; pass -i with a JSON Lines file of requests")
+    return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class Output:
+    """Rank 0's output file: one whole line per request, in one write() each (a killed job's file
+    ends at its last whole line)."""
+
+    def __init__(self, path: Path):
+        self.path, self.file = path, None
+
+    def __enter__(self) -> "Output":
+        if global_rank() == 0:
+            self.file = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        return self
+
+    def write(self, custom_id: Optional[str], response: Optional[dict], error: Optional[dict]) -> None:
+        if self.file is not None:
+            record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
+                      "error": error}
+            os.write(self.file, (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            os.close(self.file)
+
+
+def answer_all(generator: Llama, model_name: str, lines: list[str], output: Output) -> None:
+    """Check every line, write the refusals at once, then answer the rest as they finish."""
+    pending: dict[str, Pending] = {}
+    for number, line in enumerate(lines, start=1):
+        try:
+            checked = check_line(line, generator, model_name)
+        except LineError as error:
+            logger.info(f"line {number}: {error.message}")
+            output.write(error.custom_id, None, {"code": error.code, "message": error.message})
+            continue
+        if isinstance(checked, tuple):  # the server's refusal
+            custom_id, refusal = checked
+            output.write(custom_id, response(refusal.status, refusal.body()), None)
+        else:
+            pending[checked.request.id] = checked
+    progress = JobProgress(len(pending), unit="requests")
+
+    def finished(sequence: Sequence, reason: str) -> None:
+        done = pending[sequence.request.id]
+        output.write(done.custom_id, response(200, answer(done, sequence, reason, generator)), None)
+        progress.update(sequence.generated)
+
+    requests = list(pending.values())
+    seeds = [request.options.seed for request in (p.request for p in requests)]
+    drawn = iter(prompt_seeds(None, seeds.count(None)))  # alike on every rank, as Llama.build seeded them
+    engine = Engine(generator, JOB_PREFILL_TOKENS, on_finish=finished)
+    try:
+        engine.run_job([(p.request, next(drawn) if seed is None else seed) for p, seed in zip(requests, seeds)])
+    finally:
+        progress.close()
+
+
+def check_line(line: str, generator: Llama, model_name: str) -> "Pending | tuple[str, RequestError]":
+    """A line as a checked request, or its custom_id and the server's refusal of its body; a line
+    that is not a batch request raises LineError."""
+    try:
+        item = json.loads(line)
+    except ValueError as error:
+        raise LineError("invalid_json", f"the line is not valid JSON: {error}") from None
+    if not isinstance(item, dict):
+        raise LineError("invalid_request", "the line must be a JSON object with custom_id, method, url and body")
+    custom_id = item.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise LineError("missing_custom_id", "the line needs a `custom_id` string, to match its answer")
+    if item.get("method") != "POST":
+        raise LineError("invalid_method", f"`method` must be POST, found {item.get('method')!r}", custom_id)
+    if item.get("url") not in ENDPOINTS:
+        raise LineError("invalid_url", f"`url` must be one of {', '.join(ENDPOINTS)}, found {item.get('url')!r}",
+                        custom_id)
+    body_model, prepare, reply_kind = ENDPOINTS[item["url"]]
+    try:
+        body = parse_body(json.dumps(item.get("body")).encode(), body_model)
+        if body.model != model_name:
+            raise RequestError(404, f"the model `{body.model}` does not exist; this server serves `{model_name}`",
+                               "model", "model_not_found")
+        if body.stream:
+            raise RequestError(400, "`stream` is not supported in a batch: each answer is written whole",
+                               "stream", "invalid_value")
+        reply = reply_kind(model_name, generator.tokenizer, body.include_usage)
+        return Pending(custom_id, reply, prepare(body, generator, reply.id))
+    except RequestError as refusal:
+        return custom_id, refusal
+
+
+def answer(pending: Pending, sequence: Sequence, reason: str, generator: Llama) -> dict[str, Any]:
+    """The server's whole response for a finished sequence."""
+    progress, request = sequence.sampling, pending.request
+    text = cut_at_stop(generator.tokenizer.decode(progress.answer), request.stop)
+    final = Delta(finish_reason=reason, prompt_tokens=sequence.prompt_length, completion_tokens=sequence.generated,
+                  cached_tokens=sequence.reused)
+    return pending.reply.response(text, progress.logprobs if request.logprobs else None, final)
+
+
+def response(status: int, body: dict) -> dict[str, Any]:
+    return {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}", "body": body}
