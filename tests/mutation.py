@@ -2,9 +2,10 @@
 
     python tests/mutation.py llama_tp/prefix_cache.py tests/test_prefix_cache.py [more test files]
 
-mutmut reads one configuration (pyproject.toml's [tool.mutmut]); this runs it with the module as
-the only one mutated and the given test files as the only tests, so that a run takes minutes
-rather than the whole fast set once per mutant. `python -m mutmut results` lists what survived.
+mutmut reads one configuration (pyproject.toml's [tool.mutmut], which makes the mutants of every
+scored module once); this runs the module's mutants only, against the given test files only, so
+that a run takes minutes rather than the whole fast set once per mutant. `python -m mutmut
+results` lists what survived.
 """
 
 import dataclasses
@@ -20,7 +21,7 @@ def main(module: str, *tests: str) -> None:
     load = configuration._load_config
 
     def narrowed() -> configuration.Config:
-        return dataclasses.replace(load(), only_mutate=[module], pytest_add_cli_args_test_selection=[
+        return dataclasses.replace(load(), pytest_add_cli_args_test_selection=[
             "-m", "not slow", "-p", "no:cacheprovider", *tests])
 
     configuration._load_config = narrowed

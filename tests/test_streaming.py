@@ -1,11 +1,13 @@
 """Streaming: pieces concatenate to exactly the final text, multi-byte characters and stop strings included."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llama_tp import Llama
-from llama_tp.text.streaming import IncrementalDecoder, cut_at_stop
+from llama_tp.text.streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop, find_stop, stop_prefix_len
 from llama_tp.text.tokenizer import Tokenizer, load_tokenizer
 from torchrun import one_thread  # noqa: F401  (a fixture)
 from tiny_checkpoint import LLAMA2_TOKENIZER, SHARED_DATA, TINY_LLAMA2, successor_weights, write_checkpoint
@@ -124,3 +126,41 @@ def test_stream_chat_in_lockstep_with_chat_completion(forced):
     (result,) = llama.chat_completion([dialog], temperature=0, max_gen_len=12, token_ids=True)
     assert text == result["generation"]["content"] == stream.text
     assert stream.tokens == result["token_ids"]
+
+
+def test_stop_strings_are_checked_by_name():
+    assert check_stop(None) == () and check_stop(["a", "\n\n"]) == ("a", "\n\n")
+    for wrong in ("a", [1], ["a", 2]):
+        with pytest.raises(ValueError, match=re.escape("stop must be a list of strings, e.g. ['\\n\\n'], found "
+                                                       + repr(wrong))):
+            check_stop(wrong)
+    with pytest.raises(ValueError, match=r"stop strings must not be empty, found \['a', ''\]"):
+        check_stop(["a", ""])
+
+
+def test_cut_at_stop_from_the_first_character_and_only_after_start():
+    assert cut_at_stop("stop here", ["stop"]) == ""
+    assert cut_at_stop("ab stop", ["stop"]) == "ab "
+    assert cut_at_stop("ab stop", ["stop"], start=4) == "ab stop"  # before start: the prompt, with echo
+    assert cut_at_stop("ab stop stop", ["stop"], start=4) == "ab stop "
+    assert cut_at_stop("nothing", ["stop"]) == "nothing"
+
+
+def test_a_text_stream_holds_nothing_before_it_ends():
+    stream = TextStream(lambda stream: iter(()))
+    assert (stream.tokens, stream.text, list(stream)) == ([], "", [])
+
+
+def test_find_stop_and_the_held_back_start_of_a_stop_string():
+    assert find_stop("stop stop", ["stop"]) == 0 and find_stop("a stop b stop", ["stop"], start=3) == 9
+    assert find_stop("a b", ["stop", "b"]) == 2 and find_stop("nothing", ["stop"]) == -1
+    assert stop_prefix_len("abc", ["xyz"]) == 0 and stop_prefix_len("ab st", ["stop"]) == 2
+    assert stop_prefix_len("ab stop", ["stop"]) == 0  # a whole stop string is found, not held back
+
+
+def test_the_decoder_hands_out_text_at_once_and_nothing_after_a_stop_string(tokenizer):
+    tokens = tokenizer.encode("Hello world and more", bos=False, eos=False)
+    assert IncrementalDecoder(tokenizer).push(tokens) == "Hello world and more"
+    decoder = IncrementalDecoder(tokenizer, stop=["world"])
+    assert decoder.push(tokens[:3]) == "Hello " and decoder.stopped
+    assert decoder.push(tokens) == ""
