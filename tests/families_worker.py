@@ -5,7 +5,7 @@
 The manifest lists cases {"name", "ckpt", "quantize", "world_sizes"}, the prompt tokens and an
 output folder; world size W writes OUT/world{W}.pt holding, per case, fp32 logits of the tokens
 and greedy tokens of the first row's prompt. The ranks of each world size are forked from this
-process (gloo, a fresh free port each), as tests/reshard_worker.py does.
+process (gloo, a fresh rendezvous each), as tests/reshard_worker.py does.
 """
 
 import json
@@ -16,13 +16,12 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from distributed import rendezvous
 from llama_tp import Llama
-from reshard_worker import free_port
 
 
-def rank_main(rank: int, world_size: int, port: int, manifest: dict) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(rank: int, world_size: int, environment: dict[str, str], manifest: dict) -> None:
+    os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # two cores shared by several ranks
     tokens = torch.tensor(manifest["tokens"])
     prompt = manifest["prompt"]
@@ -43,8 +42,9 @@ def rank_main(rank: int, world_size: int, port: int, manifest: dict) -> None:
 def main(manifest_path: str) -> None:
     manifest = json.loads(Path(manifest_path).read_text())
     for world_size in sorted({w for case in manifest["cases"] for w in case["world_sizes"]}):
-        mp.start_processes(rank_main, args=(world_size, free_port(), manifest), nprocs=world_size,
-                           start_method="fork")
+        with rendezvous() as environment:
+            mp.start_processes(rank_main, args=(world_size, environment, manifest), nprocs=world_size,
+                               start_method="fork")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +25,11 @@ import httpx
 
 from ..generation import Llama
 from . import demo
+from .bench_servers import LAUNCH_SERVE, free_port, started
 from .cli import run
 from .job_output import run_job
 from .stream_client import Outcome, send
 
-LAUNCH_SERVE = Path(__file__).resolve().parents[2] / "launch" / "serve.py"
 STYLES = ("Answer in one word: {}", "Answer yes or no, then one sentence why: {}", "In one short sentence: {}",
           "{}", "Briefly: {}", "Give three short bullet points: {}", "Explain in about 150 words: {}",
           "Explain to a ten-year-old, in a short paragraph: {}")
@@ -71,15 +68,12 @@ def main(dialog_count: int = 256, rows: int = 16, max_gen_len: int = 256, max_se
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     jobs = dialogs(dialog_count)
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(LAUNCH_SERVE), "--ckpt_dir", ckpt_dir, "--tokenizer_path",
-                               tokenizer_path, "--port", str(port), "--max_batch_size", str(rows), "--max_seq_len",
-                               str(max_seq_len), "--model_name", "bench"], stdout=subprocess.DEVNULL)
-    try:
+    command = [sys.executable, str(LAUNCH_SERVE), "--ckpt_dir", ckpt_dir, "--tokenizer_path", tokenizer_path,
+               "--port", str(port), "--max_batch_size", str(rows), "--max_seq_len", str(max_seq_len),
+               "--model_name", "bench"]
+    with started("our server", command, port) as url:
         script = script_side(jobs, ckpt_dir, tokenizer_path, rows, max_gen_len, max_seq_len)
-        served = asyncio.run(server_side(f"http://127.0.0.1:{port}", jobs, rows, max_gen_len))
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(timeout=60)
+        served = asyncio.run(server_side(url, jobs, rows, max_gen_len))
     same = sum(a == b for a, b in zip(script.pop("texts"), served.pop("texts")))
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -122,7 +116,6 @@ def script_side(jobs: list, ckpt_dir: str, tokenizer_path: str, rows: int, max_g
 async def server_side(url: str, jobs: list, clients: int, max_tokens: int) -> dict:
     """The dialogs sent by `clients` closed-loop streaming clients, once the server is up and warm."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(1200.0, connect=10.0)) as client:
-        await wait_for_health(client, url)
         bodies = [{"model": "bench", "messages": dialog, "max_tokens": max_tokens, "temperature": 0,
                    "repetition_penalty": 1.0, "stream": True, "stream_options": {"include_usage": True}}
                   for dialog in jobs]
@@ -143,24 +136,6 @@ async def server_side(url: str, jobs: list, clients: int, max_tokens: int) -> di
     tokens = sum(outcome.tokens for outcome in outcomes)
     return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
             "texts": [outcome.text for outcome in outcomes]}
-
-
-async def wait_for_health(client: httpx.AsyncClient, url: str, seconds: float = 600) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if (await client.get(f"{url}/health")).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        await asyncio.sleep(0.5)
-    raise TimeoutError(f"the server at {url} was not ready within {seconds:.0f} s")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":
