@@ -320,3 +320,15 @@ def test_the_switches_default_to_metas_llama_and_refuse_nonsense():
                          ({"use_scaled_rope": True, "rope_low_freq_factor": 4.0}, "must exceed rope_low_freq_factor")):
         with pytest.raises(ValueError, match=message):
             ModelArgs.from_dict({"dim": 64, "n_layers": 1, "n_heads": 4} | bad)
+
+
+@pytest.mark.parametrize("family", list(GGUF_ARCHITECTURES))
+def test_gguf_vocabulary_encodes_as_the_hugging_face_tokenizer(families, family):
+    """The tokenizer.json written from a GGUF's vocabulary (pre-tokenizer llama-bpe or qwen2)
+    encodes text as the model's own tokenizer.json does."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(families[family][1])
+    ours = build(families[f"gguf/{family}"][2]).tokenizer
+    for text in ("the quick brown fox", "Paris is in France 12345!", "  lazy\n\ndog's 7 jumps\t<|im_end|>"):
+        assert ours.encode(text, bos=False, eos=False) == reference.encode(text, add_special_tokens=False, split_special_tokens=True)
