@@ -332,3 +332,13 @@ def test_gguf_vocabulary_encodes_as_the_hugging_face_tokenizer(families, family)
     ours = build(families[f"gguf/{family}"][2]).tokenizer
     for text in ("the quick brown fox", "Paris is in France 12345!", "  lazy\n\ndog's 7 jumps\t<|im_end|>"):
         assert ours.encode(text, bos=False, eos=False) == reference.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def test_prompt_lookup_speculation_past_the_window_gives_plain_decodings_tokens(families):
+    """Guesses verified several at a time, each row at its own position, under the sliding window."""
+    _, _, ckpt = families["mistral_window"]
+    tokens = batch()
+    prompts = [tokens[0, :20].tolist() * 2, tokens[1, :8].tolist()]  # a repeat for lookup to guess from
+    plain, _ = build(ckpt).generate(prompts, max_gen_len=16, temperature=0)
+    speculated, _ = build(ckpt, speculate="lookup", speculate_k=4).generate(prompts, max_gen_len=16, temperature=0)
+    assert speculated == plain
