@@ -162,6 +162,7 @@ def rounded_like_llama_tp(model: torch.nn.Module, quantize: str) -> torch.nn.Mod
     return rounded
 
 
+@pytest.mark.slow  # int8 and int4 compile their products on first use
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("family", ["qwen2", "mistral_window"])
 def test_quantized_cousins_equal_transformers_on_the_same_rounded_weights(families, family, quantize):
@@ -334,6 +335,7 @@ def test_gguf_vocabulary_encodes_as_the_hugging_face_tokenizer(families, family)
         assert ours.encode(text, bos=False, eos=False) == reference.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_prompt_lookup_speculation_past_the_window_gives_plain_decodings_tokens(families):
     """Guesses verified several at a time, each row at its own position, under the sliding window."""
     _, _, ckpt = families["mistral_window"]
