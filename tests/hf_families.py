@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from llama_tp.tools.convert.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 
 VOCAB = 320  # the models' vocabulary: the tokenizer's tokens, padded as Qwen pads its embedding
 SEQUENCE = 40  # the tests' longest sequence, longer than WINDOW
@@ -37,10 +39,13 @@ FAMILIES = {
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def tokenizer_files(folder: Path, template: str) -> int:
-    """A trained byte-level BPE tokenizer.json with ChatML's and Mistral's control tokens; its size."""
+def tokenizer_files(folder: Path, template: str, split: str = "") -> int:
+    """A trained byte-level BPE tokenizer.json with ChatML's and Mistral's control tokens, words
+    split by the regex `split` as Llama 3's and Qwen's are (else GPT-2's); its size."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not split)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]) if split else byte_level
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -57,7 +62,8 @@ def hf_model(folder: Path, family: str) -> torch.nn.Module:
     """A random model of `family` saved in folder with its tokenizer; the model, in fp32."""
     config_class, twists, template = FAMILIES[family]
     folder.mkdir(parents=True)
-    assert tokenizer_files(folder, template) <= VOCAB
+    split = {"llama": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "qwen3": QWEN2_SPLIT}.get(family, "")
+    assert tokenizer_files(folder, template, split) <= VOCAB
     config = config_class(**COMMON, **twists, eos_token_id=SPECIALS.index("</s>" if template == MISTRAL else "<|im_end|>"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().eval()

@@ -162,6 +162,7 @@ def rounded_like_llama_tp(model: torch.nn.Module, quantize: str) -> torch.nn.Mod
     return rounded
 
 
+@pytest.mark.slow  # int8 and int4 compile their products on first use
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("family", ["qwen2", "mistral_window"])
 def test_quantized_cousins_equal_transformers_on_the_same_rounded_weights(families, family, quantize):
@@ -320,3 +321,26 @@ def test_the_switches_default_to_metas_llama_and_refuse_nonsense():
                          ({"use_scaled_rope": True, "rope_low_freq_factor": 4.0}, "must exceed rope_low_freq_factor")):
         with pytest.raises(ValueError, match=message):
             ModelArgs.from_dict({"dim": 64, "n_layers": 1, "n_heads": 4} | bad)
+
+
+@pytest.mark.parametrize("family", list(GGUF_ARCHITECTURES))
+def test_gguf_vocabulary_encodes_as_the_hugging_face_tokenizer(families, family):
+    """The tokenizer.json written from a GGUF's vocabulary (pre-tokenizer llama-bpe or qwen2)
+    encodes text as the model's own tokenizer.json does."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(families[family][1])
+    ours = build(families[f"gguf/{family}"][2]).tokenizer
+    for text in ("the quick brown fox", "Paris is in France 12345!", "  lazy\n\ndog's 7 jumps\t<|im_end|>"):
+        assert ours.encode(text, bos=False, eos=False) == reference.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_prompt_lookup_speculation_past_the_window_gives_plain_decodings_tokens(families):
+    """Guesses verified several at a time, each row at its own position, under the sliding window."""
+    _, _, ckpt = families["mistral_window"]
+    tokens = batch()
+    prompts = [tokens[0, :20].tolist() * 2, tokens[1, :8].tolist()]  # a repeat for lookup to guess from
+    plain, _ = build(ckpt).generate(prompts, max_gen_len=16, temperature=0)
+    speculated, _ = build(ckpt, speculate="lookup", speculate_k=4).generate(prompts, max_gen_len=16, temperature=0)
+    assert speculated == plain

@@ -81,8 +81,11 @@ def model_params(config: dict, src: Path) -> dict:
     if config.get("attention_bias"):
         raise ValueError(f"{where}: attention_bias is true (a bias on wo too); llama_tp has biases on "
                          "q, k and v only (Qwen2's)")
-    attention_kinds = set(config.get("layer_types") or ["full_attention"])
-    if config.get("use_sliding_window") and model_type != "mistral" or attention_kinds != {"full_attention"}:
+    # One kind of attention in every layer: Mistral's window everywhere, or none.
+    windowed = model_type == "mistral" and bool(config.get("sliding_window"))
+    one_kind = {"sliding_attention" if windowed else "full_attention"}
+    attention_kinds = set(config.get("layer_types") or one_kind)
+    if config.get("use_sliding_window") and model_type != "mistral" or attention_kinds != one_kind:
         raise ValueError(f"{where}: layer_types {sorted(attention_kinds)} (use_sliding_window "
                          f"{config.get('use_sliding_window')!r}) mixes attention kinds; llama_tp runs one "
                          "kind in every layer")
@@ -103,7 +106,7 @@ def model_params(config: dict, src: Path) -> dict:
         **({"head_size": head_dim} if head_dim * n_heads != dim else {}),
         **({"qkv_bias": True} if model_type == "qwen2" else {}),
         **({"qk_norm": True} if model_type == "qwen3" else {}),
-        **({"sliding_window": config["sliding_window"]} if model_type == "mistral" and config.get("sliding_window") else {}),
+        **({"sliding_window": config["sliding_window"]} if windowed else {}),
     }
     return params | rope_params(rope, where)
 
