@@ -28,8 +28,10 @@ from . import cpu_kernels
 PACKING_ROWS = 8
 
 
-# Asked once: decoding calls `linear` hundreds of times per token.
+# Asked once: decoding calls `linear` hundreds of times per token. oneDNN's bf16 products need
+# AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere it refuses to lay out a bf16 weight at all.
 _ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 # Under torch.compile, a product of at most this many rows by a plain (unpacked) weight is written
@@ -70,15 +72,18 @@ def kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def packable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN multiplies weights of this dtype on this device: CPU builds with oneDNN, fp32 or bf16."""
-    return _ONEDNN and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    """Whether oneDNN multiplies weights of this dtype on this device: CPU builds with oneDNN, fp32,
+    or bf16 where the CPU has oneDNN's bf16 instructions."""
+    return device.type == "cpu" and (_ONEDNN and dtype == torch.float32 or _ONEDNN_BF16 and dtype == torch.bfloat16)
 
 
 def packing_pays(max_rows: int, compiled: bool, dtype: torch.dtype) -> bool:
     """Whether packing CPU weights of this dtype pays for products of up to max_rows rows (a
     decoding batch): not where our kernel takes them (kernel_runs), nor where MKL is faster
-    (MKL_MAX_ROWS), nor, compiled, where the compiler's summed product is; else yes."""
-    if kernel_runs(torch.device("cpu"), dtype) or max_rows <= MKL_MAX_ROWS:
+    (MKL_MAX_ROWS), nor, compiled, where the compiler's summed product is; else yes, where
+    oneDNN takes the dtype (packable)."""
+    cpu = torch.device("cpu")
+    if not packable(cpu, dtype) or kernel_runs(cpu, dtype) or max_rows <= MKL_MAX_ROWS:
         return False
     return not compiled or max_rows > SUMMED_MAX_ROWS
 
