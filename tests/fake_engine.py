@@ -10,6 +10,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Iterator, Optional
 
 from fastapi import FastAPI
@@ -29,8 +30,9 @@ MODEL = "tiny-llama"
 class StandInModel:
     """All the HTTP side reads of a model."""
 
-    def __init__(self, max_seq_len: int):
+    def __init__(self, max_seq_len: int, vocab_size: int = 32000):
         self.max_seq_len = max_seq_len
+        self.args = SimpleNamespace(vocab_size=vocab_size)  # structured outputs compile for it
 
 
 @dataclass

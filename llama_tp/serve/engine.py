@@ -25,6 +25,7 @@ from ..generation import Llama
 from ..logs import logger
 from ..sampling import choose_next, stop_ban
 from ..speculative import Row
+from ..structured import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
 from .requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob
@@ -62,11 +63,13 @@ class Progress:
     decoder: Optional[IncrementalDecoder]
     answer: list[int] = field(default_factory=list)  # generated tokens, without a stop token
     first_token_at: Optional[float] = None
+    adjustment: Optional[RowAdjustment] = None  # its grammar, logit_bias, penalties (None: free)
 
 
 class Engine:
     def __init__(self, generator: Llama, max_prefill_tokens: int, mailbox: Optional[Mailbox] = None):
         """mailbox: rank 0's, from the HTTP side; None on the other ranks."""
+        self.generator = generator
         self.model = generator.model
         self.tokenizer = generator.tokenizer
         self.device = generator.model.rotary.device
@@ -149,7 +152,11 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(admission.seed)
             watches_text = self.mailbox is not None or bool(admission.request.stop)
             decoder = IncrementalDecoder(self.tokenizer, admission.request.stop) if watches_text else None
-            sequence.sampling = Progress(generator, decoder)
+            request = admission.request
+            # structured outputs (llama_tp/structured): each rank keeps its own grammar state
+            adjustment = make_adjustment(self.generator, request.constraint, request.logit_bias,
+                                         request.presence_penalty, request.frequency_penalty)
+            sequence.sampling = Progress(generator, decoder, adjustment=adjustment)
             if self.mailbox is not None:
                 self.mailbox.metrics.prompt_tokens.inc(sequence.prompt_length)
                 self.mailbox.metrics.cached_prompt_tokens.inc(sequence.reused)
@@ -171,7 +178,14 @@ class Engine:
                 self.speculator.draft.catch_up([chunk.sequence.slot.index], [tokens], plain=True)
         if plan.decode:
             if self.speculator is not None:
-                self._speculate(plan.decode)
+                # structured outputs (llama_tp/structured): a draft's guesses are not checked
+                # against a grammar, so adjusted rows decode a token a step beside the rounds
+                adjusted = [chunk for chunk in plan.decode if chunk.sequence.sampling.adjustment is not None]
+                free = [chunk for chunk in plan.decode if chunk.sequence.sampling.adjustment is None]
+                if free:
+                    self._speculate(free)
+                if adjusted:
+                    self._feed(adjusted)
             else:
                 self._feed(plan.decode)
 
@@ -208,6 +222,10 @@ class Engine:
         if not chunks[0].completes:  # a prompt's chunk before its last: nothing to choose yet
             return
         logits = logits[:, -1]  # bsz, vocab (or this rank's slice of it)
+        # structured outputs, logit_bias, penalties (llama_tp/structured): free rows pay nothing
+        logits = adjust_rows([s.sampling.adjustment for s in sequences], logits,
+                             parallel.model_parallel_rank() * logits.shape[-1] if plain_greedy else 0,
+                             self.model.args.vocab_size)
         if plain_greedy:  # each rank offers the best of its slice: no logits gathered
             picks = [(token, None) for token in parallel.vocab_argmax(logits).tolist()]
         else:
@@ -234,6 +252,8 @@ class Engine:
         """Append a chosen token and end the sequence where it ends (then True); rank 0 hands the
         client its text."""
         request, progress = sequence.request, sequence.sampling
+        if progress.adjustment is not None:  # structured outputs (llama_tp/structured)
+            progress.adjustment.accept(token)
         sequence.tokens.append(token)
         sequence.generated += 1
         stopped = token in request.stop_tokens

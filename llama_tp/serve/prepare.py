@@ -5,8 +5,10 @@ Everything the engine could trip on is refused here with a RequestError (400), s
 request reaches the ranks.
 """
 
-from typing import Optional
+import json
+from typing import Any, Optional
 
+from ..structured import Constraint, grammars_for
 from ..text.chat_format import SPECIAL_TAGS
 from ..text.streaming import check_stop
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
@@ -93,7 +95,77 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
         name = message.split()[0]
         param = OPTION_PARAMS.get(name, name)
         raise RequestError(400, f"`{param}`{message[len(name):]}", param, "invalid_value") from None
+    constraint = _constraint(body, generator)
+    if constraint is not None:
+        if min_tokens:
+            raise RequestError(400, "`min_tokens` cannot be combined with a structured output: the grammar "
+                               "decides where the answer ends", "min_tokens", "invalid_value")
+        # a finished grammar allows only its stop tokens (a chat format's end of turn among them)
+        stop_tokens = set(stop_tokens) | grammars_for(generator).stop_tokens
     return GenerationRequest(
         id=request_id, prompt_tokens=tuple(prompt_tokens), max_tokens=max_tokens, options=options,
         stop_tokens=frozenset(stop_tokens), stop=stop, logprobs=logprobs, top_logprobs=top_logprobs,
+        constraint=constraint,
     )
+
+
+def _constraint(body: SamplingRequest, generator) -> Optional[Constraint]:
+    """The one structured output the body asks for, compiled once here so that a grammar the
+    engine cannot compile is a 400 naming the field (the ranks find it in their caches)."""
+    asked = [(param, constraint) for param, constraint in _constraints_asked(body) if constraint is not None]
+    if len(asked) > 1:
+        raise RequestError(400, f"`{asked[0][0]}` and `{asked[1][0]}` both constrain the answer; send one of them",
+                           asked[1][0], "invalid_value")
+    if not asked:
+        return None
+    param, constraint = asked[0]
+    try:
+        grammars_for(generator).compile(constraint)
+    except ValueError as error:
+        raise RequestError(400, f"`{param}` cannot be compiled into a grammar: {error}", param,
+                           "invalid_value") from None
+    return constraint
+
+
+def _constraints_asked(body: SamplingRequest) -> list[tuple[str, Optional[Constraint]]]:
+    """(the field's name, its constraint or None) for every field that may constrain the answer."""
+    asked = []
+    if body.response_format is not None:
+        spec = body.response_format.json_schema
+        constraint = {"text": None, "json_object": Constraint("json_object"),
+                      "json_schema": spec and Constraint.json_schema(spec.schema_ or {"type": "object"})}
+        param = "response_format.json_schema.schema" if spec is not None else "response_format"
+        asked.append((param, constraint[body.response_format.type]))
+    outputs = body.structured_outputs
+    if outputs is not None:
+        given = [(name, value) for name, value in (("json", outputs.json_), ("regex", outputs.regex),
+                 ("choice", outputs.choice), ("grammar", outputs.grammar),
+                 ("json_object", outputs.json_object or None)) if value is not None]
+        if len(given) != 1:
+            raise RequestError(400, "`structured_outputs` takes exactly one of json, regex, choice, grammar or "
+                               f"json_object, found {len(given)}", "structured_outputs", "invalid_value")
+        name, value = given[0]
+        asked.append((f"structured_outputs.{name}", _vllm_constraint(name, value, f"structured_outputs.{name}")))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{name}")
+        if value is not None:
+            asked.append((f"guided_{name}", _vllm_constraint(name, value, f"guided_{name}")))
+    return asked
+
+
+def _vllm_constraint(name: str, value: Any, param: str) -> Constraint:
+    """vLLM's json (a schema, or one as a JSON string), regex, choice, grammar or json_object."""
+    if name == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as error:
+                raise RequestError(400, f"`{param}` is a string but not JSON: {error}", param, "invalid_value") from None
+            if not isinstance(value, dict):
+                raise RequestError(400, f"`{param}` must be a JSON schema object", param, "invalid_value")
+        return Constraint.json_schema(value)
+    if name == "choice":
+        return Constraint.choice(value)
+    if name == "json_object":
+        return Constraint("json_object")
+    return Constraint(name, value)

@@ -8,7 +8,7 @@ is checked where the request is built (prepare.py).
 """
 
 import json
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -105,7 +105,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "tool_choice": (("none",), "it does not call tools"),
     "functions": (([],), "it does not call functions"),
     "function_call": (("none",), "it does not call functions"),
-    "response_format": (({"type": "text"},), "it does not constrain answers to JSON"),
     "modalities": ((["text"],), "it answers in text only"),
     "audio": ((), "it answers in text only"),
     "prediction": ((), "it does not use predicted outputs"),
@@ -145,6 +144,38 @@ class StreamOptions(Body):
     include_obfuscation: Optional[bool] = None  # padding against a side channel: ignored
 
 
+class JsonSchema(Body):
+    """response_format's json_schema: the answer is JSON valid under schema."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")  # None: any JSON object
+    strict: Optional[bool] = None  # the answer always follows the schema here
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("expected", '{"type": "json_schema", "json_schema": {"name": ..., '
+                                      '"schema": {...}}}, or a type "text" or "json_object" alone')
+        return self
+
+
+class StructuredOutputs(Body):
+    """vLLM's structured_outputs: one of a JSON schema, a regular expression, a choice among
+    strings or an EBNF grammar (xgrammar's, as GBNF)."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = Field(None, min_length=1)
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
 class ChatMessage(Body):
     role: str  # the chat format knows its roles (chat_format.py); "developer" is OpenAI's new "system"
     content: TextContent
@@ -173,6 +204,14 @@ class SamplingRequest(Body):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older names.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = Field(None, min_length=1)
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None  # there is one here (xgrammar): ignored
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -204,7 +243,6 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
