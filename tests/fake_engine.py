@@ -47,11 +47,11 @@ class Served:
 
 @contextmanager
 def served(tokenizer, max_waiting: int = 8, ready: bool = True, max_seq_len: int = 64,
-           **engine_options) -> Iterator[Served]:
+           api_key: Optional[str] = None, **engine_options) -> Iterator[Served]:
     """The app on a free port of 127.0.0.1 with a fake engine behind it (READY unless ready=False)."""
     mailbox = Mailbox(max_waiting, ServerMetrics())
     generator = Llama(StandInModel(max_seq_len), tokenizer)
-    app = create_app(mailbox, generator, MODEL)
+    app = create_app(mailbox, generator, MODEL, api_key)
     server = ServerThread(app, bind("127.0.0.1", 0)).start()
     engine = FakeEngine(mailbox, tokenizer, **engine_options).start(ready)
     try:

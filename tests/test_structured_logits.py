@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from llama_tp.structured import Constraint, Grammars, RowAdjustment, adjust_rows
-from llama_tp.structured.constraint import from_response_format
-from llama_tp.structured.grammars import tokenizer_info
+from llama_tp.structured.constraint import Constraint, from_response_format
+from llama_tp.structured.grammars import Grammars, tokenizer_info
+from llama_tp.structured.rows import RowAdjustment, adjust_rows
 from llama_tp.structured.logits import allowed_tokens, bias_logits, mask_logits, penalize_logits
 from llama_tp.text.tokenizer import Llama3Tokenizer
 from tiny_checkpoint import SHARED_DATA

@@ -10,7 +10,10 @@ import jsonschema
 import openai
 import pytest
 
-from demo_server import MODEL, DemoServer
+from demo_server import MODEL, demo_server
+from distributed import run_world
+from llama_tp import Llama
+from llama_tp.tools import demo
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +62,7 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    served = DemoServer(tmp_path_factory.mktemp("structured") / "serve.log")
+    served = demo_server(tmp_path_factory.mktemp("structured") / "serve.log")
     yield served
     served.close()
 
@@ -131,3 +134,21 @@ def test_constrained_and_free_requests_share_the_batch(server):
         for name, future in zip(SCHEMAS, constrained):
             jsonschema.validate(json.loads(future.result()), SCHEMAS[name])
         assert [future.result() for future in frees] == [alone, alone]
+
+
+def _api_answers(checkpoint: str) -> list[str]:
+    """chat_completion and text_completion with response_format, greedy, a batch of two dialogs."""
+    llama = Llama.build(checkpoint, f"{checkpoint}/tokenizer.json", max_seq_len=512, max_batch_size=2)
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMAS["nested objects"]}}
+    dialogs = [[{"role": "user", "content": "Who lives where?"}], [{"role": "user", "content": "An address."}]]
+    chats = llama.chat_completion(dialogs, temperature=0, max_gen_len=120, response_format=response_format)
+    ranges = {"type": "json_schema", "json_schema": {"name": "b", "schema": SCHEMAS["number ranges"]}}
+    texts = llama.text_completion(["My pet:"], temperature=0, max_gen_len=60, response_format=ranges)
+    return [chat["generation"]["content"] for chat in chats] + [texts[0]["generation"]]
+
+
+def test_the_python_api_takes_response_format():
+    first, second, text = run_world(1, _api_answers, str(demo.demo_checkpoint(1)))[0]
+    for answer in (first, second):
+        jsonschema.validate(json.loads(answer), SCHEMAS["nested objects"])
+    jsonschema.validate(json.loads(text), SCHEMAS["number ranges"])

@@ -25,7 +25,7 @@ from ..generation import Llama
 from ..logs import logger
 from ..sampling import choose_next, stop_ban
 from ..speculative import Row
-from ..structured import RowAdjustment, adjust_rows, make_adjustment
+from ..structured.rows import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
 from .requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob

@@ -8,7 +8,8 @@ request reaches the ranks.
 import json
 from typing import Any, Optional
 
-from ..structured import Constraint, grammars_for
+from ..structured.constraint import Constraint
+from ..structured.grammars import grammars_for
 from ..text.chat_format import SPECIAL_TAGS
 from ..text.streaming import check_stop
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
@@ -20,16 +21,7 @@ OPTION_PARAMS = {"min_gen_len": "min_tokens"}
 
 def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> GenerationRequest:
     """The request for a chat completion: the dialog in the model's chat format, ended by its end of turn."""
-    dialog = [{"role": "system" if message.role == "developer" else message.role, "content": message.content}
-              for message in body.messages]
-    try:
-        prompt_tokens = generator.formatter.encode_dialog_prompt(dialog)
-    except ValueError as error:
-        raise RequestError(400, f"`messages`: {error}", "messages", "invalid_value") from None
-    if generator.formatter.is_unsafe(dialog):
-        raise RequestError(400, f"`messages`: a message holds one of the chat format's control tags "
-                           f"({', '.join(SPECIAL_TAGS)}), which could forge the dialog's turns; remove them",
-                           "messages", "invalid_value")
+    prompt_tokens = dialog_tokens(body.messages, generator)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs", "invalid_value")
     max_tokens, limit_param = body.max_tokens, "max_tokens"
@@ -43,13 +35,33 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> Gen
                     generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param)
 
 
+def dialog_tokens(messages: list, generator) -> list[int]:
+    """The prompt of checked messages in the model's chat format, up to the assistant's turn."""
+    dialog = [{"role": "system" if message.role == "developer" else message.role, "content": message.content}
+              for message in messages]
+    try:
+        prompt_tokens = generator.formatter.encode_dialog_prompt(dialog)
+    except ValueError as error:
+        raise RequestError(400, f"`messages`: {error}", "messages", "invalid_value") from None
+    if generator.formatter.is_unsafe(dialog):
+        raise RequestError(400, f"`messages`: a message holds one of the chat format's control tags "
+                           f"({', '.join(SPECIAL_TAGS)}), which could forge the dialog's turns; remove them",
+                           "messages", "invalid_value")
+    return prompt_tokens
+
+
+def text_tokens(prompt: str, generator, bos: bool = True) -> list[int]:
+    """A completion prompt's tokens, after the begin token where the tokenizer adds one."""
+    try:
+        return generator.tokenizer.encode(prompt, bos=bos, eos=False)
+    except ValueError as error:
+        raise RequestError(400, f"`prompt`: {error}", "prompt", "invalid_value") from None
+
+
 def completion_request(body: CompletionRequest, generator, request_id: str) -> GenerationRequest:
     """The request for a text completion: the prompt after bos, ended by the tokenizer's stop tokens."""
     if isinstance(body.prompt, str):
-        try:
-            prompt_tokens = generator.tokenizer.encode(body.prompt, bos=True, eos=False)
-        except ValueError as error:
-            raise RequestError(400, f"`prompt`: {error}", "prompt", "invalid_value") from None
+        prompt_tokens = text_tokens(body.prompt, generator)
     else:
         prompt_tokens = body.prompt
         vocab = generator.tokenizer.n_words
@@ -105,8 +117,22 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
     return GenerationRequest(
         id=request_id, prompt_tokens=tuple(prompt_tokens), max_tokens=max_tokens, options=options,
         stop_tokens=frozenset(stop_tokens), stop=stop, logprobs=logprobs, top_logprobs=top_logprobs,
-        constraint=constraint,
+        constraint=constraint, logit_bias=_logit_bias(body.logit_bias, generator.model.args.vocab_size),
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
     )
+
+
+def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (token, bias) pairs, each id checked against the vocabulary."""
+    pairs = []
+    for key, bias in (logit_bias or {}).items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab:
+            raise RequestError(400, f"`logit_bias` has the key {json.dumps(key)}, which is not a token id in the "
+                               f"vocabulary [0, {vocab})", "logit_bias", "invalid_value")
+        if bias:
+            pairs.append((token, float(bias)))
+    return tuple(pairs)
 
 
 def _constraint(body: SamplingRequest, generator) -> Optional[Constraint]:

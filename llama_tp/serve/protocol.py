@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 # from the status alone; the type and code are for people and logs).
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     429: "rate_limit_error",
@@ -96,9 +97,6 @@ Prompt = Annotated[Union[str, list[int]], BeforeValidator(_prompt)]
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "it gives one choice per request; send one request per choice"),
     "best_of": ((1,), "it gives one choice per request"),
-    "presence_penalty": ((0,), "use repetition_penalty (e.g. 1.1) to discourage repeats"),
-    "frequency_penalty": ((0,), "use repetition_penalty (e.g. 1.1) to discourage repeats"),
-    "logit_bias": (({},), "it does not bias tokens"),
     "echo": ((False,), "it does not return the prompt with the answer"),
     "suffix": (("",), "it does not fill in text before a suffix"),
     "tools": (([],), "it does not call tools"),
@@ -201,9 +199,9 @@ class SamplingRequest(Body):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # the end user, for an operator's abuse monitoring: ignored
     n: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)  # OpenAI's range
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # token id: bias
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older names.
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
@@ -267,7 +265,37 @@ class CompletionRequest(SamplingRequest):
     suffix: Any = None
 
 
-def parse_body(raw: bytes, model: type[SamplingRequest]) -> SamplingRequest:
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: a prompt's tokens, or a dialog's in the chat format."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: bool = True  # a completion's begin token (where the tokenizer adds one)
+    add_generation_prompt: Optional[bool] = None  # the chat format always opens the assistant's turn
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("expected", "one of `prompt` or `messages`")
+        return self
+
+    def check_supported(self) -> None:
+        for index, message in enumerate(self.messages or ()):
+            _refuse_unsupported(message, f"messages[{index}].")
+
+
+class DetokenizeRequest(Body):
+    """vLLM's /detokenize: the text of token ids."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+    def check_supported(self) -> None:
+        pass
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
     """The request body as model, or a RequestError saying what is wrong with it."""
     try:
         data = json.loads(raw, parse_constant=_refuse_constant)
@@ -301,6 +329,8 @@ def _request_error(error: dict) -> RequestError:
         return RequestError(400, f"`{param}`: {message}", param, "unsupported_parameter")
     if kind == "stream_options":
         return RequestError(400, message, "stream_options", "invalid_value")
+    if kind == "expected" and not param:  # a check on the body as a whole
+        return RequestError(400, f"the body must have {message}", None, "invalid_type")
     if kind == "expected":
         return RequestError(400, f"`{param}` must be {message}, found {found}", param, "invalid_type")
     code = "invalid_type" if kind.endswith("_type") else "invalid_value"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..sampling import SamplingOptions
-from ..structured import Constraint
+from ..structured.constraint import Constraint
 
 
 class RequestState(enum.Enum):

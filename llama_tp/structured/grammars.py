@@ -11,11 +11,13 @@ import threading
 import weakref
 from typing import Iterable
 
-import xgrammar
+from ..optional import require
 
 from ..text.hf_tokenizer import HFTokenizer
 from ..text.tokenizer import Llama3Tokenizer, Tokenizer
 from .constraint import Constraint
+
+xgrammar = require("xgrammar", "structured outputs", 'pip install "llama-tp[serve]"')
 
 # Most compiled grammars kept; a schema sent again after it was evicted compiles again.
 CACHE_SIZE = 256

@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import xgrammar
 
 from .constraint import Constraint
-from .grammars import grammars_for
+from .grammars import grammars_for, xgrammar
 from .logits import allowed_tokens, bias_logits, mask_logits, penalize_logits
 
 
