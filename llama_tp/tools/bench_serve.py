@@ -109,6 +109,13 @@ def print_table(results: list[dict]) -> None:
             print(f"concurrency {r['concurrency']}: error: {error}")
 
 
+# --structured: every answer constrained to a JSON object whose one string field holds the answer,
+# so that constrained answers run about as long as free ones (measured in output tokens per second).
+STRUCTURED_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+    "additionalProperties": False}}}
+
+
 def request_body(index: int, model: str, max_tokens: int, extra_body: dict) -> dict:
     """The index-th request: the next prompt in turn, with its share of max_tokens."""
     prompt, share = PROMPTS[index % len(PROMPTS)]
@@ -176,6 +183,7 @@ def main(
     warmup: int = 1,
     extra_body: Union[str, dict, None] = None,
     case: str = "load",
+    structured: bool = False,
 ):
     """Measure a server at each concurrency, print a table and write it as JSON.
 
@@ -193,6 +201,8 @@ def main(
         case: "load" (the concurrencies above) or "reuse": time to first token with and
             without reusing cached prompts, in a growing conversation and behind a shared system
             prompt (bench_reuse.py; the other options but url, model, json_path and label unused).
+        structured: constrain every answer by a JSON schema (STRUCTURED_FORMAT), to compare with
+            the same load unconstrained.
     """
     url = url.rstrip("/")
     if case == "reuse":
@@ -212,6 +222,8 @@ def main(
     extra = json.loads(extra_body) if isinstance(extra_body, str) else json_literals(extra_body or {})
     if not isinstance(extra, dict):
         raise ValueError(f"--extra_body must be a JSON object, found {extra_body!r}")
+    if structured:
+        extra = {"response_format": STRUCTURED_FORMAT} | extra
     model, results = asyncio.run(benchmark(url, levels, requests, max_tokens, model, warmup, extra))
     print_table(results)
     write_report(json_path, label, url, model, {"concurrency": list(levels), "requests": requests,
