@@ -89,7 +89,8 @@ REFUSALS = {
     "detokenize not ids": ("/detokenize", {"tokens": ["a"]}, 400, "invalid_type", "tokens[0]", ["integer"]),
     "best_of": (COMPLETION, GOOD_COMPLETION | {"best_of": 2}, 400, "unsupported_parameter", "best_of",
                 ["not supported"]),
-    "echo": (COMPLETION, GOOD_COMPLETION | {"echo": True}, 400, "unsupported_parameter", "echo", ["not supported"]),
+    "echo with logprobs": (COMPLETION, GOOD_COMPLETION | {"echo": True, "logprobs": 1}, 400, "unsupported_parameter",
+                           "echo", ["not supported"]),
     "suffix": (COMPLETION, GOOD_COMPLETION | {"suffix": "end"}, 400, "unsupported_parameter", "suffix",
                ["not supported"]),
     "image part": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [

@@ -83,6 +83,8 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
             reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage)
             # Off the event loop: a long prompt takes a while to encode.
             prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id)
+            if getattr(body, "echo", False):  # completions' echo: the prompt's text first
+                reply.echo = body.prompt if isinstance(body.prompt, str) else generator.tokenizer.decode(body.prompt)
             stream = mailbox.submit(prepared)
         except RequestError as error:
             return refuse(error)

@@ -69,6 +69,9 @@ def completion_request(body: CompletionRequest, generator, request_id: str) -> G
         if outside:
             raise RequestError(400, f"`prompt` holds token id {outside[0]}, outside the vocabulary [0, {vocab})",
                                "prompt", "invalid_value")
+    if body.echo and body.logprobs is not None:
+        raise RequestError(400, "`echo` with `logprobs` is not supported by this server: it gives the answer's "
+                           "log probabilities only; send one of them", "echo", "unsupported_parameter")
     return _request(body, generator, request_id, prompt_tokens, "prompt", body.max_tokens,
                     generator.tokenizer.stop_tokens, body.logprobs is not None, body.logprobs or 0)
 

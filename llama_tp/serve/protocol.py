@@ -97,7 +97,6 @@ Prompt = Annotated[Union[str, list[int]], BeforeValidator(_prompt)]
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "it gives one choice per request; send one request per choice"),
     "best_of": ((1,), "it gives one choice per request"),
-    "echo": ((False,), "it does not return the prompt with the answer"),
     "suffix": (("",), "it does not fill in text before a suffix"),
     "tools": (([],), "it does not call tools"),
     "tool_choice": (("none",), "it does not call tools"),
@@ -261,7 +260,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     logprobs: Optional[int] = Field(None, ge=0, le=20)  # the legacy form: how many alternatives per token
     best_of: Any = None
-    echo: Any = None
+    echo: Optional[bool] = None  # the prompt's text before the answer's
     suffix: Any = None
 
 

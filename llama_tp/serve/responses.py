@@ -126,6 +126,13 @@ class CompletionReply(Reply):
     def __init__(self, model: str, tokenizer, include_usage: bool = False):
         super().__init__(model, tokenizer, include_usage)
         self.text_offset = 0  # where the next token's text begins, over the chunks of a stream
+        self.echo = ""  # with echo: the prompt's text, before the answer's
+
+    def response(self, text, logprobs, final):
+        return super().response(self.echo + text, logprobs, final)
+
+    def opening(self):
+        return [self.chunk([self.chunk_choice(self.echo, None, None)])] if self.echo else []
 
     def choice(self, text, logprobs, reason):
         return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
