@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ..structured.tools import tool_format
 from .mailbox import Mailbox, ServerState
 from .prepare import chat_request, completion_request, dialog_tokens, text_tokens
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
@@ -83,6 +84,8 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
             reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage)
             # Off the event loop: a long prompt takes a while to encode.
             prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id)
+            if getattr(body, "tools", None) and body.tool_choice != "none":  # answers parsed for calls
+                reply.tools = (tool_format(generator.formatter), {tool.function.name for tool in body.tools})
             if getattr(body, "echo", False):  # completions' echo: the prompt's text first
                 reply.echo = body.prompt if isinstance(body.prompt, str) else generator.tokenizer.decode(body.prompt)
             stream = mailbox.submit(prepared)

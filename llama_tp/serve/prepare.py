@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from ..structured.constraint import Constraint
 from ..structured.grammars import grammars_for
+from ..structured.tools import call_constraint, render_dialog, tool_format
 from ..text.chat_format import SPECIAL_TAGS
 from ..text.streaming import check_stop
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
@@ -21,7 +22,11 @@ OPTION_PARAMS = {"min_gen_len": "min_tokens"}
 
 def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> GenerationRequest:
     """The request for a chat completion: the dialog in the model's chat format, ended by its end of turn."""
-    prompt_tokens = dialog_tokens(body.messages, generator)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+    forced = _forced_call(body, tools, generator)
+    if body.tool_choice == "none":
+        tools = []  # the model is not told of them
+    prompt_tokens = dialog_tokens(body.messages, generator, tools)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs", "invalid_value")
     max_tokens, limit_param = body.max_tokens, "max_tokens"
@@ -32,13 +37,34 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> Gen
                                "max_completion_tokens", "invalid_value")
         max_tokens, limit_param = body.max_completion_tokens, "max_completion_tokens"
     return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
-                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param)
+                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param, forced)
 
 
-def dialog_tokens(messages: list, generator) -> list[int]:
-    """The prompt of checked messages in the model's chat format, up to the assistant's turn."""
-    dialog = [{"role": "system" if message.role == "developer" else message.role, "content": message.content}
-              for message in messages]
+def _forced_call(body: ChatCompletionRequest, tools: list[dict], generator) -> Optional[Constraint]:
+    """The grammar of the call tool_choice forces ("required" or a named function), else None."""
+    choice = body.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if not tools:
+        raise RequestError(400, f"`tool_choice` {_shown_choice(choice)} needs `tools`", "tool_choice", "invalid_value")
+    names = [tool["function"]["name"] for tool in tools]
+    name = None if choice == "required" else choice.function.name
+    if name is not None and name not in names:
+        raise RequestError(400, f"`tool_choice.function.name` is {json.dumps(name)}, which is not one of the tools: "
+                           f"{', '.join(names)}", "tool_choice.function.name", "invalid_value")
+    return call_constraint(tools, name, tool_format(generator.formatter))
+
+
+def _shown_choice(choice) -> str:
+    return json.dumps(choice) if isinstance(choice, str) else json.dumps(choice.model_dump())
+
+
+def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None) -> list[int]:
+    """The prompt of checked messages in the model's chat format, up to the assistant's turn, with
+    the tools described and earlier calls and answers in the model's tool format."""
+    plain = [{"role": "system" if message.role == "developer" else message.role, "content": message.content,
+              "tool_calls": [call.model_dump() for call in message.tool_calls or ()]} for message in messages]
+    dialog = render_dialog(plain, tools or [], tool_format(generator.formatter))
     try:
         prompt_tokens = generator.formatter.encode_dialog_prompt(dialog)
     except ValueError as error:
@@ -78,8 +104,9 @@ def completion_request(body: CompletionRequest, generator, request_id: str) -> G
 
 def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: list[int], prompt_param: str,
              max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int,
-             limit_param: str = "max_tokens") -> GenerationRequest:
+             limit_param: str = "max_tokens", forced: Optional[Constraint] = None) -> GenerationRequest:
     """The checks and the request both endpoints share; limit_param: the field max_tokens came from."""
+    constraint = _constraint(body, generator, forced)
     max_seq_len = generator.model.max_seq_len
     if not prompt_tokens:
         raise RequestError(400, f"`{prompt_param}` is empty; it needs at least one token", prompt_param,
@@ -110,7 +137,6 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
         name = message.split()[0]
         param = OPTION_PARAMS.get(name, name)
         raise RequestError(400, f"`{param}`{message[len(name):]}", param, "invalid_value") from None
-    constraint = _constraint(body, generator)
     if constraint is not None:
         if min_tokens:
             raise RequestError(400, "`min_tokens` cannot be combined with a structured output: the grammar "
@@ -138,10 +164,13 @@ def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tup
     return tuple(pairs)
 
 
-def _constraint(body: SamplingRequest, generator) -> Optional[Constraint]:
-    """The one structured output the body asks for, compiled once here so that a grammar the
-    engine cannot compile is a 400 naming the field (the ranks find it in their caches)."""
+def _constraint(body: SamplingRequest, generator, forced: Optional[Constraint] = None) -> Optional[Constraint]:
+    """The one structured output the body asks for (forced: a tool call tool_choice forces),
+    compiled once here so that a grammar the engine cannot compile is a 400 naming the field (the
+    ranks find it in their caches)."""
     asked = [(param, constraint) for param, constraint in _constraints_asked(body) if constraint is not None]
+    if forced is not None:
+        asked.insert(0, ("tool_choice", forced))
     if len(asked) > 1:
         raise RequestError(400, f"`{asked[0][0]}` and `{asked[1][0]}` both constrain the answer; send one of them",
                            asked[1][0], "invalid_value")

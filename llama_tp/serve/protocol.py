@@ -98,8 +98,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "it gives one choice per request; send one request per choice"),
     "best_of": ((1,), "it gives one choice per request"),
     "suffix": (("",), "it does not fill in text before a suffix"),
-    "tools": (([],), "it does not call tools"),
-    "tool_choice": (("none",), "it does not call tools"),
     "functions": (([],), "it does not call functions"),
     "function_call": (("none",), "it does not call functions"),
     "modalities": ((["text"],), "it answers in text only"),
@@ -113,7 +111,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "service_tier": (("auto", "default"), "it has one tier"),
     # within a message
     "name": ((), "a message's participant name has no place in this model's chat format"),
-    "tool_calls": (([],), "it does not call tools"),
     "refusal": ((), "it takes a message's text as content"),
 }
 
@@ -173,13 +170,56 @@ class StructuredOutputs(Body):
     json_object: Optional[bool] = None
 
 
+class Function(Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None  # a forced call always follows the schema here
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(Body):
+    """A call in an assistant message, as OpenAI answered it."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(Body):
     role: str  # the chat format knows its roles (chat_format.py); "developer" is OpenAI's new "system"
-    content: TextContent
-    tool_call_id: Optional[str] = None  # the call a "tool" message answers: ignored
+    content: Optional[TextContent] = None  # None only beside an assistant's tool_calls
+    tool_call_id: Optional[str] = None  # the call a "tool" message answers
     name: Any = None
-    tool_calls: Any = None
+    tool_calls: Optional[list[ToolCallMessage]] = None
     refusal: Any = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "`content` is required (it may be null only beside an "
+                                      "assistant's `tool_calls`)")
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("content", f"`tool_calls` belong to assistant messages, not {self.role!r} ones")
+        return self
 
 
 class SamplingRequest(Body):
@@ -231,13 +271,13 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     # Hints that change nothing here: ignored.
     metadata: Optional[dict[str, str]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = None  # the answer's calls are all returned; a forced call is one
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -316,7 +356,9 @@ def _refuse_constant(name: str) -> None:
 
 def _request_error(error: dict) -> RequestError:
     """A RequestError from pydantic's first error, naming the field as a path: messages[0].role."""
-    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    # A union's branch shows in the path as its type (literal[...], NamedToolChoice): not a field, left out.
+    loc = [part for part in error["loc"] if isinstance(part, int) or not (part[:1].isupper() or "[" in part)]
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
     kind, message = error["type"], error["msg"]
     found = _shown(error.get("input"))
     if kind == "missing":
@@ -328,6 +370,8 @@ def _request_error(error: dict) -> RequestError:
         return RequestError(400, f"`{param}`: {message}", param, "unsupported_parameter")
     if kind == "stream_options":
         return RequestError(400, message, "stream_options", "invalid_value")
+    if kind == "content":  # a message's own check: its path, without pydantic's wording
+        return RequestError(400, f"`{param}`: {message}", param or None, "invalid_value")
     if kind == "expected" and not param:  # a check on the body as a whole
         return RequestError(400, f"the body must have {message}", None, "invalid_type")
     if kind == "expected":

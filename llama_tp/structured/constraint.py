@@ -5,13 +5,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
 
 
 @dataclass(frozen=True)
 class Constraint:
     """kind: one of KINDS; source: the schema as canonical JSON, the regex, the choices as a JSON
-    list, or the EBNF grammar (empty for json_object)."""
+    list, the EBNF grammar, a forced tool call's schema and text around it (tools.py), or empty
+    for json_object."""
 
     kind: str
     source: str = ""

@@ -96,6 +96,14 @@ class Grammars:
             return self.compiler.compile_regex("|".join(_regex_literal(choice) for choice in json.loads(source)))
         if kind == "grammar":
             return self.compiler.compile_grammar(source)
+        if kind == "tool_call":  # a forced tool call: fixed text around a JSON schema (tools.py)
+            parts = json.loads(source)
+            pieces = [xgrammar.Grammar.from_json_schema(json.dumps(parts["schema"]), any_whitespace=False)]
+            if parts["before"]:
+                pieces.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['before'])}"))
+            if parts["after"]:
+                pieces.append(xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['after'])}"))
+            return self.compiler.compile_grammar(xgrammar.Grammar.concat(*pieces) if len(pieces) > 1 else pieces[0])
         raise ValueError(f"unknown constraint kind {kind!r}")
 
 
