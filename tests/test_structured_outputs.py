@@ -6,6 +6,7 @@ streams too. Needs the demo model (downloaded once per machine, see test_demo_ne
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -152,3 +153,50 @@ def test_the_python_api_takes_response_format():
     for answer in (first, second):
         jsonschema.validate(json.loads(answer), SCHEMAS["nested objects"])
     jsonschema.validate(json.loads(text), SCHEMAS["number ranges"])
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 30}},
+                                                "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_round_trip(server, stream):
+    """The model calls the function (forced), the tool's answer goes back, the model answers in words."""
+    openai_client = client(server)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    answer = openai_client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                                   tool_choice="required", max_tokens=80, stream=stream)
+    if stream:
+        chunks = [chunk for chunk in answer if chunk.choices]
+        calls = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        calls, finish = answer.choices[0].message.tool_calls, answer.choices[0].finish_reason
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    call = {"id": calls[0].id, "type": "function",
+            "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": calls[0].id, "content": '{"celsius": 18, "sky": "cloudy"}'}]
+    words = openai_client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                                  max_tokens=40)
+    assert words.choices[0].message.content and not words.choices[0].message.tool_calls
+    assert words.choices[0].finish_reason in ("stop", "length")
+
+
+def test_logit_bias_bans_and_forces_tokens(server):
+    openai_client = client(server)
+    messages = [{"role": "user", "content": "Say hello."}]
+    plain = openai_client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=1,
+                                                  logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
+    banned = openai_client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=1,
+                                                   logit_bias={str(tokens[0]): -100})
+    assert banned.choices[0].message.content != first
+    forced = openai_client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=3,
+                                                   logit_bias={"28": 100})  # "=" every time
+    detokenized = httpx.post(f"{server.url}/detokenize", json={"tokens": [28, 28, 28]}).json()["prompt"]
+    assert forced.choices[0].message.content == detokenized
