@@ -9,6 +9,7 @@ batching). It prints one line with the URL once it answers. Ctrl-C or SIGTERM st
 requests end with what they have, new ones are refused, and every rank leaves.
 """
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -43,6 +44,9 @@ def main(
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
     draft_quantize: Optional[str] = None,
+    api_key: Optional[str] = None,
+    ssl_certfile: Optional[str] = None,
+    ssl_keyfile: Optional[str] = None,
 ):
     """Answer OpenAI-style HTTP requests until Ctrl-C or SIGTERM.
 
@@ -71,16 +75,24 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+        api_key: every /v1/ request must then carry `Authorization: Bearer API_KEY`, else 401
+            (default: $LLAMA_TP_API_KEY, else none; /health and /metrics stay open). Prefer the
+            variable: a command line is visible to every user of the machine.
+        ssl_certfile: serve HTTPS with this PEM certificate (with --ssl_keyfile).
+        ssl_keyfile: the certificate's PEM private key.
     """
     placement = parallel.init()
+    api_key = api_key if api_key is not None else os.environ.get("LLAMA_TP_API_KEY") or None
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     mailbox = Mailbox(max_waiting, ServerMetrics()) if placement.is_main else None
     app = server = None
     with parallel.agreement("opening the server's port"):  # a busy port fails every rank, before loading
-        if placement.is_main:
-            app = create_app(mailbox, None, name)
-            server = ServerThread(app, bind(host, port)).start()  # /health says 503 while loading
+        if placement.is_main:  # only rank 0 reads the TLS files
+            _check_tls(ssl_certfile, ssl_keyfile)
+            app = create_app(mailbox, None, name, api_key)
+            # /health says 503 while loading
+            server = ServerThread(app, bind(host, port), ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile).start()
     try:
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
                                 quantize=quantize, compile=compile,
@@ -99,6 +111,16 @@ def main(
     finally:
         if server is not None:
             server.stop()  # open streams get their last events first
+
+
+def _check_tls(ssl_certfile: Optional[str], ssl_keyfile: Optional[str]) -> None:
+    """HTTPS needs both files, and both must be there."""
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        given, missing = ("--ssl_certfile", "--ssl_keyfile") if ssl_keyfile is None else ("--ssl_keyfile", "--ssl_certfile")
+        raise ValueError(f"{given} is given without {missing}; HTTPS needs both (PEM files)")
+    for option, path in (("--ssl_certfile", ssl_certfile), ("--ssl_keyfile", ssl_keyfile)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{option} {path} is not a file; pass the PEM file's path")
 
 
 def _stop_on_signals(stopping: threading.Event, mailbox: Optional[Mailbox]) -> None:

@@ -25,6 +25,7 @@ from .sampler import choose
 from .sampling import SamplingOptions, stop_ban, top_candidates
 from .speculative import Speculator, build_speculator, check_speculation
 from .speculative.decoding import decode_rounds
+from .structured.constraint import Constraint, from_response_format
 from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
 from .text.hf_tokenizer import HFTokenizer
 from .text.streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
@@ -179,20 +180,22 @@ class Llama:
     def _generate(self, prompt_tokens: list[list[int]], max_gen_len: int, options: SamplingOptions,
                   stop: tuple[str, ...], logprobs: bool = False, echo: bool = False,
                   show_top: int = 0, stop_tokens: Optional[set[int]] = None, seed: "int | list[int] | None" = None,
-                  on_row: Optional[Callable[[int, Generated], None]] = None) -> Generated:
+                  on_row: Optional[Callable[[int, Generated], None]] = None,
+                  constraint: Optional[Constraint] = None) -> Generated:
         """generate's work, through continuous batching (continuous.py); on_row(i, generated) is
         called as prompt i's result is in generated. In static batches of max_batch_size, sharing
         one generator: one prompt (the same thing, and its conversation's cache row stays row 0);
         where each step's top candidates (show_top) or the prompts' own log probabilities (echo
         with logprobs) are wanted, which the engine does not keep; and sampling with speculation,
         whose rounds guess fewer tokens a row the more rows share them (Speculator.guesses_for),
-        so that a sampled answer would change with what runs beside it."""
+        so that a sampled answer would change with what runs beside it; and structured outputs
+        (constraint), whose grammars the API applies in its own decoding loop."""
         sampled_rounds = self.speculator is not None and not options.greedy
-        if len(prompt_tokens) == 1 or show_top or (logprobs and echo) or sampled_rounds:
+        if len(prompt_tokens) == 1 or show_top or (logprobs and echo) or sampled_rounds or constraint is not None:
             if isinstance(seed, list):
                 options = dataclasses.replace(options, seed=seed[0])
             result = self._generate_static(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top,
-                                           stop_tokens)
+                                           stop_tokens, constraint)
             for row in range(len(prompt_tokens)) if on_row is not None else ():
                 on_row(row, result)
             return result
@@ -210,7 +213,7 @@ class Llama:
 
     def _generate_static(self, prompt_tokens: list[list[int]], max_gen_len: int, options: SamplingOptions,
                          stop: tuple[str, ...], logprobs: bool, echo: bool, show_top: int,
-                         stop_tokens: Optional[set[int]]) -> Generated:
+                         stop_tokens: Optional[set[int]], constraint: Optional[Constraint] = None) -> Generated:
         """Consecutive batches of max_batch_size under Meta's schedule, keeping what _decode keeps."""
         size = self.model.max_batch_size
         result = Generated([], [], [])
@@ -218,14 +221,16 @@ class Llama:
         for first in range(0, len(prompt_tokens), size):
             # Run every step; keep the last state.
             *_, batch = self._decode(prompt_tokens[first : first + size], max_gen_len, options, stop,
-                                     generator, logprobs, show_top, stop_tokens, reuse=not (logprobs and echo))
+                                     generator, logprobs, show_top, stop_tokens, reuse=not (logprobs and echo),
+                                     constraint=constraint)
             batch.collect(result, echo)
         return result
 
     @torch.inference_mode()
     def _decode(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions,
                 stop: tuple[str, ...], generator: Optional[torch.Generator], logprobs: bool = False,
-                show_top: int = 0, stop_tokens: Optional[set[int]] = None, reuse: bool = True) -> Iterator[Batch]:
+                show_top: int = 0, stop_tokens: Optional[set[int]] = None, reuse: bool = True,
+                constraint: Optional[Constraint] = None) -> Iterator[Batch]:
         """Meta's schedule: decode from the shortest prompt; longer prompts feed their own tokens.
 
         Rows end at stop_tokens (by default the tokenizer's; a chat format may add its end of turn).
@@ -234,9 +239,19 @@ class Llama:
         reuse: skip the start that every prompt shares with what its cache row holds from the
         call before (the conversation so far): the same results, less prefill. Not where the
         prompts' own log probabilities are wanted, which need their logits.
+        constraint: every row's answer follows this grammar (structured outputs), and ends at
+        one of the grammar's stop tokens too; no speculation then.
         """
         batch = Batch.start(prompts, max_gen_len, self.model.max_seq_len, self.model.rotary.device, show_top)
-        stop_tokens = torch.tensor(sorted(stop_tokens or self.tokenizer.stop_tokens), device=batch.tokens.device)
+        stop_tokens = set(stop_tokens or self.tokenizer.stop_tokens)
+        adjustments = None
+        if constraint is not None:  # structured outputs (llama_tp/structured; xgrammar, imported when asked)
+            from .structured.grammars import grammars_for
+            from .structured.rows import make_adjustment
+
+            adjustments = [make_adjustment(self, constraint) for _ in prompts]
+            stop_tokens |= grammars_for(self).stop_tokens
+        stop_tokens = torch.tensor(sorted(stop_tokens), device=batch.tokens.device)
         yield batch
         cache = self.model.prefix_cache
         prev_pos = min(cache.reusable(row, prompt) for row, prompt in enumerate(prompts)) if reuse else 0
@@ -248,11 +263,11 @@ class Llama:
             batch.token_logprobs[:, 1:] = logprobs_of(logits, batch.tokens[:, 1:])
         # Plain greedy decoding needs no logits gathered: each rank offers the best of its slice
         # of the vocabulary (parallel.vocab_argmax).
-        on_slices = options.takes_best_logit and not logprobs and batch.top_ids is None
+        on_slices = options.takes_best_logit and not logprobs and batch.top_ids is None and adjustments is None
         # Rounds of guesses once the prompts are in; not for a batch so large that it leaves no
         # room for guesses (Speculator.guesses_for), whose rounds would only drop ended rows.
         speculator = self.speculator
-        if speculator is not None and not speculator.guesses_for(self.model, len(prompts)):
+        if speculator is not None and (adjustments is not None or not speculator.guesses_for(self.model, len(prompts))):
             speculator = None
         for cur_pos in range(min_len, batch.total_len):
             logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs,
@@ -262,8 +277,13 @@ class Llama:
             if on_slices:
                 sampled = parallel.vocab_argmax(logits[:, -1])
             else:
-                sampled = self._sample(batch, logits[:, -1], cur_pos, options, stop_tokens, generator)
+                last = logits[:, -1] if adjustments is None else adjustments_applied(adjustments, logits[:, -1])
+                sampled = self._sample(batch, last, cur_pos, options, stop_tokens, generator)
             batch.tokens[:, cur_pos] = torch.where(batch.is_prompt[:, cur_pos], batch.tokens[:, cur_pos], sampled)
+            if adjustments is not None:  # the rows that generated at cur_pos advance their grammars
+                for row, token in enumerate(batch.tokens[:, cur_pos].tolist()):
+                    if cur_pos >= batch.lengths[row]:
+                        adjustments[row].accept(token)
             if logprobs:
                 batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = logprobs_of(
                     logits, batch.tokens[:, prev_pos + 1 : cur_pos + 1]
@@ -313,6 +333,7 @@ class Llama:
         show_top: int = 0,
         token_ids: bool = False,
         on_result: Optional[Callable[[int, CompletionPrediction], None]] = None,
+        response_format: Optional[dict] = None,
     ) -> list[CompletionPrediction]:
         """Continue each text prompt; max_gen_len defaults to the whole context.
 
@@ -320,14 +341,16 @@ class Llama:
         for every generated token, the N most likely candidates and their probabilities; with
         token_ids, "token_ids" holds the generated token ids. seed as in generate. on_result(i,
         result) is called on every rank as prompt i's result is in (for writing results as they
-        come); the list returned holds them all in the prompts' order.
+        come); the list returned holds them all in the prompts' order. response_format: OpenAI's
+        ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}).
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
         prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
-        self._check_generate_args(prompt_tokens, max_gen_len, options, seed=seed)
+        constraint = self._constraint(response_format)
+        self._check_generate_args(prompt_tokens, max_gen_len, options, (constraint,), seed=seed)
         results: list[CompletionPrediction] = [{} for _ in prompts]
 
         def completed(row: int, generated: Generated) -> None:
@@ -348,7 +371,8 @@ class Llama:
             if on_result is not None:
                 on_result(row, result)
 
-        self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top, seed=seed, on_row=completed)
+        self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top, seed=seed, on_row=completed,
+                       constraint=constraint)
         return results
 
     def chat_completion(
@@ -365,11 +389,14 @@ class Llama:
         seed: "int | list[int] | None" = None,
         token_ids: bool = False,
         on_result: Optional[Callable[[int, ChatPrediction], None]] = None,
+        response_format: Optional[dict] = None,
     ) -> list[ChatPrediction]:
         """The assistant's next message for each dialog, in the chat format the tokenizer implies.
 
         With token_ids, "token_ids" holds the generated token ids (none for a refused dialog).
         seed and on_result as in text_completion (a refused dialog's result comes first).
+        response_format: OpenAI's ({"type": "json_object"} or {"type": "json_schema",
+        "json_schema": {"schema": ...}}): every answer follows it.
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
@@ -378,7 +405,8 @@ class Llama:
         prompt_tokens = [self._encode_dialog(dialog, index) for index, dialog in enumerate(dialogs)]
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
         safe_tokens = [prompt_tokens[row] for row in safe]
-        self._check_generate_args(safe_tokens, max_gen_len, options, seed=seed, prompts=len(dialogs))
+        constraint = self._constraint(response_format)
+        self._check_generate_args(safe_tokens, max_gen_len, options, (constraint,), seed=seed, prompts=len(dialogs))
         results: list[ChatPrediction] = [{} for _ in dialogs]
 
         def answered(row: int, tokens: list[int], token_logprobs: list[float], content: str) -> None:
@@ -402,7 +430,8 @@ class Llama:
         if safe:  # each dialog keeps the seed of its place in the call
             seeds = prompt_seeds(seed, len(dialogs)) if seed is not None else None
             self._generate(safe_tokens, max_gen_len, options, stop, logprobs, stop_tokens=self.formatter.stop_tokens,
-                           seed=[seeds[row] for row in safe] if seeds else None, on_row=completed)
+                           seed=[seeds[row] for row in safe] if seeds else None, on_row=completed,
+                           constraint=constraint)
         return results
 
     def stream_text_completion(
@@ -466,6 +495,20 @@ class Llama:
 
         return TextStream(run)
 
+    def _constraint(self, response_format: Optional[dict]) -> Optional[Constraint]:
+        """response_format as a compiled Constraint (None for plain text); ValueError if it is not one."""
+        if response_format is not None and not isinstance(response_format, dict):
+            raise ValueError(f"response_format must be a dict such as {{'type': 'json_object'}}, found {response_format!r}")
+        try:
+            constraint = from_response_format(response_format)
+            if constraint is not None:
+                from .structured.grammars import grammars_for
+
+                grammars_for(self).compile(constraint)
+        except ValueError as error:
+            raise ValueError(f"response_format: {error}") from None
+        return constraint
+
     def _encode_dialog(self, dialog: Dialog, index: int) -> list[int]:
         """The dialog's prompt tokens; a malformed dialog's error names it within the batch."""
         try:
@@ -495,6 +538,13 @@ class Llama:
                 )
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {row} holds a token id outside [0, {vocab})")
+
+
+def adjustments_applied(adjustments: list, logits: torch.Tensor) -> torch.Tensor:
+    """structured/rows.py's adjust_rows, imported only where a constraint was asked for."""
+    from .structured.rows import adjust_rows
+
+    return adjust_rows(adjustments, logits)
 
 
 def compile_decoding(model: Transformer, device: torch.device) -> None:

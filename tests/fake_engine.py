@@ -10,6 +10,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Iterator, Optional
 
 from fastapi import FastAPI
@@ -29,8 +30,9 @@ MODEL = "tiny-llama"
 class StandInModel:
     """All the HTTP side reads of a model."""
 
-    def __init__(self, max_seq_len: int):
+    def __init__(self, max_seq_len: int, vocab_size: int = 32000):
         self.max_seq_len = max_seq_len
+        self.args = SimpleNamespace(vocab_size=vocab_size)  # structured outputs compile for it
 
 
 @dataclass
@@ -45,11 +47,11 @@ class Served:
 
 @contextmanager
 def served(tokenizer, max_waiting: int = 8, ready: bool = True, max_seq_len: int = 64,
-           **engine_options) -> Iterator[Served]:
+           api_key: Optional[str] = None, **engine_options) -> Iterator[Served]:
     """The app on a free port of 127.0.0.1 with a fake engine behind it (READY unless ready=False)."""
     mailbox = Mailbox(max_waiting, ServerMetrics())
     generator = Llama(StandInModel(max_seq_len), tokenizer)
-    app = create_app(mailbox, generator, MODEL)
+    app = create_app(mailbox, generator, MODEL, api_key)
     server = ServerThread(app, bind("127.0.0.1", 0)).start()
     engine = FakeEngine(mailbox, tokenizer, **engine_options).start(ready)
     try:

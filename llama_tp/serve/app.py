@@ -7,6 +7,7 @@ the server stopping) cancels the request in the engine, so its slot is freed wit
 """
 
 import asyncio
+import hmac
 import json
 import time
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ..structured.tools import tool_format
 from .mailbox import Mailbox, ServerState
-from .prepare import chat_request, completion_request
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
+from .prepare import chat_request, completion_request, dialog_tokens, text_tokens
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
+                       error_body, parse_body)
 from .requests import Delta, Overloaded, RequestStream, Unavailable
 from .responses import ChatReply, CompletionReply, Reply, event
 
@@ -41,13 +44,29 @@ CHAT = Endpoint(ChatCompletionRequest, chat_request, ChatReply)
 COMPLETION = Endpoint(CompletionRequest, completion_request, CompletionReply)
 
 
-def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str) -> FastAPI:
+def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
+               api_key: Optional[str] = None) -> FastAPI:
     """The server's routes. generator (a Llama) gives the tokenizer, chat format, max_seq_len and
     sampling defaults; None while the model loads, then set app.state.generator before the mailbox
-    goes READY. model_name is the one name clients may ask for."""
+    goes READY. model_name is the one name clients may ask for. api_key: every /v1/ route then
+    needs `Authorization: Bearer API_KEY` (/health and /metrics stay open, as in vLLM)."""
     app = FastAPI(title="llama_tp", summary="An OpenAI-compatible server over tensor-parallel Llama ranks")
     app.state.generator = generator
     started = int(time.time())
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):  # in constant time: no guessing byte by byte
+                    said = "a wrong API key" if given else "no API key"
+                    return refuse(RequestError(401, f"the request has {said}; send the server's key as "
+                                               "`Authorization: Bearer KEY` (the openai client's api_key)",
+                                               None, "invalid_api_key"))
+            return await call_next(request)
 
     def refuse(error: RequestError) -> Response:
         mailbox.metrics.requests_refused.labels(str(error.status)).inc()
@@ -65,6 +84,10 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str) 
             reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage)
             # Off the event loop: a long prompt takes a while to encode.
             prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id)
+            if getattr(body, "tools", None) and body.tool_choice != "none":  # answers parsed for calls
+                reply.tools = (tool_format(generator.formatter), {tool.function.name for tool in body.tools})
+            if getattr(body, "echo", False):  # completions' echo: the prompt's text first
+                reply.echo = body.prompt if isinstance(body.prompt, str) else generator.tokenizer.decode(body.prompt)
             stream = mailbox.submit(prepared)
         except RequestError as error:
             return refuse(error)
@@ -84,6 +107,41 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str) 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, COMPLETION)
+
+    async def tokenizer_route(request: Request, body_type: type, answer: Callable) -> Response:
+        """/tokenize and /detokenize (vLLM's): the tokenizer alone, no engine."""
+        generator = app.state.generator
+        try:
+            if generator is None:
+                raise RequestError(503, "the model is still loading; try again shortly", None, "service_unavailable")
+            body = parse_body(await request.body(), body_type)
+            if body.model not in (None, model_name):
+                raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
+                                   f"`{model_name}`", "model", "model_not_found")
+            return JSONResponse(await run_in_threadpool(answer, body, generator))
+        except RequestError as error:
+            return refuse(error)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        def answer(body: TokenizeRequest, generator) -> dict:
+            tokens = (dialog_tokens(body.messages, generator) if body.messages is not None
+                      else text_tokens(body.prompt, generator, bos=body.add_special_tokens))
+            return {"count": len(tokens), "max_model_len": generator.model.max_seq_len, "tokens": tokens}
+
+        return await tokenizer_route(request, TokenizeRequest, answer)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        def answer(body: DetokenizeRequest, generator) -> dict:
+            vocab = generator.model.args.vocab_size
+            outside = [token for token in body.tokens if not 0 <= token < vocab]
+            if outside:
+                raise RequestError(400, f"`tokens` holds token id {outside[0]}, outside the vocabulary [0, {vocab})",
+                                   "tokens", "invalid_value")
+            return {"prompt": generator.tokenizer.decode(body.tokens)}
+
+        return await tokenizer_route(request, DetokenizeRequest, answer)
 
     def model_card() -> dict:
         generator = app.state.generator

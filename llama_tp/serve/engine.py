@@ -24,6 +24,7 @@ from .. import parallel
 from ..logs import logger
 from ..sampler import Draw, LogitsProcessor, TokenHistory, sample
 from ..speculative import Row
+from ..structured.rows import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
 from .requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob
@@ -69,6 +70,7 @@ class Progress:
     answer: list[int] = field(default_factory=list)  # generated tokens, without a stop token
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the answer's, where the request asks
     first_token_at: Optional[float] = None
+    adjustment: Optional[RowAdjustment] = None  # its grammar, logit_bias, penalties (None: free)
 
 
 class Engine:
@@ -76,6 +78,7 @@ class Engine:
                  on_finish: Optional[Callable[[Sequence, str], None]] = None):
         """mailbox: rank 0's, from the HTTP side; None on the other ranks (and in a batch job).
         on_finish: a batch job's: told of each sequence as it ends, with its finish reason."""
+        self.generator = generator
         self.model = generator.model
         self.tokenizer = generator.tokenizer
         self.device = generator.model.rotary.device
@@ -183,8 +186,12 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(admission.seed)
             watches_text = self.mailbox is not None or bool(admission.request.stop)
             decoder = IncrementalDecoder(self.tokenizer, admission.request.stop) if watches_text else None
-            sequence.sampling = Progress(generator, decoder)
-            self.history.reset(admission.slot, admission.request.prompt_tokens)
+            request = admission.request
+            # structured outputs (llama_tp/structured): each rank keeps its own grammar state
+            adjustment = make_adjustment(self.generator, request.constraint, request.logit_bias,
+                                         request.presence_penalty, request.frequency_penalty)
+            sequence.sampling = Progress(generator, decoder, adjustment=adjustment)
+            self.history.reset(admission.slot, request.prompt_tokens)
             if self.mailbox is not None:
                 self.mailbox.metrics.prompt_tokens.inc(sequence.prompt_length)
                 self.mailbox.metrics.cached_prompt_tokens.inc(sequence.reused)
@@ -206,7 +213,14 @@ class Engine:
                 self.speculator.draft.catch_up([chunk.sequence.slot.index], [tokens], plain=True)
         if plan.decode:
             if self.speculator is not None:
-                self._speculate(plan.decode)
+                # structured outputs (llama_tp/structured): a draft's guesses are not checked
+                # against a grammar, so adjusted rows decode a token a step beside the rounds
+                adjusted = [chunk for chunk in plan.decode if chunk.sequence.sampling.adjustment is not None]
+                free = [chunk for chunk in plan.decode if chunk.sequence.sampling.adjustment is None]
+                if free:
+                    self._speculate(free)
+                if adjusted:
+                    self._feed(adjusted)
             else:
                 self._feed(plan.decode)
 
@@ -246,6 +260,10 @@ class Engine:
         if not chunks[0].completes:  # a prompt's chunk before its last: nothing to choose yet
             return
         logits = logits[:, -1]  # bsz, vocab (or this rank's slice of it)
+        # structured outputs, logit_bias, penalties (llama_tp/structured): free rows pay nothing
+        logits = adjust_rows([s.sampling.adjustment for s in sequences], logits,
+                             parallel.model_parallel_rank() * logits.shape[-1] if plain_greedy else 0,
+                             self.model.args.vocab_size)
         if plain_greedy:  # each rank offers the best of its slice: no logits gathered
             picks = [(token, None) for token in parallel.vocab_argmax(logits).tolist()]
         else:
@@ -304,6 +322,8 @@ class Engine:
         """Append a chosen token and end the sequence where it ends (then True); rank 0 hands the
         client its text."""
         request, progress = sequence.request, sequence.sampling
+        if progress.adjustment is not None:  # structured outputs (llama_tp/structured)
+            progress.adjustment.accept(token)
         sequence.tokens.append(token)
         sequence.generated += 1
         stopped = token in request.stop_tokens

@@ -5,8 +5,12 @@ Everything the engine could trip on is refused here with a RequestError (400), s
 request reaches the ranks.
 """
 
-from typing import Optional
+import json
+from typing import Any, Optional
 
+from ..structured.constraint import Constraint
+from ..structured.grammars import grammars_for
+from ..structured.tools import call_constraint, render_dialog, tool_format
 from ..text.chat_format import SPECIAL_TAGS
 from ..text.streaming import check_stop
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
@@ -18,16 +22,11 @@ OPTION_PARAMS = {"min_gen_len": "min_tokens"}
 
 def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> GenerationRequest:
     """The request for a chat completion: the dialog in the model's chat format, ended by its end of turn."""
-    dialog = [{"role": "system" if message.role == "developer" else message.role, "content": message.content}
-              for message in body.messages]
-    try:
-        prompt_tokens = generator.formatter.encode_dialog_prompt(dialog)
-    except ValueError as error:
-        raise RequestError(400, f"`messages`: {error}", "messages", "invalid_value") from None
-    if generator.formatter.is_unsafe(dialog):
-        raise RequestError(400, f"`messages`: a message holds one of the chat format's control tags "
-                           f"({', '.join(SPECIAL_TAGS)}), which could forge the dialog's turns; remove them",
-                           "messages", "invalid_value")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+    forced = _forced_call(body, tools, generator)
+    if body.tool_choice == "none":
+        tools = []  # the model is not told of them
+    prompt_tokens = dialog_tokens(body.messages, generator, tools)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs", "invalid_value")
     max_tokens, limit_param = body.max_tokens, "max_tokens"
@@ -38,16 +37,57 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> Gen
                                "max_completion_tokens", "invalid_value")
         max_tokens, limit_param = body.max_completion_tokens, "max_completion_tokens"
     return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
-                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param)
+                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param, forced)
+
+
+def _forced_call(body: ChatCompletionRequest, tools: list[dict], generator) -> Optional[Constraint]:
+    """The grammar of the call tool_choice forces ("required" or a named function), else None."""
+    choice = body.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if not tools:
+        raise RequestError(400, f"`tool_choice` {_shown_choice(choice)} needs `tools`", "tool_choice", "invalid_value")
+    names = [tool["function"]["name"] for tool in tools]
+    name = None if choice == "required" else choice.function.name
+    if name is not None and name not in names:
+        raise RequestError(400, f"`tool_choice.function.name` is {json.dumps(name)}, which is not one of the tools: "
+                           f"{', '.join(names)}", "tool_choice.function.name", "invalid_value")
+    return call_constraint(tools, name, tool_format(generator.formatter))
+
+
+def _shown_choice(choice) -> str:
+    return json.dumps(choice) if isinstance(choice, str) else json.dumps(choice.model_dump())
+
+
+def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None) -> list[int]:
+    """The prompt of checked messages in the model's chat format, up to the assistant's turn, with
+    the tools described and earlier calls and answers in the model's tool format."""
+    plain = [{"role": "system" if message.role == "developer" else message.role, "content": message.content,
+              "tool_calls": [call.model_dump() for call in message.tool_calls or ()]} for message in messages]
+    dialog = render_dialog(plain, tools or [], tool_format(generator.formatter))
+    try:
+        prompt_tokens = generator.formatter.encode_dialog_prompt(dialog)
+    except ValueError as error:
+        raise RequestError(400, f"`messages`: {error}", "messages", "invalid_value") from None
+    if generator.formatter.is_unsafe(dialog):
+        raise RequestError(400, f"`messages`: a message holds one of the chat format's control tags "
+                           f"({', '.join(SPECIAL_TAGS)}), which could forge the dialog's turns; remove them",
+                           "messages", "invalid_value")
+    return prompt_tokens
+
+
+def text_tokens(prompt: str, generator, bos: bool = True) -> list[int]:
+    """A completion prompt's tokens, after the begin token where the tokenizer adds one."""
+    try:
+        return generator.tokenizer.encode(prompt, bos=bos, eos=False)
+    except ValueError as error:
+        raise RequestError(400, f"`prompt`: {error}", "prompt", "invalid_value") from None
 
 
 def completion_request(body: CompletionRequest, generator, request_id: str) -> GenerationRequest:
     """The request for a text completion: the prompt after bos, ended by the tokenizer's stop tokens."""
     if isinstance(body.prompt, str):
-        try:
-            prompt_tokens = generator.tokenizer.encode(body.prompt, bos=True, eos=False)
-        except ValueError as error:
-            raise RequestError(400, f"`prompt`: {error}", "prompt", "invalid_value") from None
+        prompt_tokens = text_tokens(body.prompt, generator)
     else:
         prompt_tokens = body.prompt
         vocab = generator.tokenizer.n_words
@@ -55,14 +95,18 @@ def completion_request(body: CompletionRequest, generator, request_id: str) -> G
         if outside:
             raise RequestError(400, f"`prompt` holds token id {outside[0]}, outside the vocabulary [0, {vocab})",
                                "prompt", "invalid_value")
+    if body.echo and body.logprobs is not None:
+        raise RequestError(400, "`echo` with `logprobs` is not supported by this server: it gives the answer's "
+                           "log probabilities only; send one of them", "echo", "unsupported_parameter")
     return _request(body, generator, request_id, prompt_tokens, "prompt", body.max_tokens,
                     generator.tokenizer.stop_tokens, body.logprobs is not None, body.logprobs or 0)
 
 
 def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: list[int], prompt_param: str,
              max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int,
-             limit_param: str = "max_tokens") -> GenerationRequest:
+             limit_param: str = "max_tokens", forced: Optional[Constraint] = None) -> GenerationRequest:
     """The checks and the request both endpoints share; limit_param: the field max_tokens came from."""
+    constraint = _constraint(body, generator, forced)
     max_seq_len = generator.model.max_seq_len
     if not prompt_tokens:
         raise RequestError(400, f"`{prompt_param}` is empty; it needs at least one token", prompt_param,
@@ -93,7 +137,93 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
         name = message.split()[0]
         param = OPTION_PARAMS.get(name, name)
         raise RequestError(400, f"`{param}`{message[len(name):]}", param, "invalid_value") from None
+    if constraint is not None:
+        if min_tokens:
+            raise RequestError(400, "`min_tokens` cannot be combined with a structured output: the grammar "
+                               "decides where the answer ends", "min_tokens", "invalid_value")
+        # a finished grammar allows only its stop tokens (a chat format's end of turn among them)
+        stop_tokens = set(stop_tokens) | grammars_for(generator).stop_tokens
     return GenerationRequest(
         id=request_id, prompt_tokens=tuple(prompt_tokens), max_tokens=max_tokens, options=options,
         stop_tokens=frozenset(stop_tokens), stop=stop, logprobs=logprobs, top_logprobs=top_logprobs,
+        constraint=constraint, logit_bias=_logit_bias(body.logit_bias, generator.model.args.vocab_size),
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
     )
+
+
+def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (token, bias) pairs, each id checked against the vocabulary."""
+    pairs = []
+    for key, bias in (logit_bias or {}).items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab:
+            raise RequestError(400, f"`logit_bias` has the key {json.dumps(key)}, which is not a token id in the "
+                               f"vocabulary [0, {vocab})", "logit_bias", "invalid_value")
+        if bias:
+            pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
+def _constraint(body: SamplingRequest, generator, forced: Optional[Constraint] = None) -> Optional[Constraint]:
+    """The one structured output the body asks for (forced: a tool call tool_choice forces),
+    compiled once here so that a grammar the engine cannot compile is a 400 naming the field (the
+    ranks find it in their caches)."""
+    asked = [(param, constraint) for param, constraint in _constraints_asked(body) if constraint is not None]
+    if forced is not None:
+        asked.insert(0, ("tool_choice", forced))
+    if len(asked) > 1:
+        raise RequestError(400, f"`{asked[0][0]}` and `{asked[1][0]}` both constrain the answer; send one of them",
+                           asked[1][0], "invalid_value")
+    if not asked:
+        return None
+    param, constraint = asked[0]
+    try:
+        grammars_for(generator).compile(constraint)
+    except ValueError as error:
+        raise RequestError(400, f"`{param}` cannot be compiled into a grammar: {error}", param,
+                           "invalid_value") from None
+    return constraint
+
+
+def _constraints_asked(body: SamplingRequest) -> list[tuple[str, Optional[Constraint]]]:
+    """(the field's name, its constraint or None) for every field that may constrain the answer."""
+    asked = []
+    if body.response_format is not None:
+        spec = body.response_format.json_schema
+        constraint = {"text": None, "json_object": Constraint("json_object"),
+                      "json_schema": spec and Constraint.json_schema(spec.schema_ or {"type": "object"})}
+        param = "response_format.json_schema.schema" if spec is not None else "response_format"
+        asked.append((param, constraint[body.response_format.type]))
+    outputs = body.structured_outputs
+    if outputs is not None:
+        given = [(name, value) for name, value in (("json", outputs.json_), ("regex", outputs.regex),
+                 ("choice", outputs.choice), ("grammar", outputs.grammar),
+                 ("json_object", outputs.json_object or None)) if value is not None]
+        if len(given) != 1:
+            raise RequestError(400, "`structured_outputs` takes exactly one of json, regex, choice, grammar or "
+                               f"json_object, found {len(given)}", "structured_outputs", "invalid_value")
+        name, value = given[0]
+        asked.append((f"structured_outputs.{name}", _vllm_constraint(name, value, f"structured_outputs.{name}")))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{name}")
+        if value is not None:
+            asked.append((f"guided_{name}", _vllm_constraint(name, value, f"guided_{name}")))
+    return asked
+
+
+def _vllm_constraint(name: str, value: Any, param: str) -> Constraint:
+    """vLLM's json (a schema, or one as a JSON string), regex, choice, grammar or json_object."""
+    if name == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as error:
+                raise RequestError(400, f"`{param}` is a string but not JSON: {error}", param, "invalid_value") from None
+            if not isinstance(value, dict):
+                raise RequestError(400, f"`{param}` must be a JSON schema object", param, "invalid_value")
+        return Constraint.json_schema(value)
+    if name == "choice":
+        return Constraint.choice(value)
+    if name == "json_object":
+        return Constraint("json_object")
+    return Constraint(name, value)

@@ -8,7 +8,7 @@ is checked where the request is built (prepare.py).
 """
 
 import json
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 # from the status alone; the type and code are for people and logs).
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     429: "rate_limit_error",
@@ -96,16 +97,9 @@ Prompt = Annotated[Union[str, list[int]], BeforeValidator(_prompt)]
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "it gives one choice per request; send one request per choice"),
     "best_of": ((1,), "it gives one choice per request"),
-    "presence_penalty": ((0,), "use repetition_penalty (e.g. 1.1) to discourage repeats"),
-    "frequency_penalty": ((0,), "use repetition_penalty (e.g. 1.1) to discourage repeats"),
-    "logit_bias": (({},), "it does not bias tokens"),
-    "echo": ((False,), "it does not return the prompt with the answer"),
     "suffix": (("",), "it does not fill in text before a suffix"),
-    "tools": (([],), "it does not call tools"),
-    "tool_choice": (("none",), "it does not call tools"),
     "functions": (([],), "it does not call functions"),
     "function_call": (("none",), "it does not call functions"),
-    "response_format": (({"type": "text"},), "it does not constrain answers to JSON"),
     "modalities": ((["text"],), "it answers in text only"),
     "audio": ((), "it answers in text only"),
     "prediction": ((), "it does not use predicted outputs"),
@@ -117,7 +111,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "service_tier": (("auto", "default"), "it has one tier"),
     # within a message
     "name": ((), "a message's participant name has no place in this model's chat format"),
-    "tool_calls": (([],), "it does not call tools"),
     "refusal": ((), "it takes a message's text as content"),
 }
 
@@ -145,13 +138,88 @@ class StreamOptions(Body):
     include_obfuscation: Optional[bool] = None  # padding against a side channel: ignored
 
 
+class JsonSchema(Body):
+    """response_format's json_schema: the answer is JSON valid under schema."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")  # None: any JSON object
+    strict: Optional[bool] = None  # the answer always follows the schema here
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("expected", '{"type": "json_schema", "json_schema": {"name": ..., '
+                                      '"schema": {...}}}, or a type "text" or "json_object" alone')
+        return self
+
+
+class StructuredOutputs(Body):
+    """vLLM's structured_outputs: one of a JSON schema, a regular expression, a choice among
+    strings or an EBNF grammar (xgrammar's, as GBNF)."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = Field(None, min_length=1)
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
+class Function(Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None  # a forced call always follows the schema here
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(Body):
+    """A call in an assistant message, as OpenAI answered it."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(Body):
     role: str  # the chat format knows its roles (chat_format.py); "developer" is OpenAI's new "system"
-    content: TextContent
-    tool_call_id: Optional[str] = None  # the call a "tool" message answers: ignored
+    content: Optional[TextContent] = None  # None only beside an assistant's tool_calls
+    tool_call_id: Optional[str] = None  # the call a "tool" message answers
     name: Any = None
-    tool_calls: Any = None
+    tool_calls: Optional[list[ToolCallMessage]] = None
     refusal: Any = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "`content` is required (it may be null only beside an "
+                                      "assistant's `tool_calls`)")
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("content", f"`tool_calls` belong to assistant messages, not {self.role!r} ones")
+        return self
 
 
 class SamplingRequest(Body):
@@ -170,9 +238,17 @@ class SamplingRequest(Body):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # the end user, for an operator's abuse monitoring: ignored
     n: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)  # OpenAI's range
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # token id: bias
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older names.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = Field(None, min_length=1)
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None  # there is one here (xgrammar): ignored
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -195,16 +271,15 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     # Hints that change nothing here: ignored.
     metadata: Optional[dict[str, str]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = None  # the answer's calls are all returned; a forced call is one
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -225,11 +300,41 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     logprobs: Optional[int] = Field(None, ge=0, le=20)  # the legacy form: how many alternatives per token
     best_of: Any = None
-    echo: Any = None
+    echo: Optional[bool] = None  # the prompt's text before the answer's
     suffix: Any = None
 
 
-def parse_body(raw: bytes, model: type[SamplingRequest]) -> SamplingRequest:
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: a prompt's tokens, or a dialog's in the chat format."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: bool = True  # a completion's begin token (where the tokenizer adds one)
+    add_generation_prompt: Optional[bool] = None  # the chat format always opens the assistant's turn
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("expected", "one of `prompt` or `messages`")
+        return self
+
+    def check_supported(self) -> None:
+        for index, message in enumerate(self.messages or ()):
+            _refuse_unsupported(message, f"messages[{index}].")
+
+
+class DetokenizeRequest(Body):
+    """vLLM's /detokenize: the text of token ids."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+    def check_supported(self) -> None:
+        pass
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
     """The request body as model, or a RequestError saying what is wrong with it."""
     try:
         data = json.loads(raw, parse_constant=_refuse_constant)
@@ -251,7 +356,9 @@ def _refuse_constant(name: str) -> None:
 
 def _request_error(error: dict) -> RequestError:
     """A RequestError from pydantic's first error, naming the field as a path: messages[0].role."""
-    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    # A union's branch shows in the path as its type (literal[...], NamedToolChoice): not a field, left out.
+    loc = [part for part in error["loc"] if isinstance(part, int) or not (part[:1].isupper() or "[" in part)]
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
     kind, message = error["type"], error["msg"]
     found = _shown(error.get("input"))
     if kind == "missing":
@@ -263,6 +370,10 @@ def _request_error(error: dict) -> RequestError:
         return RequestError(400, f"`{param}`: {message}", param, "unsupported_parameter")
     if kind == "stream_options":
         return RequestError(400, message, "stream_options", "invalid_value")
+    if kind == "content":  # a message's own check: its path, without pydantic's wording
+        return RequestError(400, f"`{param}`: {message}", param or None, "invalid_value")
+    if kind == "expected" and not param:  # a check on the body as a whole
+        return RequestError(400, f"the body must have {message}", None, "invalid_type")
     if kind == "expected":
         return RequestError(400, f"`{param}` must be {message}, found {found}", param, "invalid_type")
     code = "invalid_type" if kind.endswith("_type") else "invalid_value"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..sampling import SamplingOptions
+from ..structured.constraint import Constraint
 
 
 class RequestState(enum.Enum):
@@ -35,6 +36,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # strings that end the answer, cut before them
     logprobs: bool = False  # each generated token's log probability
     top_logprobs: int = 0  # and the most likely alternatives at each step
+    constraint: Optional[Constraint] = None  # the answer's grammar (structured outputs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each generated token's logit
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time the token was generated
     arrival: float = field(default_factory=time.monotonic)  # for time to first token
 
 

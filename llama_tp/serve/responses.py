@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Optional
 
+from ..structured.tools import parse_tool_calls
 from .requests import Delta, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
@@ -95,10 +96,41 @@ class Reply:
 
 class ChatReply(Reply):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+    tools: Optional[tuple[str, set[str]]] = None  # with tools: their format and names; calls are parsed
+
+    def __init__(self, model: str, tokenizer, include_usage: bool = False):
+        super().__init__(model, tokenizer, include_usage)
+        self.held: list[str] = []  # with tools, a stream's text until the end, when calls are parsed
 
     def choice(self, text, logprobs, reason):
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(logprobs), "finish_reason": reason}
+        message, calls = {"role": "assistant", "content": text}, []
+        if self.tools is not None:
+            content, calls = parse_tool_calls(text, *self.tools)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [call.openai() for call in calls]}
+        return {"index": 0, "message": message, "logprobs": self.logprobs(logprobs),
+                "finish_reason": "tool_calls" if calls and reason == "stop" else reason}
+
+    def chunks(self, delta, logprobs):
+        """With tools, the text is held to the end: a call is only known once it is whole. Then
+        the words come as one content delta and each call as a tool_calls delta."""
+        if self.tools is None:
+            return super().chunks(delta, logprobs)
+        self.held.append(delta.text)
+        if not delta.finished:
+            return []
+        choice = self.choice("".join(self.held), None, finish_reason(delta))
+        message, events = choice["message"], []
+        if message["content"]:
+            events.append(self.chunk([self.chunk_choice(message["content"], None, None)]))
+        for index, call in enumerate(message.get("tool_calls", ())):
+            events.append(self.chunk([{"index": 0, "delta": {"tool_calls": [call | {"index": index}]},
+                                       "logprobs": None, "finish_reason": None}]))
+        events.append(self.chunk([self.chunk_choice("", None, choice["finish_reason"])]))
+        if self.include_usage:
+            events.append(self.chunk([], usage(delta)))
+        return events + [DONE]
 
     def chunk_choice(self, text, logprobs, reason):
         delta = {"content": text} if text or reason is None else {}
@@ -126,6 +158,13 @@ class CompletionReply(Reply):
     def __init__(self, model: str, tokenizer, include_usage: bool = False):
         super().__init__(model, tokenizer, include_usage)
         self.text_offset = 0  # where the next token's text begins, over the chunks of a stream
+        self.echo = ""  # with echo: the prompt's text, before the answer's
+
+    def response(self, text, logprobs, final):
+        return super().response(self.echo + text, logprobs, final)
+
+    def opening(self):
+        return [self.chunk([self.chunk_choice(self.echo, None, None)])] if self.echo else []
 
     def choice(self, text, logprobs, reason):
         return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": reason}

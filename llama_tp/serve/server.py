@@ -4,6 +4,7 @@ then uvicorn on it in a thread of its own, beside rank 0's engine loop."""
 import socket
 import threading
 import time
+from typing import Optional
 
 import uvicorn
 from fastapi import FastAPI
@@ -36,19 +37,23 @@ class ServerThread:
     streams graceful_seconds to end, then cancels them, which cancels their requests.
     """
 
-    def __init__(self, app: FastAPI, sock: socket.socket, graceful_seconds: float = 1.0):
+    def __init__(self, app: FastAPI, sock: socket.socket, graceful_seconds: float = 1.0,
+                 ssl_certfile: Optional[str] = None, ssl_keyfile: Optional[str] = None):
+        """ssl_certfile and ssl_keyfile (PEM): serve HTTPS."""
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=graceful_seconds)
+                                timeout_graceful_shutdown=graceful_seconds, ssl_certfile=ssl_certfile,
+                                ssl_keyfile=ssl_keyfile)
         self.server = uvicorn.Server(config)
+        self.scheme = "https" if ssl_certfile else "http"
         self.sock = sock
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="llama_tp-http",
                                         daemon=True)
 
     @property
     def url(self) -> str:
-        """http://HOST:PORT as bound (the port chosen, if 0 was asked)."""
+        """http(s)://HOST:PORT as bound (the port chosen, if 0 was asked)."""
         host, port = self.sock.getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return f"{self.scheme}://[{host}]:{port}" if ":" in host else f"{self.scheme}://{host}:{port}"
 
     def start(self, timeout: float = 10.0) -> "ServerThread":
         """Start serving; return once connections are accepted."""

@@ -129,6 +129,13 @@ def print_table(results: list[dict]) -> None:
             print(f"concurrency {r['concurrency']}: error: {error}")
 
 
+# --structured: every answer constrained to a JSON object whose one string field holds the answer,
+# so that constrained answers run about as long as free ones (measured in output tokens per second).
+STRUCTURED_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+    "additionalProperties": False}}}
+
+
 def request_body(index: int, model: str, max_tokens: int, extra_body: dict, sampling: str = "greedy") -> dict:
     """The index-th request: the next prompt in turn, with its share of max_tokens."""
     prompt, share = PROMPTS[index % len(PROMPTS)]
@@ -202,6 +209,7 @@ def main(
     llama_server: Optional[str] = None,
     gguf: Optional[str] = None,
     profile: bool = False,
+    structured: bool = False,
 ):
     """Measure a server at each concurrency, print a table and write it as JSON.
 
@@ -229,6 +237,8 @@ def main(
         profile: instead of measuring servers, run our engine in this process on the same load
             and print where a step's time goes (each --ours quantization, else fp32; each
             --sampling; the largest concurrency).
+        structured: constrain every answer by a JSON schema (STRUCTURED_FORMAT), to compare with
+            the same load unconstrained.
     """
     if case == "offline":
         bench_offline.main(json_path=json_path)
@@ -251,6 +261,8 @@ def main(
     extra = json.loads(extra_body) if isinstance(extra_body, str) else json_literals(extra_body or {})
     if not isinstance(extra, dict):
         raise ValueError(f"--extra_body must be a JSON object, found {extra_body!r}")
+    if structured:
+        extra = {"response_format": STRUCTURED_FORMAT} | extra
     samplings = _choices("--sampling", sampling, tuple(SAMPLINGS))
     quantizations = _choices("--ours", ours, OURS) if ours else ()
     if peer is not None and peer not in PEERS:
@@ -269,8 +281,6 @@ def main(
                             llama_server)
         write_report(json_path, label or "servers started by bench_serve", "", model or "",
                      command | {"servers": servers, "samplings": list(samplings)}, runs, "per run")
-        return
-    if profile:
         return
     for chosen in samplings:
         model, results = asyncio.run(benchmark(url, levels, requests, max_tokens, model, warmup, extra, chosen))

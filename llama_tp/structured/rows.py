@@ -1,0 +1,94 @@
+"""Each answer's adjustments (its grammar's state, logit_bias, penalties) and the one batched call
+that applies them all to a step's logits, wherever the engine or generate samples.
+
+Every rank holds the same RowAdjustments and feeds them the same tokens, so every rank computes
+the same mask itself: filling a mask takes microseconds a row, while sending it from rank 0 would
+add a collective (and vocab / 8 bytes a row) to every step.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .constraint import Constraint
+from .grammars import grammars_for, xgrammar
+from .logits import allowed_tokens, bias_logits, mask_logits, penalize_logits
+
+
+@dataclass
+class RowAdjustment:
+    """One answer's adjustments: None of each when not asked."""
+
+    matcher: Optional[xgrammar.GrammarMatcher] = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    counts: dict[int, int] = field(default_factory=dict)  # generated tokens, for the penalties
+
+    @property
+    def penalizes(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    def accept(self, token: int) -> None:
+        """The answer's next token, chosen: advance the grammar, count it."""
+        if self.matcher is not None and not self.matcher.is_terminated():
+            # The mask allowed nothing else, so the grammar takes it.
+            accepted = self.matcher.accept_token(token)
+            assert accepted, f"the grammar refused token {token}, which its own mask allowed"
+        if self.penalizes:
+            self.counts[token] = self.counts.get(token, 0) + 1
+
+
+def make_adjustment(generator, constraint: Optional[Constraint] = None, logit_bias: tuple = (),
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Optional[RowAdjustment]:
+    """A new answer's adjustments for a Llama (generator), or None when it asks for none."""
+    if constraint is None and not logit_bias and not presence_penalty and not frequency_penalty:
+        return None
+    matcher = grammars_for(generator).matcher(constraint) if constraint is not None else None
+    return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty)
+
+
+def adjust_rows(rows: Sequence[Optional[RowAdjustment]], logits: torch.Tensor, vocab_start: int = 0,
+                vocab_size: Optional[int] = None) -> torch.Tensor:
+    """logits [rows, width] (the vocabulary from vocab_start on: a rank's slice, or all of it) with
+    each row's adjustments applied; rows without any (None) are left as they are, and a batch
+    without any costs nothing. vocab_size: the whole vocabulary's (default: width)."""
+    if all(row is None for row in rows):
+        return logits
+    width = logits.shape[-1]
+    vocab_size = vocab_size or vocab_start + width
+    device = logits.device
+    constrained = [index for index, row in enumerate(rows) if row is not None and row.matcher is not None
+                   and not row.matcher.is_terminated()]
+    if constrained:
+        bitmask = xgrammar.allocate_token_bitmask(len(constrained), vocab_size)
+        for place, index in enumerate(constrained):
+            rows[index].matcher.fill_next_token_bitmask(bitmask, place)
+        picked = torch.tensor(constrained, device=device)
+        rows_logits = logits[picked]
+        if vocab_start == 0 and width == vocab_size and rows_logits.dtype == torch.float32:
+            # the whole vocabulary: xgrammar's own kernel, twice as fast as unpacking the bits
+            xgrammar.apply_token_bitmask_inplace(rows_logits, bitmask.to(device))
+        else:  # a rank's slice: its part of the mask
+            allowed = allowed_tokens(bitmask, vocab_size)[:, vocab_start : vocab_start + width].to(device)
+            rows_logits = mask_logits(rows_logits, allowed)
+        logits = logits.index_copy(0, picked, rows_logits)
+    biased = [(index, token - vocab_start, bias) for index, row in enumerate(rows) if row is not None
+              for token, bias in row.logit_bias if vocab_start <= token < vocab_start + width]
+    if biased:
+        indices, tokens, bias = zip(*biased)
+        logits = bias_logits(logits, torch.tensor(indices, device=device), torch.tensor(tokens, device=device),
+                             torch.tensor(bias, device=device))
+    penalized = [index for index, row in enumerate(rows) if row is not None and row.penalizes]
+    if penalized:
+        counts = torch.zeros(len(penalized), width, device=device)
+        for place, index in enumerate(penalized):
+            for token, count in rows[index].counts.items():
+                if vocab_start <= token < vocab_start + width:
+                    counts[place, token - vocab_start] = count
+        picked = torch.tensor(penalized, device=device)
+        presence = torch.tensor([rows[index].presence_penalty for index in penalized], device=device)
+        frequency = torch.tensor([rows[index].frequency_penalty for index in penalized], device=device)
+        logits = logits.index_copy(0, picked, penalize_logits(logits[picked], counts, presence, frequency))
+    return logits

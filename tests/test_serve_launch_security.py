@@ -1,0 +1,60 @@
+"""launch/serve.py with an API key and TLS for real: torchrun jobs of 1 and 3 processes serving a
+tiny model. A wrong or missing key is OpenAI's 401 at both world sizes, the right one answers;
+the key comes from --api_key or LLAMA_TP_API_KEY; with --ssl_certfile/--ssl_keyfile it speaks
+HTTPS only."""
+
+import subprocess
+
+import httpx
+import openai
+import pytest
+
+from demo_server import LaunchedServer
+from test_serve_launch import LLAMA3_TOKENIZER, MODEL, checkpoints  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-key"
+
+
+def self_signed(folder) -> tuple[str, str]:
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def assert_key_needed(url: str, verify=True) -> None:
+    http = httpx.Client(verify=verify)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = http.post(f"{url}/v1/chat/completions", headers=headers,
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert http.get(f"{url}/health").status_code == 200
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, http_client=http)
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_wrong_or_missing_key_is_401_at_world_sizes_1_and_3(checkpoints, tmp_path, nproc):  # noqa: F811
+    server = LaunchedServer(checkpoints[nproc], LLAMA3_TOKENIZER, MODEL, tmp_path / "serve.log", nproc,
+                            "--max_seq_len", "128", "--max_batch_size", "2", "--api_key", KEY)
+    try:
+        assert_key_needed(server.url)
+    finally:
+        server.close()
+
+
+def test_https_with_the_key_from_the_environment(checkpoints, tmp_path):  # noqa: F811
+    cert, key = self_signed(tmp_path)
+    server = LaunchedServer(checkpoints[1], LLAMA3_TOKENIZER, MODEL, tmp_path / "serve.log", 1, "--max_seq_len",
+                            "128", "--ssl_certfile", cert, "--ssl_keyfile", key, env={"LLAMA_TP_API_KEY": KEY},
+                            scheme="https")
+    try:
+        assert_key_needed(server.url, verify=cert)
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not spoken
+            httpx.get(server.url.replace("https", "http") + "/health")
+    finally:
+        server.close()
