@@ -1,9 +1,9 @@
 """Every row of a step chooses its next token in one call, each row with its own options and its
 own random generator (vLLM's sampler and gpt-fast's decode_one_token are the models).
 
-The order is sampling.py's rule for one row: the caller's logits processors (functions on the
-step's logits [rows, vocab]: a structured-output mask, logit_bias, presence penalties), the
-repetition penalty from each row's history (TokenHistory), the stop-token ban; then greedy rows
+The order is sampling.py's rule for one row, after what the caller has done to the logits
+(structured outputs, logit_bias, presence penalties: llama_tp/structured): the repetition penalty
+from each row's history (TokenHistory), the stop-token ban; then greedy rows
 take their best logit, and the others sample at their temperature from what top-k, min-p and
 top-p leave.
 
@@ -18,7 +18,7 @@ full sort is needed only for the rows it concerns, and the caller learns which w
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
@@ -28,10 +28,6 @@ if TYPE_CHECKING:  # sampling.py builds on this module
 # Candidates taken before any sort: enough for top_p 0.9 on a sharp distribution (a chat model at
 # temperature 0.7), a topk of them costs a fraction of a full sort of 49,152 or 128,256 logits.
 NUCLEUS_CANDIDATES = 256
-
-# A function on a step's logits [rows, vocab] (rows in the caller's order) that returns them
-# adjusted; it closes over whatever per-row state it needs.
-LogitsProcessor = Callable[[torch.Tensor], torch.Tensor]
 
 Generators = Union[Optional[torch.Generator], Sequence[Optional[torch.Generator]]]
 
@@ -142,8 +138,7 @@ class Draw:
 
 
 def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
-           history: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None,
-           processors: Sequence[LogitsProcessor] = ()) -> Draw:
+           history: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None) -> Draw:
     """The next token of every row: logits [rows, vocab] -> Draw, with row r's options[r] applied.
 
     generators: one for every row (or None: torch's global one), or one per row.
@@ -152,7 +147,7 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
     ban [rows, vocab] bool: tokens that must not be chosen (stop tokens before min_gen_len).
     """
     step = step_options(tuple(options), logits.shape[-1], logits.device)
-    logits = adjusted(logits, step, history, ban, processors)
+    logits = adjusted(logits, step, history, ban)
     if not step.sampled:  # the first of equal best, as argmax picks, in a third of argmax's time on CPU
         return Draw(logits.max(dim=-1).indices)
     greedy = len(step.sampled) < len(options)
@@ -183,18 +178,15 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
 
 
 def choose(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
-           history: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None,
-           processors: Sequence[LogitsProcessor] = ()) -> torch.Tensor:
+           history: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None) -> torch.Tensor:
     """sample's tokens [rows], settled here (a read-back when some row sampled)."""
-    return sample(logits, options, generators, history, ban, processors).settle()
+    return sample(logits, options, generators, history, ban).settle()
 
 
-def adjusted(logits: torch.Tensor, step: StepOptions, history: Optional[torch.Tensor], ban: Optional[torch.Tensor],
-             processors: Sequence[LogitsProcessor]) -> torch.Tensor:
-    """The logits after the processors, the repetition penalty and the ban."""
+def adjusted(logits: torch.Tensor, step: StepOptions, history: Optional[torch.Tensor],
+             ban: Optional[torch.Tensor]) -> torch.Tensor:
+    """The logits after the repetition penalty and the ban."""
     logits = logits.float()
-    for processor in processors:
-        logits = processor(logits)
     if step.penalty is not None and history is not None and history.shape[-1]:
         logits = penalised(logits, history, step.penalty)
     if ban is not None:

