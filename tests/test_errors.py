@@ -200,7 +200,7 @@ MISTAKES = [
             ("speculate_k", "1 to 15", "20")),
     Mistake("different prompts on each rank", prompts_per_rank,
             ("the generation arguments on rank(s) 1 differ from rank 0's", "same arguments")),
-    Mistake("prompts file not JSON", prompts_file("['unclosed", TEXT), ("prompts.json is not valid UTF-8 JSON",)),
+    Mistake("prompts file not JSON", prompts_file("['unclosed", TEXT), ("prompts.json is not valid JSON",)),
     Mistake("prompts file not a list of strings", prompts_file('{"prompt": "hi"}', TEXT),
             ("prompts.json must hold a non-empty JSON list",)),
     Mistake("prompts file with a lone surrogate", prompts_file('["ok", "bad \\ud800 text"]', TEXT),
