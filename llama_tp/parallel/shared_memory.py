@@ -39,11 +39,14 @@ class SharedMemorySum:
     def __init__(self, path: str, rank: int, world_size: int, timeout_seconds: float):
         flags_bytes = 64 * world_size  # one cache line per rank's flag
         total = flags_bytes + 2 * world_size * self.CAPACITY * 4
-        self.buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        # Made outside inference mode even when the first exchange comes from inside it, so that a
+        # later exchange outside it (the serving loop of a rank without our kernels) may write it.
+        with torch.inference_mode(False):
+            self.buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            self.slots = self.buffer[flags_bytes:].view(torch.float32).view(2, world_size, self.CAPACITY)
         # Flags are read and written as Python ints through a memoryview: a tensor op per poll
         # costs microseconds, and a decode step makes two exchanges per layer.
         self.flags = memoryview(self.buffer[:flags_bytes].numpy()).cast("q")  # rank r's flag at [8 * r]
-        self.slots = self.buffer[flags_bytes:].view(torch.float32).view(2, world_size, self.CAPACITY)
         self.slot_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.rank, self.world_size, self.timeout_seconds = rank, world_size, timeout_seconds
         self.flags[8 * rank + 1] = os.getpid()
@@ -93,8 +96,9 @@ class SharedMemorySum:
         """Every rank's slot [world_size, numel] for this parity, and this rank's; made once per size."""
         views = self.slot_views.get((parity, numel))
         if views is None:
-            slots = self.slots[parity, :, :numel]
-            views = self.slot_views[parity, numel] = (slots, slots[self.rank])
+            with torch.inference_mode(False):  # plain views, as the buffer is (__init__)
+                slots = self.slots[parity, :, :numel]
+                views = self.slot_views[parity, numel] = (slots, slots[self.rank])
         return views
 
 
