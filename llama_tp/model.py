@@ -147,6 +147,11 @@ class KVCache(nn.Module):
         self.k.index_put_(where, k)
         self.v.index_put_(where, v)
 
+    def copy_positions(self, source: int, dest: int, start: int, end: int) -> None:
+        """Row dest takes row source's keys and values at positions [start, end)."""
+        self.k[dest, :, start:end] = self.k[source, :, start:end]
+        self.v[dest, :, start:end] = self.v[source, :, start:end]
+
     def read(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values at positions [0, rows.end): [bsz, heads, end, head_dim]."""
         if rows.first_slot is not None:
@@ -353,6 +358,13 @@ class Transformer(nn.Module):
             attention = layer.attention
             attention.cache = KVCache(max_batch_size, max_seq_len, attention.n_local_kv_heads,
                                       attention.head_dim, device, dtype, windowed=self.window is not None)
+
+    @torch.no_grad()
+    def copy_cache_positions(self, source: int, dest: int, start: int, end: int) -> None:
+        """Cache row dest takes row source's keys and values at positions [start, end) in every
+        layer: a prompt prefilled once serves several rows (the server's `n` choices)."""
+        for layer in self.layers:
+            layer.attention.cache.copy_positions(source, dest, start, end)
 
     def compile_decoding(self, static_shapes: bool, **compile_options) -> None:
         """Run one-token steps through torch.compile, in equal groups of consecutive layers, then

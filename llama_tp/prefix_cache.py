@@ -30,8 +30,11 @@ class PrefixCache:
     def reusable(self, row: int, prompt: Sequence[int]) -> int:
         """How many of prompt's first tokens row holds: the longest common start, short of the
         whole prompt (its last token must be fed to give the logits of the next)."""
-        if not self.enabled:
-            return 0
+        return self.held(row, prompt) if self.enabled else 0
+
+    def held(self, row: int, prompt: Sequence[int]) -> int:
+        """How many of prompt's first tokens row holds, short of the whole prompt, whether or not
+        reuse across requests is enabled (a request's `n` choices share their prefill anyway)."""
         prompt = prompt if isinstance(prompt, list) else list(prompt)  # lists compare with lists only
         return max(0, min(common_length(self.rows[row], prompt), len(prompt) - 1))
 
@@ -55,6 +58,11 @@ class PrefixCache:
         if len(self.rows[row]) == start:
             self.rows[row].extend(tokens)
             self._touch(row)
+
+    def copy(self, source: int, dest: int, length: int) -> None:
+        """Row dest now holds row source's first length tokens (their keys and values were copied)."""
+        self.rows[dest][:] = self.rows[source][:length]
+        self._touch(dest)
 
     def forget(self) -> None:
         """Nothing held is to be reused (a chat's /reset)."""

@@ -30,8 +30,9 @@ MODEL = "tiny-llama"
 class StandInModel:
     """All the HTTP side reads of a model."""
 
-    def __init__(self, max_seq_len: int, vocab_size: int = 32000):
+    def __init__(self, max_seq_len: int, vocab_size: int = 32000, max_batch_size: int = 4):
         self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size  # the most choices (`n`) a request may ask for
         self.args = SimpleNamespace(vocab_size=vocab_size)  # structured outputs compile for it
 
 

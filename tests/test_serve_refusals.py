@@ -40,7 +40,10 @@ REFUSALS = {
     "unknown field": (CHAT, GOOD_CHAT | {"colour": "blue"}, 400, "unknown_parameter", "colour", ["`colour`"]),
     "unknown message field": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x", "mood": 1}]},
                               400, "unknown_parameter", "messages[0].mood", ["`messages[0].mood`"]),
-    "n=2": (CHAT, GOOD_CHAT | {"n": 2}, 400, "unsupported_parameter", "n", ["`n`", "not supported by this server"]),
+    "n above max_batch_size": (CHAT, GOOD_CHAT | {"n": 5}, 400, "invalid_value", "n",
+                               ["`n` is 5", "--max_batch_size 4", "at most 4"]),
+    "n of 0": (COMPLETION, GOOD_COMPLETION | {"n": 0}, 400, "invalid_value", "n", ["greater than or equal to 1"]),
+    "n a string": (CHAT, GOOD_CHAT | {"n": "2"}, 400, "invalid_type", "n", ["integer"]),
     "unknown tool name": (CHAT, GOOD_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}],
                                              "tool_choice": {"type": "function", "function": {"name": "g"}}},
                           400, "invalid_value", "tool_choice.function.name", ['"g"', "f"]),
@@ -106,8 +109,8 @@ REFUSALS = {
     "detokenize outside the vocabulary": ("/detokenize", {"tokens": [1, 32000]}, 400, "invalid_value", "tokens",
                                           ["32000"]),
     "detokenize not ids": ("/detokenize", {"tokens": ["a"]}, 400, "invalid_type", "tokens[0]", ["integer"]),
-    "best_of": (COMPLETION, GOOD_COMPLETION | {"best_of": 2}, 400, "unsupported_parameter", "best_of",
-                ["not supported"]),
+    "best_of above n": (COMPLETION, GOOD_COMPLETION | {"best_of": 2}, 400, "unsupported_parameter", "best_of",
+                        ["`best_of` (2) differs from `n` (1)", "not supported"]),
     "echo with logprobs": (COMPLETION, GOOD_COMPLETION | {"echo": True, "logprobs": 1}, 400, "unsupported_parameter",
                            "echo", ["not supported"]),
     "suffix": (COMPLETION, GOOD_COMPLETION | {"suffix": "end"}, 400, "unsupported_parameter", "suffix",
@@ -183,8 +186,9 @@ def test_refusal_then_good_request(server, case):
 
 
 def test_refusals_through_the_openai_client(server):
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        client(server.url).chat.completions.create(model=MODEL, messages=HELLO, n=2)
+    with pytest.raises(openai.BadRequestError, match="at most 4 choices") as refused:
+        client(server.url).chat.completions.create(model=MODEL, messages=HELLO, n=9)
+    assert refused.value.param == "n"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client(server.url).chat.completions.create(model="gpt-4", messages=HELLO, stream=True)
     assert_serves(server.url)

@@ -21,11 +21,11 @@ from starlette.exceptions import HTTPException
 
 from ..structured.tools import tool_format
 from .mailbox import Mailbox, ServerState
-from .prepare import chat_request, completion_request, dialog_tokens, text_tokens
+from .prepare import chat_request, choices, completion_request, dialog_tokens, text_tokens
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
                        error_body, parse_body)
 from .requests import Delta, Overloaded, RequestStream, Unavailable
-from .responses import ChatReply, CompletionReply, Reply, event
+from .responses import Answered, ChatReply, CompletionReply, Reply, event
 
 if TYPE_CHECKING:
     from ..generation import Llama
@@ -81,21 +81,22 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
             if body.model != model_name:
                 raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
                                    f"`{model_name}`", "model", "model_not_found")
-            reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage)
+            reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage, body.n or 1)
             # Off the event loop: a long prompt takes a while to encode.
             prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id)
+            requests = choices(body, prepared, generator)
             if getattr(body, "tools", None) and body.tool_choice != "none":  # answers parsed for calls
                 reply.tools = (tool_format(generator.formatter), {tool.function.name for tool in body.tools})
             if getattr(body, "echo", False):  # completions' echo: the prompt's text first
                 reply.echo = body.prompt if isinstance(body.prompt, str) else generator.tokenizer.decode(body.prompt)
-            stream = mailbox.submit(prepared)
+            streams = mailbox.submit_all(requests)
         except RequestError as error:
             return refuse(error)
         except Overloaded as error:
             return refuse(RequestError(429, str(error), None, "rate_limit_exceeded"))
         except Unavailable as error:
             return refuse(RequestError(503, str(error), None, "service_unavailable"))
-        answer = Answer(stream, mailbox, request)
+        answer = Answer(streams, mailbox, request)
         if body.stream:
             return EventStream(answer, events(answer, reply, prepared.logprobs))
         return await whole(answer, reply, prepared.logprobs)
@@ -190,40 +191,47 @@ def error_response(error: RequestError) -> Response:
 
 
 class Answer:
-    """An admitted request's deltas as they come, up to the last one or until its client leaves.
+    """An admitted request's deltas, from each of its choices' streams as they come, up to every
+    choice's last one or until the client leaves.
 
-    close() tells the engine to cancel the request unless it has ended: call it whenever the
+    close() tells the engine to cancel the choices that have not ended: call it whenever the
     reading stops, for whatever reason.
     """
 
-    def __init__(self, stream: RequestStream, mailbox: Mailbox, request: Request):
-        self.stream, self.mailbox, self.request = stream, mailbox, request
-        self.ended = False
+    def __init__(self, streams: list[RequestStream], mailbox: Mailbox, request: Request):
+        self.streams, self.mailbox, self.request = streams, mailbox, request
+        self.ended: set[int] = set()  # the choices whose last delta has come
         self._leaving: "asyncio.Future | None" = None
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, delta) as they come."""
         self._leaving = asyncio.ensure_future(disconnected(self.request))
-        next_delta = None
+        coming: dict[int, asyncio.Future] = {}  # each running choice's next delta
         try:
-            while not self.ended:
-                next_delta = asyncio.ensure_future(self.stream.next())
-                await asyncio.wait((next_delta, self._leaving), return_when=asyncio.FIRST_COMPLETED)
-                if not next_delta.done():  # the client has gone
+            while len(self.ended) < len(self.streams):
+                for index, stream in enumerate(self.streams):
+                    if index not in self.ended and index not in coming:
+                        coming[index] = asyncio.ensure_future(stream.next())
+                await asyncio.wait((*coming.values(), self._leaving), return_when=asyncio.FIRST_COMPLETED)
+                if not any(future.done() for future in coming.values()):  # the client has gone
                     return
-                delta = next_delta.result()
-                self.ended = delta.finished
-                yield delta
+                for index in sorted(index for index, future in coming.items() if future.done()):
+                    delta = coming.pop(index).result()
+                    if delta.finished:
+                        self.ended.add(index)
+                    yield index, delta
         finally:
-            if next_delta is not None:
-                next_delta.cancel()
+            for future in coming.values():
+                future.cancel()
             self.close()
 
     def close(self) -> None:
         if self._leaving is not None:
             self._leaving.cancel()
-        if not self.ended:
-            self.ended = True
-            self.mailbox.cancel(self.stream.request.id)
+        for index, stream in enumerate(self.streams):
+            if index not in self.ended:
+                self.ended.add(index)
+                self.mailbox.cancel(stream.request.id)
 
 
 async def disconnected(request: Request) -> None:
@@ -233,32 +241,37 @@ async def disconnected(request: Request) -> None:
 
 
 async def whole(answer: Answer, reply: Reply, logprobs: bool) -> Response:
-    """The answer as one JSON response, once the last delta has come."""
-    texts, items, final = [], [], None
+    """The answer as one JSON response, once every choice's last delta has come."""
+    texts = [[] for _ in answer.streams]
+    items = [[] for _ in answer.streams]
+    finals: dict[int, Delta] = {}
     try:
-        async for delta in answer.deltas():
-            texts.append(delta.text)
-            items.extend(delta.logprobs)
-            final = delta if delta.finished else None
+        async for index, delta in answer.deltas():
+            texts[index].append(delta.text)
+            items[index].extend(delta.logprobs)
+            if delta.finished:
+                finals[index] = delta
     finally:
         answer.close()
-    if final is None:  # the client has gone: nobody reads this
+    if len(finals) < len(answer.streams):  # the client has gone: nobody reads this
         return Response(status_code=499)
-    if final.finish_reason == "error":
-        return error_response(RequestError(503, final.error or "the engine failed", None, "engine_failed"))
-    return JSONResponse(reply.response("".join(texts), items if logprobs else None, final))
+    failed = next((final for final in finals.values() if final.finish_reason == "error"), None)
+    if failed is not None:
+        return error_response(RequestError(503, failed.error or "the engine failed", None, "engine_failed"))
+    return JSONResponse(reply.response([Answered("".join(texts[index]), items[index] if logprobs else None,
+                                                 finals[index]) for index in range(len(answer.streams))]))
 
 
 async def events(answer: Answer, reply: Reply, logprobs: bool) -> AsyncIterator[bytes]:
-    """The answer as server-sent events: chunks, the finish reason, the usage when asked, [DONE];
-    an engine failure as an error event, which ends the stream."""
+    """The answer as server-sent events: chunks, each choice's finish reason, the usage when
+    asked, [DONE]; an engine failure as an error event, which ends the stream."""
     for chunk in reply.opening():
         yield chunk
-    async for delta in answer.deltas():
+    async for index, delta in answer.deltas():
         if delta.finish_reason == "error":
             yield event(error_body(503, delta.error or "the engine failed", None, "engine_failed"))
             return
-        for chunk in reply.chunks(delta, logprobs):
+        for chunk in reply.chunks(index, delta, logprobs):
             yield chunk
 
 

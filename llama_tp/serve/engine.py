@@ -178,11 +178,13 @@ class Engine:
             if sequence is not None:
                 self._finish(sequence, "cancelled", [])
         for admission in news.admitted:
-            sequence = self.scheduler.admit(admission.request, admission.slot)
+            request = admission.request
+            # `n`'s later choices copy the first's prefill (scheduler.Copy) when it still runs
+            follows = self.scheduler.find(request.shares_prefill_with) if request.shares_prefill_with else None
+            sequence = self.scheduler.admit(request, admission.slot, follows)
             generator = torch.Generator(device=self.device).manual_seed(admission.seed)
             watches_text = self.mailbox is not None or bool(admission.request.stop)
             decoder = IncrementalDecoder(self.tokenizer, admission.request.stop) if watches_text else None
-            request = admission.request
             # structured outputs (llama_tp/structured): each rank keeps its own grammar state
             adjustment = make_adjustment(self.generator, request.constraint, request.logit_bias,
                                          request.presence_penalty, request.frequency_penalty)
@@ -197,6 +199,8 @@ class Engine:
 
     def _step(self) -> None:
         plan = self.scheduler.plan()
+        for copy in plan.copies:  # a prompt prefilled once for several choices
+            self.model.copy_cache_positions(copy.source, copy.dest, copy.start, copy.end)
         # Prompt chunks first: a new request's first token then waits for its own prefill only,
         # not also for a decoding pass of the whole batch. The generating requests wait for the
         # chunk once per admission (chunks are at most max_prefill_tokens long).

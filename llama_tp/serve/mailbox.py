@@ -48,17 +48,23 @@ class Mailbox:
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a checked request; its deltas come through the returned stream. Call it on the
         event loop that reads the stream. Raises Unavailable or Overloaded without queueing."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[GenerationRequest]) -> list[RequestStream]:
+        """Queue the requests of one client's `n` choices in order, all or none, as submit does."""
         with self._lock:
             if self.state is not ServerState.READY:
                 raise Unavailable(self.unavailable_reason())
-            if self._waiting >= self.max_waiting:
+            if self._waiting + len(requests) > self.max_waiting:
+                more = f", no room for {len(requests)} more" if len(requests) > 1 else ""
                 raise Overloaded(f"{self._waiting} requests are already waiting for a slot (--max_waiting "
-                                 f"{self.max_waiting}); try again shortly")
-            self._waiting += 1
+                                 f"{self.max_waiting}){more}; try again shortly")
+            self._waiting += len(requests)
             self.metrics.requests_waiting.set(self._waiting)
-        stream = RequestStream(request, asyncio.get_running_loop())
-        self._messages.put(stream)
-        return stream
+        streams = [RequestStream(request, asyncio.get_running_loop()) for request in requests]
+        for stream in streams:
+            self._messages.put(stream)
+        return streams
 
     def cancel(self, request_id: str) -> None:
         """The client of request_id has gone: free its slot (a no-op if it has ended)."""

@@ -6,6 +6,7 @@ request reaches the ranks.
 """
 
 import json
+from dataclasses import replace
 from typing import Any, Optional
 
 from ..structured.constraint import Constraint
@@ -13,7 +14,7 @@ from ..structured.grammars import grammars_for
 from ..structured.tools import call_constraint, render_dialog, tool_format
 from ..text.chat_format import SPECIAL_TAGS
 from ..text.streaming import check_stop
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
+from .protocol import INT64, ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
 from .requests import GenerationRequest
 
 # SamplingOptions.check names the option first in its message; the API's name for each.
@@ -38,6 +39,29 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> Gen
         max_tokens, limit_param = body.max_completion_tokens, "max_completion_tokens"
     return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
                     generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param, forced)
+
+
+def choices(body: SamplingRequest, request: GenerationRequest, generator) -> list[GenerationRequest]:
+    """The engine's requests for the body's `n` choices of one prompt: request first, then n - 1
+    that share its prefill (the engine copies its prompt's keys and values), each with its own
+    random stream: the request's seed plus the choice's index (as vLLM does), or without a seed
+    one the engine draws for each."""
+    n = body.n or 1
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise RequestError(400, f"`best_of` ({best_of}) differs from `n` ({n}), which is not supported by this "
+                           f"server: it returns every answer it generates; ask for n={best_of} and choose among "
+                           "them (their log probabilities with `logprobs`)", "best_of", "unsupported_parameter")
+    rows = generator.model.max_batch_size
+    if n > rows:
+        raise RequestError(400, f"`n` is {n}, but the server generates at most {rows} answers at once "
+                           f"(--max_batch_size {rows}); ask for at most {rows} choices, or send several requests",
+                           "n", "invalid_value")
+    seed = request.options.seed
+    return [request] + [
+        replace(request, id=f"{request.id}-{index}", shares_prefill_with=request.id,
+                options=replace(request.options, seed=None if seed is None else (seed + index + INT64) % (2 * INT64) - INT64))
+        for index in range(1, n)]
 
 
 def _forced_call(body: ChatCompletionRequest, tools: list[dict], generator) -> Optional[Constraint]:

@@ -95,8 +95,6 @@ Prompt = Annotated[Union[str, list[int]], BeforeValidator(_prompt)]
 # What clients may send that this server does not do: each field is accepted with the values that
 # change nothing (None is always one), and refused with any other, saying why.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "it gives one choice per request; send one request per choice"),
-    "best_of": ((1,), "it gives one choice per request"),
     "suffix": (("",), "it does not fill in text before a suffix"),
     "functions": (([],), "it does not call functions"),
     "function_call": (("none",), "it does not call functions"),
@@ -237,7 +235,7 @@ class SamplingRequest(Body):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # the end user, for an operator's abuse monitoring: ignored
-    n: Any = None
+    n: Optional[int] = Field(None, ge=1)  # choices of one prompt; at most --max_batch_size (prepare.py)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)  # OpenAI's range
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # token id: bias
@@ -299,7 +297,7 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     logprobs: Optional[int] = Field(None, ge=0, le=20)  # the legacy form: how many alternatives per token
-    best_of: Any = None
+    best_of: Optional[int] = Field(None, ge=1)  # only as many as n: every answer generated is returned
     echo: Optional[bool] = None  # the prompt's text before the answer's
     suffix: Any = None
 

@@ -40,6 +40,9 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from each generated token's logit
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time the token was generated
+    # `n`'s later choices: the id of the first, whose prompt's keys and values they copy once it
+    # is prefilled instead of prefilling it again (the scheduler's Copy)
+    shares_prefill_with: Optional[str] = None
     arrival: float = field(default_factory=time.monotonic)  # for time to first token
 
 

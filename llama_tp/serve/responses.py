@@ -1,13 +1,15 @@
 """What the server answers, in OpenAI's shapes: a whole response, or server-sent event chunks.
 
-A Reply writes one request's answer; ChatReply and CompletionReply differ only in how a choice
-and its log probabilities look (chat: `message`/`delta` and `logprobs.content`; completions:
-`text` and the legacy `logprobs` of parallel lists).
+A Reply writes one request's answer, of `n` choices (indexed 0..n-1, each from its own engine
+request); ChatReply and CompletionReply differ only in how a choice and its log probabilities
+look (chat: `message`/`delta` and `logprobs.content`; completions: `text` and the legacy
+`logprobs` of parallel lists).
 """
 
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Optional
 
 from ..structured.tools import parse_tool_calls
@@ -27,14 +29,26 @@ def finish_reason(delta: Delta) -> str:
     return "length" if delta.finish_reason == "length" else "stop"
 
 
-def usage(final: Delta) -> dict:
-    """The token counts of a final delta; cached_tokens are prompt tokens whose keys and values were reused."""
+def usage(finals: list[Delta]) -> dict:
+    """The token counts of every choice's final delta: the prompt once (the first choice's, whose
+    prefill the others share), the completions of all; cached_tokens are prompt tokens whose keys
+    and values were reused from earlier requests."""
+    prompt, completion = finals[0].prompt_tokens, sum(final.completion_tokens for final in finals)
     return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens},
     }
+
+
+@dataclass(frozen=True)
+class Answered:
+    """One choice's whole answer: its text, its tokens' log probabilities (None: not asked), its last delta."""
+
+    text: str
+    logprobs: Optional[list[TokenLogprob]]
+    final: Delta
 
 
 class Reply:
@@ -44,19 +58,22 @@ class Reply:
     chunk_object: str
     id_prefix: str
 
-    def __init__(self, model: str, tokenizer, include_usage: bool = False):
+    def __init__(self, model: str, tokenizer, include_usage: bool = False, n: int = 1):
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer
         self.include_usage = include_usage
+        self.n = n
+        self.finals: dict[int, Delta] = {}  # a stream's choices that have ended, by index
 
     # What the two kinds of answer write differently
 
-    def choice(self, text: str, logprobs: Optional[list[TokenLogprob]], reason: str) -> dict:
+    def choice(self, index: int, text: str, logprobs: Optional[list[TokenLogprob]], reason: str) -> dict:
         raise NotImplementedError
 
-    def chunk_choice(self, text: str, logprobs: Optional[list[TokenLogprob]], reason: Optional[str]) -> dict:
+    def chunk_choice(self, index: int, text: str, logprobs: Optional[list[TokenLogprob]],
+                     reason: Optional[str]) -> dict:
         raise NotImplementedError
 
     def opening(self) -> list[bytes]:
@@ -65,23 +82,32 @@ class Reply:
 
     # The same for both
 
-    def response(self, text: str, logprobs: Optional[list[TokenLogprob]], final: Delta) -> dict:
-        """The whole answer, for a request that did not ask to stream."""
+    def response(self, answers: list[Answered]) -> dict:
+        """The whole answer, for a request that did not ask to stream: a choice per answer."""
+        choices = [self.choice(index, answer.text, answer.logprobs, finish_reason(answer.final))
+                   for index, answer in enumerate(answers)]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self.choice(text, logprobs, finish_reason(final))], "usage": usage(final)}
+                "choices": choices, "usage": usage([answer.final for answer in answers])}
 
-    def chunks(self, delta: Delta, logprobs: bool) -> list[bytes]:
-        """The events for one delta: its text (and log probabilities); after the last, the finish
-        reason, the usage when asked, and [DONE]."""
+    def chunks(self, index: int, delta: Delta, logprobs: bool) -> list[bytes]:
+        """The events for one delta of choice index: its text (and log probabilities); after its
+        last, its finish reason; after every choice's last, the usage when asked, and [DONE]."""
         events = []
         if delta.text or delta.logprobs:
-            events.append(self.chunk([self.chunk_choice(delta.text, list(delta.logprobs) if logprobs else None, None)]))
+            events.append(self.chunk([self.chunk_choice(index, delta.text, list(delta.logprobs) if logprobs else None,
+                                                        None)]))
         if delta.finished:
-            events.append(self.chunk([self.chunk_choice("", None, finish_reason(delta))]))
-            if self.include_usage:
-                events.append(self.chunk([], usage(delta)))
-            events.append(DONE)
+            events.append(self.chunk([self.chunk_choice(index, "", None, finish_reason(delta))]))
+            events += self.ending(index, delta)
         return events
+
+    def ending(self, index: int, final: Delta) -> list[bytes]:
+        """After choice index's last delta: once every choice has ended, the usage when asked and [DONE]."""
+        self.finals[index] = final
+        if len(self.finals) < self.n:
+            return []
+        usage_chunk = [self.chunk([], usage([self.finals[i] for i in range(self.n)]))] if self.include_usage else []
+        return usage_chunk + [DONE]
 
     def chunk(self, choices: list[dict], counts: Optional[dict] = None) -> bytes:
         data = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
@@ -98,47 +124,46 @@ class ChatReply(Reply):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
     tools: Optional[tuple[str, set[str]]] = None  # with tools: their format and names; calls are parsed
 
-    def __init__(self, model: str, tokenizer, include_usage: bool = False):
-        super().__init__(model, tokenizer, include_usage)
-        self.held: list[str] = []  # with tools, a stream's text until the end, when calls are parsed
+    def __init__(self, model: str, tokenizer, include_usage: bool = False, n: int = 1):
+        super().__init__(model, tokenizer, include_usage, n)
+        self.held: dict[int, list[str]] = {}  # with tools, each choice's streamed text until its end, when calls are parsed
 
-    def choice(self, text, logprobs, reason):
+    def choice(self, index, text, logprobs, reason):
         message, calls = {"role": "assistant", "content": text}, []
-        if self.tools is not None:
+        if self.tools is not None:  # each choice's calls are its own
             content, calls = parse_tool_calls(text, *self.tools)
             if calls:
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [call.openai() for call in calls]}
-        return {"index": 0, "message": message, "logprobs": self.logprobs(logprobs),
+        return {"index": index, "message": message, "logprobs": self.logprobs(logprobs),
                 "finish_reason": "tool_calls" if calls and reason == "stop" else reason}
 
-    def chunks(self, delta, logprobs):
-        """With tools, the text is held to the end: a call is only known once it is whole. Then
-        the words come as one content delta and each call as a tool_calls delta."""
+    def chunks(self, index, delta, logprobs):
+        """With tools, a choice's text is held to its end: a call is only known once it is whole.
+        Then the words come as one content delta and each call as a tool_calls delta."""
         if self.tools is None:
-            return super().chunks(delta, logprobs)
-        self.held.append(delta.text)
+            return super().chunks(index, delta, logprobs)
+        held = self.held.setdefault(index, [])
+        held.append(delta.text)
         if not delta.finished:
             return []
-        choice = self.choice("".join(self.held), None, finish_reason(delta))
+        choice = self.choice(index, "".join(held), None, finish_reason(delta))
         message, events = choice["message"], []
         if message["content"]:
-            events.append(self.chunk([self.chunk_choice(message["content"], None, None)]))
-        for index, call in enumerate(message.get("tool_calls", ())):
-            events.append(self.chunk([{"index": 0, "delta": {"tool_calls": [call | {"index": index}]},
+            events.append(self.chunk([self.chunk_choice(index, message["content"], None, None)]))
+        for number, call in enumerate(message.get("tool_calls", ())):
+            events.append(self.chunk([{"index": index, "delta": {"tool_calls": [call | {"index": number}]},
                                        "logprobs": None, "finish_reason": None}]))
-        events.append(self.chunk([self.chunk_choice("", None, choice["finish_reason"])]))
-        if self.include_usage:
-            events.append(self.chunk([], usage(delta)))
-        return events + [DONE]
+        events.append(self.chunk([self.chunk_choice(index, "", None, choice["finish_reason"])]))
+        return events + self.ending(index, delta)
 
-    def chunk_choice(self, text, logprobs, reason):
+    def chunk_choice(self, index, text, logprobs, reason):
         delta = {"content": text} if text or reason is None else {}
-        return {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
 
     def opening(self):
-        return [self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])]
+        return [self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for index in range(self.n)]
 
     def logprobs(self, logprobs: Optional[list[TokenLogprob]]) -> Optional[dict]:
         """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}, or None when not asked."""
@@ -155,33 +180,34 @@ class ChatReply(Reply):
 class CompletionReply(Reply):
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
 
-    def __init__(self, model: str, tokenizer, include_usage: bool = False):
-        super().__init__(model, tokenizer, include_usage)
-        self.text_offset = 0  # where the next token's text begins, over the chunks of a stream
-        self.echo = ""  # with echo: the prompt's text, before the answer's
+    def __init__(self, model: str, tokenizer, include_usage: bool = False, n: int = 1):
+        super().__init__(model, tokenizer, include_usage, n)
+        self.text_offsets: dict[int, int] = {}  # where each choice's next token's text begins, over a stream's chunks
+        self.echo = ""  # with echo: the prompt's text, before each choice's answer
 
-    def response(self, text, logprobs, final):
-        return super().response(self.echo + text, logprobs, final)
+    def response(self, answers):
+        return super().response([Answered(self.echo + answer.text, answer.logprobs, answer.final)
+                                 for answer in answers])
 
     def opening(self):
-        return [self.chunk([self.chunk_choice(self.echo, None, None)])] if self.echo else []
+        return [self.chunk([self.chunk_choice(index, self.echo, None, None)]) for index in range(self.n)] if self.echo else []
 
-    def choice(self, text, logprobs, reason):
-        return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
+    def choice(self, index, text, logprobs, reason):
+        return {"index": index, "text": text, "logprobs": self.logprobs(index, logprobs), "finish_reason": reason}
 
-    def chunk_choice(self, text, logprobs, reason):
-        return self.choice(text, logprobs, reason)
+    def chunk_choice(self, index, text, logprobs, reason):
+        return self.choice(index, text, logprobs, reason)
 
-    def logprobs(self, logprobs: Optional[list[TokenLogprob]]) -> Optional[dict]:
+    def logprobs(self, index: int, logprobs: Optional[list[TokenLogprob]]) -> Optional[dict]:
         """The legacy shape: parallel lists of tokens, their log probabilities, {token: logprob} of
-        the alternatives, and where each token's text begins in the answer."""
+        the alternatives, and where each token's text begins in choice index's answer."""
         if logprobs is None:
             return None
         tokens = [self.token_text(item.token) for item in logprobs]
         offsets = []
         for text in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(text)
         return {"tokens": tokens, "token_logprobs": [item.logprob for item in logprobs],
                 "top_logprobs": [{self.token_text(token): logprob for token, logprob in item.top}
                                  for item in logprobs],

@@ -10,9 +10,11 @@ one batch), a chunk of its prompt for a request being prefilled (each chunk a pa
 within a per-step budget, so that a long prompt never stalls the generating rows for long).
 A request that ended leaves its tokens in its slot: a later request that begins with them (the
 next turn of a conversation, the same system prompt) takes that slot and skips their prefill.
+A request's `n` choices run in n slots: the first prefills the prompt, the others wait for it,
+then copy what its slot holds of the prompt (a Copy in the step's plan) and feed only the rest.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..prefix_cache import PrefixCache
@@ -30,6 +32,7 @@ class Sequence:
     reused: int = 0  # prompt tokens the slot held already
     generated: int = 0
     sampling: Any = None  # the engine's per-request state: random generator, text decoder
+    follows: Optional["Sequence"] = None  # the choice whose prefill this one waits for, then copies
 
     @property
     def pending(self) -> list[int]:
@@ -65,9 +68,20 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Copy:
+    """Cache row dest takes row source's keys and values at positions [start, end), before the step's passes."""
+
+    source: int
+    dest: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
     decode: list[Chunk]  # one token each: one batch
     prefill: list[Chunk]  # each a pass of its own
+    copies: list[Copy] = field(default_factory=list)  # done first
 
 
 class Scheduler:
@@ -93,14 +107,15 @@ class Scheduler:
         free = [index for index in self.free_slots() if index not in taken]
         return self.prefix_cache.best_row(prompt, free) if free else None
 
-    def admit(self, request: GenerationRequest, slot_index: int) -> Sequence:
-        """Start request in the given free slot, reusing what the slot holds of its prompt."""
+    def admit(self, request: GenerationRequest, slot_index: int, follows: Optional[Sequence] = None) -> Sequence:
+        """Start request in the given free slot, reusing what the slot holds of its prompt;
+        follows: a running sequence with the same prompt, whose prefill this one will copy."""
         slot = self.slots[slot_index]
         assert slot.sequence is None, f"slot {slot_index} is taken"
         reused = self.prefix_cache.reusable(slot_index, request.prompt_tokens)
         self.prefix_cache.keep(slot_index, reused)
         self.admissions += 1
-        slot.sequence = Sequence(request, slot, list(request.prompt_tokens), self.admissions, reused)
+        slot.sequence = Sequence(request, slot, list(request.prompt_tokens), self.admissions, reused, follows=follows)
         return slot.sequence
 
     def find(self, request_id: str) -> Optional[Sequence]:
@@ -113,16 +128,38 @@ class Scheduler:
     def plan(self) -> StepPlan:
         """What this step feeds: every generating sequence's one token, and prompt chunks up to
         max_prefill_tokens, oldest request first."""
-        decode, prefill, budget = [], [], self.max_prefill_tokens
+        decode, prefill, copies, budget = [], [], [], self.max_prefill_tokens
         for sequence in sorted(self.running, key=lambda s: s.admitted):
+            if sequence.follows is not None:
+                if _prefilling(sequence.follows):
+                    continue  # its prompt's keys and values are on their way
+                copies += self._take_prefill(sequence)
             pending, start = sequence.pending, len(sequence.slot.cached)
             if len(pending) == 1:
                 decode.append(Chunk(sequence, start, pending))
             elif pending and budget > 0:
                 prefill.append(Chunk(sequence, start, pending[:budget]))
                 budget -= len(prefill[-1].tokens)
-        return StepPlan(decode, prefill)
+        return StepPlan(decode, prefill, copies)
+
+    def _take_prefill(self, sequence: Sequence) -> list[Copy]:
+        """What the followed sequence's slot holds of sequence's prompt beyond what its own slot
+        does, as a copy (none if nothing more); the record says so from now on."""
+        source, dest = sequence.follows.slot.index, sequence.slot.index
+        sequence.follows = None
+        held = self.prefix_cache.held(source, sequence.request.prompt_tokens)
+        if held <= sequence.reused:
+            return []
+        self.prefix_cache.copy(source, dest, held)
+        copy = Copy(source, dest, sequence.reused, held)
+        sequence.reused = held
+        return [copy]
 
     def fed(self, chunk: Chunk) -> None:
         """The chunk's keys and values are in its slot now."""
         self.prefix_cache.extend(chunk.sequence.slot.index, chunk.start, chunk.tokens)
+
+
+def _prefilling(sequence: Sequence) -> bool:
+    """Whether sequence still runs and has prompt tokens its slot does not hold yet."""
+    return sequence.slot.sequence is sequence and len(sequence.pending) > 1

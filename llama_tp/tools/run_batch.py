@@ -24,10 +24,10 @@ from ..generation import Llama
 from ..logs import logger
 from ..parallel import global_rank
 from ..serve.engine import Engine
-from ..serve.prepare import chat_request, completion_request
+from ..serve.prepare import chat_request, choices, completion_request
 from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
 from ..serve.requests import Delta, GenerationRequest
-from ..serve.responses import ChatReply, CompletionReply, Reply
+from ..serve.responses import Answered, ChatReply, CompletionReply, Reply
 from ..serve.scheduler import Sequence
 from ..text.streaming import cut_at_stop
 from . import demo
@@ -200,7 +200,11 @@ def check_line(line: str, generator: Llama, model_name: str) -> "Pending | tuple
             raise RequestError(400, "`stream` is not supported in a batch: each answer is written whole",
                                "stream", "invalid_value")
         reply = reply_kind(model_name, generator.tokenizer, body.include_usage)
-        return Pending(custom_id, reply, prepare(body, generator, reply.id))
+        request = prepare(body, generator, reply.id)
+        if len(choices(body, request, generator)) > 1:  # after choices' own checks of n and best_of
+            raise RequestError(400, f"`n` ({body.n}) is not supported in a batch: a line gives one answer; write "
+                               f"{body.n} lines", "n", "unsupported_parameter")
+        return Pending(custom_id, reply, request)
     except RequestError as refusal:
         return custom_id, refusal
 
@@ -211,7 +215,7 @@ def answer(pending: Pending, sequence: Sequence, reason: str, generator: Llama) 
     text = cut_at_stop(generator.tokenizer.decode(progress.answer), request.stop)
     final = Delta(finish_reason=reason, prompt_tokens=sequence.prompt_length, completion_tokens=sequence.generated,
                   cached_tokens=sequence.reused)
-    return pending.reply.response(text, progress.logprobs if request.logprobs else None, final)
+    return pending.reply.response([Answered(text, progress.logprobs if request.logprobs else None, final)])
 
 
 def response(status: int, body: dict) -> dict[str, Any]:
