@@ -122,7 +122,7 @@ class Llama:
                                           checkpoint.args, placement, dtype, max_batch_size, max_seq_len)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         logger.info(f"Loaded in {time.perf_counter() - start:.2f} seconds")
-        formatter = chat_format_for(tokenizer, record.chat_format, record.default_system_prompt)
+        formatter = chat_format_for(tokenizer, record.chat_format, record.default_system_prompt, record.chat_template)
         return Llama(model, tokenizer, formatter, record.sampling, speculator)
 
     def __init__(self, model: Transformer, tokenizer, formatter=None, sampling_defaults: Optional[dict] = None,

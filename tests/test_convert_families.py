@@ -288,16 +288,18 @@ def test_mistral_chat_prompt_is_the_templates(families):
 
     _, folder, ckpt = families["mistral"]
     llama = build(ckpt)
-    assert isinstance(llama.formatter, MistralChatFormat) and llama.formatter.controls
-    reference = AutoTokenizer.from_pretrained(folder)
-    dialog = [{"role": "user", "content": "the quick fox"}, {"role": "assistant", "content": "jumps over"},
-              {"role": "user", "content": "the lazy dog"}]
-    expected = reference.apply_chat_template(dialog, tokenize=True, return_dict=False)
-    assert llama.formatter.encode_dialog_prompt(dialog) == list(expected)
-    system = [{"role": "system", "content": "Paris"}, dialog[0]]
-    folded = [{"role": "user", "content": "Paris\n\nthe quick fox"}]
-    assert llama.formatter.encode_dialog_prompt(system) == list(
-        reference.apply_chat_template(folded, tokenize=True, return_dict=False))
+    assert isinstance(llama.formatter.known, MistralChatFormat) and llama.formatter.known.controls
+    # the template rendered with jinja2, and the format recognised in it, give transformers' tokens alike
+    for formatter in (llama.formatter, llama.formatter.known):
+        reference = AutoTokenizer.from_pretrained(folder)
+        dialog = [{"role": "user", "content": "the quick fox"}, {"role": "assistant", "content": "jumps over"},
+                  {"role": "user", "content": "the lazy dog"}]
+        expected = reference.apply_chat_template(dialog, tokenize=True, return_dict=False)
+        assert formatter.encode_dialog_prompt(dialog) == list(expected)
+        system = [{"role": "system", "content": "Paris"}, dialog[0]]
+        folded = [{"role": "user", "content": "Paris\n\nthe quick fox"}]
+        assert formatter.encode_dialog_prompt(system if formatter is llama.formatter.known else folded) == list(
+            reference.apply_chat_template(folded, tokenize=True, return_dict=False))
 
 
 @pytest.mark.slow

@@ -107,8 +107,9 @@ def test_convert_gguf_model_tokenizer_and_chat_record(tiny):
         assert llama.tokenizer.encode(text, bos=True, eos=False) == reference.encode(text)
     record = json.loads((root / "mp1" / "llama_tp.json").read_text())
     assert record == {"chat_format": "chatml", "default_system_prompt": "You are tiny.", "stop_tokens": [2],
-                      "converted_from": "tiny.gguf", "sampling": {"temperature": 0.25, "top_k": 30}}
+                      "converted_from": "tiny.gguf", "sampling": {"temperature": 0.25, "top_k": 30},
+                      "chat_template": CHATML_TEMPLATE}
     assert llama.sampling_defaults == {"temperature": 0.25, "top_k": 30}
-    assert isinstance(llama.formatter, ChatMLFormat)
+    assert isinstance(llama.formatter.known, ChatMLFormat)  # what the template was recognised as
     params = json.loads((root / "mp1" / "params.json").read_text())
     assert params["rope_theta"] == 20000.0 and params["n_kv_heads"] == KV_HEADS

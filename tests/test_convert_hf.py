@@ -19,6 +19,7 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\\nYou are tiny.<|im_end|>\\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -86,9 +87,9 @@ def test_convert_hf_logits_equal_transformers(converted):
     with torch.no_grad():
         expected = reference(tokens).logits
     torch.testing.assert_close(llama.model.forward(tokens, 0), expected, atol=1e-4, rtol=0)
-    if tied:  # the template's ChatML, its default system prompt and <|im_end|> reached the generator
-        assert isinstance(llama.formatter, ChatMLFormat)
-        assert llama.formatter.default_system_prompt == "You are tiny."
+    if tied:  # the template (ChatML, its default system prompt) and <|im_end|> reached the generator
+        assert llama.formatter.template is not None and isinstance(llama.formatter.known, ChatMLFormat)
+        assert llama.formatter.known.default_system_prompt == "You are tiny."
         assert llama.tokenizer.stop_tokens == {0, 2}  # <|endoftext|> (eos) and <|im_end|>
     recommended = {"temperature": 0.3, "top_p": 0.8, "repetition_penalty": 1.05} if tied else {}
     assert llama.sampling_defaults == recommended

@@ -127,7 +127,7 @@ def test_demo_network_tokenizer_ids_equal_transformers(llama, reference):
 def test_demo_network_typed_control_tokens_stay_text(llama):
     """A user who types <|im_start|> gets those characters, not a forged turn."""
     ids = llama.tokenizer.encode(PROMPTS[-1], bos=False, eos=False)
-    assert not {llama.formatter.im_start, llama.formatter.im_end} & set(ids)
+    assert not {llama.tokenizer.special_tokens["<|im_start|>"], llama.tokenizer.special_tokens["<|im_end|>"]} & set(ids)
     assert llama.tokenizer.decode(ids) == PROMPTS[-1]
 
 

@@ -1,7 +1,8 @@
 """What a converter writes beside params.json (llama_tp.json): how the model was tuned to be used.
 
-The chat format, the system prompt its template adds, the stop tokens that end a turn, and the
-sampling settings its makers recommend (Hugging Face's generation_config.json, GGUF's
+The chat template (Jinja, as Hugging Face keeps it) and the chat format recognised in it, the
+system prompt its template adds, the stop tokens that end a turn, and the sampling settings its
+makers recommend (Hugging Face's generation_config.json, GGUF's
 general.sampling.* keys), which generation uses where the caller gives none, as vLLM does.
 Meta's own checkpoints have no such file: Meta's chat formats and defaults apply.
 """
@@ -24,6 +25,8 @@ class ModelRecord:
     stop_tokens: tuple[int, ...] = ()  # ends of turn beyond the tokenizer's eos, e.g. <|im_end|>
     converted_from: Optional[str] = None  # the file or folder the weights came from, for people
     sampling: dict = field(default_factory=dict)  # recommended SAMPLING_SETTINGS, by name
+    # The model's Hugging Face chat template (Jinja), which renders its chat prompts (text/chat_format.py)
+    chat_template: Optional[str] = None
 
     def to_json(self) -> str:
         record = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -50,6 +53,8 @@ def read_record(ckpt_dir: Path) -> ModelRecord:
     stop_tokens = record.get("stop_tokens", [])
     if not isinstance(stop_tokens, list) or not all(isinstance(t, int) and t >= 0 for t in stop_tokens):
         raise ValueError(f"{path}: stop_tokens must be a list of token ids, found {stop_tokens!r}")
+    if not isinstance(record.get("chat_template", ""), (str, type(None))):
+        raise ValueError(f"{path}: chat_template must be a Jinja template as a string, or null")
     check_sampling(record.get("sampling", {}), str(path))
     return ModelRecord(**{**record, "stop_tokens": tuple(stop_tokens)})
 

@@ -84,20 +84,52 @@ def _shown_choice(choice) -> str:
 
 
 def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None) -> list[int]:
-    """The prompt of checked messages in the model's chat format, up to the assistant's turn, with
-    the tools described and earlier calls and answers in the model's tool format."""
-    plain = [{"role": "system" if message.role == "developer" else message.role, "content": message.content,
-              "tool_calls": [call.model_dump() for call in message.tool_calls or ()]} for message in messages]
-    dialog = render_dialog(plain, tools or [], tool_format(generator.formatter))
+    """The prompt of checked messages up to the assistant's turn: rendered by the model's own chat
+    template where it has one that takes tools (tools, calls and tool messages as the template
+    writes them), else in the model's chat format, the tools described and earlier calls and
+    answers written in its tool format."""
+    formatter = generator.formatter
     try:
-        prompt_tokens = generator.formatter.encode_dialog_prompt(dialog)
-    except ValueError as error:
+        if getattr(formatter, "takes_tools", False):
+            checked = template_messages(messages)
+            prompt_tokens = formatter.encode_messages(checked, tools)
+            checked.append({"role": "system", "content": json.dumps(tools or [], ensure_ascii=False)})
+        else:
+            plain = [{"role": "system" if message.role == "developer" else message.role, "content": message.content,
+                      "tool_calls": [call.model_dump() for call in message.tool_calls or ()]} for message in messages]
+            checked = render_dialog(plain, tools or [], tool_format(formatter))
+            prompt_tokens = formatter.encode_dialog_prompt(checked)
+    except ValueError as error:  # the chat format's checks, or the template's refusal (TemplateRefused)
         raise RequestError(400, f"`messages`: {error}", "messages", "invalid_value") from None
-    if generator.formatter.is_unsafe(dialog):
+    if formatter.is_unsafe(checked):
+        tags = getattr(formatter, "control_tags", SPECIAL_TAGS)
+        shown = ", ".join(tags[:8]) + (", ..." if len(tags) > 8 else "")
         raise RequestError(400, f"`messages`: a message holds one of the chat format's control tags "
-                           f"({', '.join(SPECIAL_TAGS)}), which could forge the dialog's turns; remove them",
-                           "messages", "invalid_value")
+                           f"({shown}), which could forge the dialog's turns; remove them", "messages", "invalid_value")
     return prompt_tokens
+
+
+def template_messages(messages: list) -> list[dict]:
+    """Checked messages as a chat template takes them (as vLLM hands them to transformers): a
+    call's arguments as an object where they are JSON, `developer` as `system`."""
+    dialog = []
+    for message in messages:
+        item = {"role": "system" if message.role == "developer" else message.role, "content": message.content}
+        if message.tool_calls:
+            item["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        dialog.append(item)
+    return dialog
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def text_tokens(prompt: str, generator, bos: bool = True) -> list[int]:

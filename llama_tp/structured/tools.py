@@ -32,7 +32,9 @@ class ToolCall:
 
 
 def tool_format(formatter) -> str:
-    """The tool-call format of a chat format: Llama 3's for Llama 3, Hermes' otherwise."""
+    """The tool-call format of a chat format: Llama 3's for Llama 3, Hermes' otherwise (for a
+    model's own template, that of the format recognised in it)."""
+    formatter = getattr(formatter, "known", formatter)
     return LLAMA3 if type(formatter).__name__ == "Llama3ChatFormat" else HERMES
 
 

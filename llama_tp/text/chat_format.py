@@ -1,7 +1,11 @@
-"""Turning a dialog into the prompt token ids a chat model was trained on."""
+"""Turning a dialog into the prompt token ids a chat model was trained on: the model's own Hugging
+Face chat template where its converter kept one, else the format it was trained in."""
 
+import json
+import re
 from typing import Literal, Optional, TypedDict
 
+from .jinja_template import compile_template, reads, render
 from .tokenizer import Llama3Tokenizer
 
 Role = Literal["system", "user", "assistant", "ipython", "tool"]  # the last two in Llama 3 only
@@ -136,9 +140,19 @@ class Llama3ChatFormat:
         return tokens + self.encode_header("assistant")
 
 
-def chat_format_for(tokenizer, chat_format: Optional[str] = None, default_system_prompt: Optional[str] = None):
-    """The chat format a converter recorded for the model (checkpoint/record.py), else the one its
-    tokenizer implies."""
+def chat_format_for(tokenizer, chat_format: Optional[str] = None, default_system_prompt: Optional[str] = None,
+                    chat_template: Optional[str] = None):
+    """The model's chat template where its converter kept one (checkpoint/record.py) and its
+    tokenizer names its control tokens (a tokenizer.json's), else the chat format the converter
+    recorded, else the one its tokenizer implies."""
+    known = known_chat_format(tokenizer, chat_format, default_system_prompt)
+    if chat_template is not None and getattr(tokenizer, "special_tokens", None):
+        return TemplateChatFormat(chat_template, tokenizer, known)
+    return known
+
+
+def known_chat_format(tokenizer, chat_format: Optional[str] = None, default_system_prompt: Optional[str] = None):
+    """One of the formats written here: the one recorded, else the one the tokenizer implies."""
     if chat_format == "chatml":
         return ChatMLFormat(tokenizer, default_system_prompt)
     if chat_format == "mistral":
@@ -221,3 +235,50 @@ class MistralChatFormat:
             return encode(f"{B_INST} {content} {E_INST}", bos=False, eos=False)
         special = self.tokenizer.special_tokens
         return [special[B_INST], *encode(f" {content} ", bos=False, eos=False), special[E_INST]]
+
+
+class TemplateChatFormat:
+    """A model's Hugging Face chat template, rendered with jinja2 as transformers does
+    (jinja_template.py), then tokenized with its control tokens recognised: the template writes
+    them as text (<|im_start|>, bos_token).
+
+    known: the format the converter recognised in the template, for its end-of-turn stop tokens
+    and its tool-call format (structured/tools.py).
+    """
+
+    def __init__(self, template: str, tokenizer, known):
+        self.template = compile_template(template)
+        self.takes_tools = reads(template, "tools")  # else tools are described as the known format does
+        self.tokenizer, self.known = tokenizer, known
+        self.stop_tokens = known.stop_tokens
+        self.special_tokens = dict(tokenizer.special_tokens)  # text: id
+        self.named_tokens = dict(getattr(tokenizer, "named_tokens", {}))  # bos_token: text, ...
+        self.control_tags = tuple(sorted(self.special_tokens))
+        longest_first = sorted(self.special_tokens, key=len, reverse=True)
+        self._controls = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def is_unsafe(self, dialog: list[dict]) -> bool:
+        """Whether a message's text (or its calls') spells a control token, which would become
+        that token once the rendered prompt is tokenized (and could forge the dialog's turns)."""
+        return any(self._controls.search((message.get("content") or "") + json.dumps(
+            message.get("tool_calls"), ensure_ascii=False)) for message in dialog)
+
+    def encode_messages(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        """The prompt of OpenAI-shaped messages (tool_calls, tool messages) and tools, up to the
+        assistant's turn; TemplateRefused (a ValueError) when the template refuses them."""
+        return self.encode(render(self.template, messages, tools, self.named_tokens))
+
+    def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
+        check_dialog(dialog, LLAMA3_ROLES)
+        return self.encode_messages([dict(message) for message in dialog])
+
+    def encode(self, text: str) -> list[int]:
+        """Rendered text's tokens: control tokens by their text, the rest as text (no begin
+        token: the template writes it where the model wants it)."""
+        tokens: list[int] = []
+        for index, piece in enumerate(self._controls.split(text)):
+            if index % 2:  # a control token's text, as the split captures them
+                tokens.append(self.special_tokens[piece])
+            elif piece:
+                tokens += self.tokenizer.encode(piece, bos=False, eos=False)
+        return tokens

@@ -44,6 +44,9 @@ class HFTokenizer:
         self.bos_id: int = self._config_id(config, "bos_token")
         self.eos_id: int = self._config_id(config, "eos_token")
         self.pad_id: int = self._config_id(config, "pad_token")  # -1: no padding token, as in Llama 2
+        # The named tokens' text, which a chat template writes as bos_token, eos_token, ... (transformers' special_tokens_map)
+        self.named_tokens: dict[str, str] = {key: text for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+                                             if (text := _token_text(config.get(key))) is not None}
         self.stop_tokens: set[int] = {self.eos_id} if self.eos_id >= 0 else set()
         # Models such as SmolLM2 are trained without a begin token: bos=True adds it only where
         # the tokenizer's own settings would.
@@ -66,12 +69,13 @@ class HFTokenizer:
         return token_id
 
     def _config_id(self, config: dict, key: str) -> int:
-        token: Optional[str | dict] = config.get(key)
-        if isinstance(token, dict):  # older files: {"content": "<s>", "lstrip": false, ...}
-            token = token.get("content")
-        if token is None:
-            return -1
-        return self.special_id(token)
+        token = _token_text(config.get(key))
+        return -1 if token is None else self.special_id(token)
+
+
+def _token_text(token: "Optional[str | dict]") -> Optional[str]:
+    """A tokenizer_config.json token's text: a string, or in older files {"content": "<s>", "lstrip": false, ...}."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def read_json_object(path: Path) -> dict:

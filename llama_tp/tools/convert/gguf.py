@@ -74,7 +74,8 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
     system = default_system_prompt(template) if chat_format == "chatml" else None
     recommended = recommended_sampling(metadata) | (sampling or {})
     check_sampling(recommended, "the recommended sampling settings")
-    record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=path.name, sampling=recommended)
+    record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=path.name, sampling=recommended,
+                         chat_template=template)
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
