@@ -3,8 +3,12 @@ tokens as transformers' apply_chat_template, with and without tools, and its ref
 
 import json
 
+import openai
 import pytest
 import transformers
+
+from fake_engine import MODEL, served
+from serve_client import client
 
 from llama_tp import Llama
 from llama_tp.checkpoint.record import read_record
@@ -190,3 +194,20 @@ def test_a_chatml_template_gives_the_chatml_formats_prompt(tmp_path):
     for dialog in (DIALOG, [{"role": "system", "content": "Be brief."}] + DIALOG,
                    DIALOG + [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Thanks"}]):
         assert formatter.encode_dialog_prompt(dialog) == formatter.known.encode_dialog_prompt(dialog)
+
+
+def test_a_template_refusal_through_the_openai_client_then_a_request_that_works(tmp_path):
+    byte_level_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    no_system = ("{% if messages[0].role == 'system' %}{{ raise_exception('System messages are not supported') }}"
+                 "{% endif %}" + CHATML_TEMPLATE)
+    formatter = chat_format_for(tokenizer, "chatml", None, no_system)
+    with served(tokenizer, formatter=formatter, answer="the fox", max_seq_len=256) as s:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(s.url).chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "x"}] + DIALOG)
+        assert refused.value.param == "messages"
+        assert refused.value.body["message"] == ("`messages`: the model's chat template refused the dialog: "
+                                                 "System messages are not supported")
+        answer = client(s.url).chat.completions.create(model=MODEL, messages=DIALOG)
+        assert answer.choices[0].message.content == "the fox"
+        assert list(s.engine.requests[-1].prompt_tokens) == formatter.encode_dialog_prompt(DIALOG)
