@@ -4,20 +4,26 @@ the fake engine (indices, usage, streams, seeds), and the real engine's answers 
 alike; seeded choice i is what a lone request with seed + i gets, so the copied cache is right)."""
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 
+from distributed import run_world
 from fake_engine import MODEL, served
 from llama_tp import Llama
 from llama_tp.prefix_cache import PrefixCache
 from llama_tp.sampling import SamplingOptions
+from llama_tp.serve.engine import Engine
+from llama_tp.serve.prepare import choices
 from llama_tp.serve.requests import GenerationRequest
 from llama_tp.serve.scheduler import Copy, Scheduler
 from serve_client import CHAT, COMPLETION, GOOD_CHAT, GOOD_COMPLETION, HELLO, client
+from serve_harness import Harness, request, tokens_of
 from test_serve_real_engine import MODEL as REAL_MODEL
 from test_serve_real_engine import real_server
-from tiny_checkpoint import LLAMA2_TOKENIZER
+from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
 
 PROMPT = [1, 5, 6, 7, 8, 9]
@@ -155,3 +161,35 @@ def test_the_real_engines_choices(llama):
                 [t.logprob for t in lone.choices[0].logprobs.content], abs=1e-4)
         assert sampled.usage.completion_tokens == sum(
             len(c.logprobs.content) + (c.finish_reason == "stop") for c in sampled.choices)
+
+
+# 24 prompt tokens: prefilled in two chunks of 16, while the other choices wait
+LONG_PROMPT = [1, 18637, 29892, 920, 29871, 13] * 4
+SAMPLED = dict(temperature=1.0, top_p=0.95, seed=5)
+
+
+def _choices_on_two_ranks(checkpoint: str) -> list[list[int]]:
+    """Rank 0 submits a request's 3 choices while every rank runs the engine."""
+    llama = Llama.build(checkpoint, str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=3)
+    if torch.distributed.get_rank() != 0:
+        Engine(llama, 16).run(lambda: False)  # ends when rank 0 stops
+        return []
+    harness = Harness(llama, start=False)
+    streams = [harness.submit(each) for each in choices(SimpleNamespace(n=3), request(llama, LONG_PROMPT, 8, **SAMPLED),
+                                                        llama)]
+    harness.thread.start()
+    answers = [tokens_of(harness.deltas(stream)) for stream in streams]
+    harness.close()
+    return answers
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_two_ranks_give_each_choice_what_a_lone_request_with_its_seed_gets(tmp_path):
+    write_checkpoint(tmp_path, TINY_LLAMA2, full_weights(TINY_LLAMA2, 32000), 2, "dim")
+    answers = run_world(2, _choices_on_two_ranks, str(tmp_path))[0]
+    single = tmp_path / "single"
+    write_checkpoint(single, TINY_LLAMA2, full_weights(TINY_LLAMA2, 32000), 1, "dim")
+    llama = Llama.build(str(single), str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=3)
+    alone = [llama.generate([LONG_PROMPT], max_gen_len=8, **(SAMPLED | {"seed": 5 + index}))[0][0] for index in range(3)]
+    assert answers == alone and len({tuple(answer) for answer in answers}) > 1
