@@ -21,7 +21,8 @@ from .logs import logger
 from .memory import plan, report
 from .model import Transformer
 from .quantize import check_quantize_on
-from .sampler import choose
+from .choices import agreed_tokens
+from .sampler import sample
 from .sampling import SamplingOptions, stop_ban, top_candidates
 from .speculative import Speculator, build_speculator, check_speculation
 from .speculative.decoding import decode_rounds
@@ -251,7 +252,6 @@ class Llama:
 
             adjustments = [make_adjustment(self, constraint) for _ in prompts]
             stop_tokens |= grammars_for(self).stop_tokens
-        stop_tokens = torch.tensor(sorted(stop_tokens), device=batch.tokens.device)
         yield batch
         cache = self.model.prefix_cache
         prev_pos = min(cache.reusable(row, prompt) for row, prompt in enumerate(prompts)) if reuse else 0
@@ -269,40 +269,46 @@ class Llama:
         speculator = self.speculator
         if speculator is not None and (adjustments is not None or not speculator.guesses_for(self.model, len(prompts))):
             speculator = None
+        ban_tokens = torch.tensor(sorted(stop_tokens), device=batch.tokens.device) if options.min_gen_len else None
         for cur_pos in range(min_len, batch.total_len):
             logits = self.model.forward(batch.tokens[:, prev_pos:cur_pos], prev_pos, last_only=not logprobs,
                                         vocab_slice=on_slices)
-            for row, fed in enumerate(batch.tokens[:, prev_pos:cur_pos].tolist()):
-                cache.extend(row, prev_pos, fed)
-            if on_slices:
+            for row, tokens in enumerate(batch.rows):
+                cache.extend(row, prev_pos, tokens[prev_pos:cur_pos])
+            # The step's one read-back: every row's token at cur_pos, as rank 0 chose it.
+            if on_slices:  # every rank picks the winner from the same gathered pairs: they agree
                 sampled = parallel.vocab_argmax(logits[:, -1])
+                chosen = sampled.tolist()
             else:
                 last = logits[:, -1] if adjustments is None else adjustments_applied(adjustments, logits[:, -1])
-                sampled = self._sample(batch, last, cur_pos, options, stop_tokens, generator)
+                sampled, chosen = self._sample(batch, last, cur_pos, options, ban_tokens, generator)
             batch.tokens[:, cur_pos] = torch.where(batch.is_prompt[:, cur_pos], batch.tokens[:, cur_pos], sampled)
+            column = [row[cur_pos] if cur_pos < length else token
+                      for row, length, token in zip(batch.rows, batch.lengths, chosen)]
             if adjustments is not None:  # the rows that generated at cur_pos advance their grammars
-                for row, token in enumerate(batch.tokens[:, cur_pos].tolist()):
+                for row, token in enumerate(column):
                     if cur_pos >= batch.lengths[row]:
                         adjustments[row].accept(token)
             if logprobs:
                 batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = logprobs_of(
                     logits, batch.tokens[:, prev_pos + 1 : cur_pos + 1]
                 )
-            batch.end_rows(cur_pos, stop_tokens, stop, self.tokenizer)
+            batch.end_rows(cur_pos, column, stop_tokens, stop, self.tokenizer)
             prev_pos = cur_pos
             yield batch
             if batch.all_ended:
                 break
             if speculator is not None:  # every row has its first token: the rest in rounds of guesses
-                yield from decode_rounds(speculator, self.model, batch, options, stop, set(stop_tokens.tolist()),
+                yield from decode_rounds(speculator, self.model, batch, options, stop, stop_tokens,
                                          generator, logprobs, self.tokenizer)
                 break
 
     def _sample(self, batch: Batch, logits: torch.Tensor, cur_pos: int, options: SamplingOptions,
-                stop_tokens: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+                stop_tokens: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
         """A token for cur_pos of every row, from the last logits [bsz, vocab], with all options
         applied: every row in one call of the batched sampler (the repetition penalty reads the
-        rows' tokens on the device, batch.tokens)."""
+        rows' tokens on the device, batch.tokens), as rank 0 chose them (choices.py): on the
+        device [bsz] and on the host, read back once. stop_tokens: those min_gen_len bans."""
         vocab = logits.shape[-1]
         history = batch.tokens[:, :cur_pos] if options.repetition_penalty != 1.0 else None
         suppress = None
@@ -310,12 +316,13 @@ class Llama:
         # min_gen_len (or without one: a row still reading its prompt needs no mask either).
         if options.min_gen_len and any(cur_pos - length < options.min_gen_len for length in batch.lengths):
             suppress = stop_ban(cur_pos - batch.lengths_tensor, options.min_gen_len, stop_tokens, vocab)
-        sampled = choose(logits, [options] * len(batch.lengths), generator, history, suppress)
+        draw = sample(logits, [options] * len(batch.lengths), generator, history, suppress)
+        sampled, rows = agreed_tokens(draw)
         if batch.top_ids is not None:
             batch.top_ids[:, cur_pos], batch.top_probs[:, cur_pos] = top_candidates(
                 logits, options, batch.top_ids.shape[-1], history, suppress
             )
-        return sampled
+        return sampled, [int(row[0]) for row in rows]
 
     def text_completion(
         self,

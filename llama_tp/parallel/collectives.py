@@ -55,6 +55,22 @@ def vocab_argmax(local_logits: torch.Tensor) -> torch.Tensor:
     return every_rank[..., 1].gather(-1, winner).view(torch.int32).flatten().long()
 
 
+def from_first_rank(x: torch.Tensor) -> torch.Tensor:
+    """Model-parallel rank 0's x on every rank: a step's choices (tokens, finish flags, log
+    probabilities), so that ranks whose logits differ in the last bits (GPUs of different models
+    or drivers) still take the same tokens and run the same steps instead of hanging.
+
+    x [..., n] of a 4- or 8-byte dtype rides the forward pass's gather as float32 bits (copied as
+    they are, as vocab_argmax's indices do): through shared memory between the ranks of one
+    host, a few microseconds for a step's rows.
+    """
+    if model_parallel_size() == 1:
+        return x
+    bits = x.contiguous().view(torch.float32)  # [..., n * itemsize / 4]
+    width = bits.shape[-1]
+    return all_gather_last_dim(bits)[..., :width].contiguous().view(x.dtype)
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     shared = _shared_memory_for(x)
     if shared is not None:
