@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import parallel
+
 # Fills the not-yet-generated positions; never a real token id, ignored by the logprob loss.
 NO_TOKEN = -1
 
@@ -123,14 +125,18 @@ class Batch:
         return self.rows[row][self.lengths[row] : max(end, self.lengths[row])]
 
     def collect(self, result: Generated, echo: bool) -> None:
-        """Append each row's final tokens, log probabilities and top candidates to result."""
-        rows = zip(self.rows, self.token_logprobs.tolist(), self.lengths, self.ends)
+        """Append each row's final tokens, log probabilities and top candidates to result: the
+        numbers as rank 0 computed them, so that every rank returns the same."""
+        rows = zip(self.rows, parallel.from_first_rank(self.token_logprobs).tolist(), self.lengths, self.ends)
+        top_ids = top_probs = None
+        if self.top_ids is not None:
+            top_ids, top_probs = parallel.from_first_rank(self.top_ids), parallel.from_first_rank(self.top_probs)
         for row, (row_tokens, row_logprobs, length, end) in enumerate(rows):
             start = 0 if echo else length
             result.tokens.append(row_tokens[start:end])
             result.logprobs.append(row_logprobs[start:end])
-            if self.top_ids is not None:
-                ids, probs = self.top_ids[row, length:end].tolist(), self.top_probs[row, length:end].tolist()
+            if top_ids is not None:
+                ids, probs = top_ids[row, length:end].tolist(), top_probs[row, length:end].tolist()
                 result.top.append([list(zip(i, p)) for i, p in zip(ids, probs)])
 
 
