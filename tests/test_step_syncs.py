@@ -1,6 +1,8 @@
-"""A serving step reads back from the device once for all its rows (tokens, log probabilities
-and the likeliest alternatives together): the host waits on the device once a step (issue 31,
-item 9). Counted on CPU through a TorchFunctionMode that sees every read-back a Tensor method does."""
+"""A serving step, a step of generate's static batches and a round of speculation read back from
+the device once for all their rows (tokens, log probabilities and the likeliest alternatives
+together): the host waits on the device once a step (issue 31, item 9). generate's continuous
+batching runs the serving engine's steps. Counted on CPU through a TorchFunctionMode that sees
+every read-back a Tensor method does."""
 
 import pytest
 import torch
@@ -70,3 +72,46 @@ def test_a_nucleus_wider_than_the_candidates_costs_a_second_read_back(llama):
     """The tiny model's flat distribution puts 0.9 of the mass far beyond the 256 best tokens."""
     requests = [request(llama, prompt, 8, temperature=0.8, top_p=0.9) for prompt in PROMPTS]
     assert decode_step_read_backs(llama, requests) == ["tolist", "tolist"]
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=0, logprobs=True),
+                                     dict(temperature=0.8, top_k=50, repetition_penalty=1.2, min_gen_len=3, seed=1)],
+                         ids=["greedy", "greedy with logprobs", "sampled"])
+def test_a_step_of_generates_static_batch_reads_back_once(llama, options):
+    """Ragged prompts: rows still reading their prompt share the step's one read-back."""
+    logprobs = options.pop("logprobs", False)
+    chosen = llama.sampling_options(**options)
+    steps = llama._decode(PROMPTS, 6, chosen, (), chosen.generator(llama.model.rotary.device), logprobs=logprobs)
+    next(steps)
+    counts = []
+    while True:
+        with CountReadBacks() as counter:
+            if next(steps, None) is None:
+                break
+        counts.append(counter.calls)
+    assert len(counts) == 6 + len(PROMPTS[2]) - len(PROMPTS[3])
+    assert counts == [["tolist"]] * len(counts)
+
+
+@pytest.fixture(scope="module")
+def speculating(llama, tmp_path_factory) -> Llama:
+    directory = tmp_path_factory.mktemp("tiny-lookup")
+    write_checkpoint(directory, TINY_LLAMA2, full_weights(TINY_LLAMA2, 32000), 1, "dim")
+    return Llama.build(str(directory), str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=4, speculate="lookup")
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=0, repetition_penalty=1.2),
+                                     dict(temperature=0.8, top_k=50, seed=1)], ids=["greedy", "penalty", "sampled"])
+def test_a_round_of_speculation_reads_back_once_for_every_row(speculating, options):
+    from llama_tp.speculative import Row
+
+    model, chosen = speculating.model, speculating.sampling_options(**options)
+    prompts = [prompt * 2 for prompt in PROMPTS]  # something for prompt lookup to copy
+    generator = chosen.generator(model.rotary.device)
+    for slot, prompt in enumerate(prompts):  # the target's caches hold all but each row's last token
+        model.forward(torch.tensor([prompt[:-1]]), 0, slots=[slot])
+        model.prefix_cache.extend(slot, 0, prompt[:-1])
+    rows = [Row(slot, prompt, chosen, generator, len(prompt), [2], 10) for slot, prompt in enumerate(prompts)]
+    with CountReadBacks() as counter:
+        outcomes = speculating.speculator.round(model, rows)
+    assert counter.calls == ["tolist"] and all(outcome.tokens for outcome in outcomes)

@@ -9,7 +9,7 @@ together; `layers`: fairscale's parallel layers; `collectives`: their sums and g
 `shared_memory` between the ranks of one host.
 """
 
-from .collectives import all_gather_last_dim, all_reduce, vocab_argmax
+from .collectives import all_gather_last_dim, all_reduce, from_first_rank, vocab_argmax
 from .failures import (
     agreement,
     check_same_on_every_rank,
@@ -54,6 +54,7 @@ __all__ = [
     "communication_after",
     "decode_compilation",
     "describe_peer_failure",
+    "from_first_rank",
     "gather_objects",
     "gather_objects_if_any",
     "global_rank",

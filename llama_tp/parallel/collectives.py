@@ -55,6 +55,30 @@ def vocab_argmax(local_logits: torch.Tensor) -> torch.Tensor:
     return every_rank[..., 1].gather(-1, winner).view(torch.int32).flatten().long()
 
 
+def from_first_rank(x: torch.Tensor) -> torch.Tensor:
+    """Model-parallel rank 0's x on every rank: a step's choices (tokens, finish flags, log
+    probabilities), so that ranks whose logits differ in the last bits (GPUs of different models
+    or drivers, hosts with different CPUs) still take the same tokens and run the same steps
+    instead of hanging.
+
+    x [..., n] of a 4- or 8-byte dtype rides the forward pass's gather as float32 bits (copied as
+    they are, as vocab_argmax's indices do). Not where every rank is a CPU process of one host
+    (the shared-memory exchange): the same code on the same CPU and the same gathered logits
+    choose the same bits, and the exchange, one more meeting of the ranks a step, cost 5% of a
+    sampled batch-1 step on the loaded 2-core machine (docs/gpu.md).
+    """
+    if model_parallel_size() == 1 or _ranks_compute_alike():
+        return x
+    bits = x.contiguous().view(torch.float32)  # [..., n * itemsize / 4]
+    width = bits.shape[-1]
+    return all_gather_last_dim(bits)[..., :width].contiguous().view(x.dtype)
+
+
+def _ranks_compute_alike() -> bool:
+    """Whether every rank is a CPU process on this host, so that the same inputs give the same bits."""
+    return _shared_sum() is not None
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     shared = _shared_memory_for(x)
     if shared is not None:

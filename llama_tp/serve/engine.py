@@ -5,8 +5,8 @@ Rank 0 alone talks to the HTTP side (through the Mailbox): it keeps the waiting 
 requests into free cache rows and hears of clients that left. At the start of every step the
 ranks exchange News: rank 0's admissions and cancellations, and every rank's wish to stop
 (Ctrl-C or SIGTERM reach ranks one by one). Everything after that is decided alike on every rank
-from what they all hold: the scheduler's plan, the logits (the same on every rank), each
-request's own random generator (seeded from the admission), the stop tokens and strings.
+from what they all hold: the scheduler's plan, each step's tokens (rank 0's choices, which reach
+the others with the step's read-back: choices.py), the stop tokens and strings.
 While nothing runs, rank 0 waits for a request, sending a heartbeat now and then so that the
 other ranks, waiting in the exchange, never reach the process group's timeout.
 """
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from .. import parallel
 from ..logs import logger
-from ..sampler import Draw, TokenHistory, sample
+from ..choices import agreed_tokens
+from ..sampler import TokenHistory, sample
 from ..speculative import Row
 from ..structured.rows import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
@@ -262,7 +263,8 @@ class Engine:
         logits = adjust_rows([s.sampling.adjustment for s in sequences], logits,
                              parallel.model_parallel_rank() * logits.shape[-1] if plain_greedy else 0,
                              self.model.args.vocab_size)
-        if plain_greedy:  # each rank offers the best of its slice: no logits gathered
+        if plain_greedy:  # each rank offers the best of its slice: no logits gathered, and every
+            # rank picks the winner from the same gathered pairs, so they agree without rank 0's word
             picks = [(token, None) for token in parallel.vocab_argmax(logits).tolist()]
         else:
             picks = self._choose(sequences, logits)
@@ -273,7 +275,8 @@ class Engine:
         """The next token of every sequence from its logits [rows, vocab], each with its own options
         and generator, in one call; and its log probability under the model where asked. The host
         reads the step back once (tokens, log probabilities and the likeliest alternatives
-        together), twice in a step where some row's nucleus needed the full sort."""
+        together, as rank 0 chose them: choices.py), twice in a step where some row's nucleus needed
+        the full sort."""
         slots = torch.tensor([s.slot.index for s in sequences], device=self.device)
         options = [s.request.options for s in sequences]
         lengths = [len(s.tokens) for s in sequences]
@@ -284,11 +287,8 @@ class Engine:
                       self._stop_bans(sequences, logits.shape[-1]))
         top = max(s.request.top_logprobs for s in sequences)
         logprobs = F.log_softmax(logits.float(), dim=-1) if any(s.request.logprobs for s in sequences) else None
-        rows = _read_back(draw.tokens, draw.unsettled, logprobs, top)
-        if draw.unsettled is not None and any(row[1] for row in rows):
-            draw = Draw(draw.settle([bool(row[1]) for row in rows]))
-            rows = _read_back(draw.tokens, None, logprobs, top)
-        self.history.append(slots, torch.tensor(lengths, device=self.device), draw.tokens)
+        tokens, rows = agreed_tokens(draw, lambda chosen: _logprob_columns(chosen, logprobs, top))
+        self.history.append(slots, torch.tensor(lengths, device=self.device), tokens)
         picks = []
         for sequence, row in zip(sequences, rows):
             token, request = int(row[0]), sequence.request
@@ -411,19 +411,16 @@ def _logprob(request: GenerationRequest, token: int, logits: torch.Tensor) -> To
     return TokenLogprob(token, float(logprobs[token]), top)
 
 
-def _read_back(tokens: torch.Tensor, unsettled: Optional[torch.Tensor], logprobs: Optional[torch.Tensor],
-               top: int) -> list[list[float]]:
-    """A step's choices for the host in one copy: per row, its token, whether it is unsettled, and
-    with logprobs [rows, vocab] the token's log probability, then the `top` likeliest ids and
-    their log probabilities."""
-    columns = [tokens.double()[:, None], torch.zeros_like(tokens, dtype=torch.float64)[:, None]
-               if unsettled is None else unsettled.double()[:, None]]
-    if logprobs is not None:
-        columns.append(logprobs.gather(-1, tokens[:, None]).double())
-        if top:
-            values, ids = logprobs.topk(top, dim=-1)
-            columns += [ids.double(), values.double()]
-    return torch.cat(columns, dim=-1).tolist()
+def _logprob_columns(tokens: torch.Tensor, logprobs: Optional[torch.Tensor], top: int) -> list[torch.Tensor]:
+    """What a step reads back beside its tokens [rows], with logprobs [rows, vocab]: each token's
+    log probability, then the `top` likeliest ids and their log probabilities."""
+    if logprobs is None:
+        return []
+    columns = [logprobs.gather(-1, tokens[:, None])]
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        columns += [ids, values]
+    return columns
 
 
 def _with_text(delta: Delta, text: str) -> Delta:

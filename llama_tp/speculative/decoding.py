@@ -25,11 +25,11 @@ def decode_rounds(speculator: Speculator, model: Transformer, batch: Batch, opti
     """
     bsz = len(batch.lengths)
     batch.reached = [batch.cur_pos + 1] * bsz
-    rows_so_far = [batch.tokens[row, : batch.cur_pos + 1].tolist() for row in range(bsz)]
-    prompts = [batch.tokens[row, :length].tolist() for row, length in enumerate(batch.lengths)]
+    rows_so_far = [row[: batch.cur_pos + 1] for row in batch.rows]
+    prompts = [row[:length] for row, length in zip(batch.rows, batch.lengths)]
     before = (speculator.stats.proposed, speculator.stats.accepted)
     while not batch.all_ended:
-        ends = batch.ends.tolist()
+        ends = batch.ends
         active = [row for row in range(bsz) if batch.reached[row] < ends[row]]
         rows = [Row(row, rows_so_far[row], options, generator, batch.lengths[row], sorted(stop_tokens),
                     ends[row] - batch.reached[row], prompts[row][batch.reached[row]:]) for row in active]

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import parallel
+from ..choices import read_back
 from ..model import Transformer
 from ..sampling import choose_next, distribution
 from .rows import Row, histories, suppressed
@@ -102,15 +103,16 @@ class Draft:
             history = histories(row.tokens + row_guesses, 1, row.options, logits.device)
             suppress = suppressed(row, position, 1, row_logits.shape[-1], logits.device)
             if len(row_guesses) < len(row_forced):
-                token = row_forced[len(row_guesses)]
+                token = torch.tensor(row_forced[len(row_guesses)], device=logits.device)
                 if not row.options.greedy:
-                    drawn_from[index].append(torch.nn.functional.one_hot(
-                        torch.tensor(token, device=logits.device), logits.shape[-1]).to(logits.dtype))
+                    drawn_from[index].append(torch.nn.functional.one_hot(token, logits.shape[-1]).to(logits.dtype))
             elif row.options.greedy:
-                token = int(choose_next(row_logits, row.options, history, suppress))
+                token = choose_next(row_logits, row.options, history, suppress)
             else:
                 probs = distribution(row_logits, row.options, history, suppress)
                 drawn_from[index].append(probs[0])
-                token = int(torch.multinomial(probs, 1, generator=row.generator))
-            picks.append(token)
-        return picks
+                token = torch.multinomial(probs, 1, generator=row.generator)
+            picks.append(token.reshape(()))
+        # Read back once for every row, as rank 0 drew them: a rank whose draft drew otherwise
+        # would record other tokens in its draft's cache and feed it other passes later.
+        return [int(row[0]) for row in read_back([torch.stack(picks)])[1]]

@@ -6,7 +6,8 @@ Where our CPU kernels run, that pass gives every position exactly the logits of 
 guesses chooses, and sampled ones follow the target's distribution (acceptance.py). What the
 target's caches hold past the accepted tokens (the rejected guesses, padding) is never read:
 attention reads a row only up to its own position, and the next round writes those positions
-again. Every rank runs the same round on the same logits, so all decide alike.
+again. Every rank runs the same round, and takes rank 0's guesses and verdicts (choices.py),
+so that ranks whose logits differ in the last bits still decide alike.
 """
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Optional
 import torch
 
 from .. import parallel
+from ..choices import read_back
 from ..kernels import matmul
 from ..model import Transformer
 from ..sampling import choose_next, distribution
@@ -90,10 +92,13 @@ class Speculator:
                     choices[index, : len(ahead)] = torch.tensor(ahead, device=device)
             padded = torch.tensor([g + [-1] * (width - len(g)) for g in guesses], device=device)
             accepted, token = accept_greedy(choices, padded, torch.tensor(list(map(len, guesses)), device=device))
-            verdicts = list(zip(accepted.tolist(), token.tolist()))
         else:
             verdicts = [self._verify(row, g, q, logits[index, : len(g) + 1])
                         for index, (row, g, q) in enumerate(zip(rows, guesses, drawn_from))]
+            accepted, token = (torch.cat(column) for column in zip(*verdicts))
+        # The round's one read-back for every row, as rank 0 decided (the greedy verdicts are
+        # the same on every rank: vocab_argmax's winners come from the same gathered pairs).
+        verdicts = [(int(taken), int(chosen)) for taken, chosen in read_back([accepted, token])[1]]
         outcomes = []
         for index, (row, g, f, (taken, token)) in enumerate(zip(rows, guesses, forced, verdicts)):
             model.prefix_cache.extend(row.slot, len(row.tokens) - 1, [row.tokens[-1], *g[:taken]])
@@ -106,9 +111,10 @@ class Speculator:
 
     @staticmethod
     def _verify(row: Row, guesses: list[int], drawn_from: Optional[torch.Tensor],
-                logits: torch.Tensor) -> tuple[int, int]:
-        """One row's accepted count and next token, from the target's logits [guesses + 1, vocab]
-        at its last token and each guess, with the row's options applied at each position."""
+                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row's accepted count and next token, [1] each on the device, from the target's
+        logits [guesses + 1, vocab] at its last token and each guess, with the row's options
+        applied at each position."""
         positions, vocab = logits.shape
         device = logits.device
         history = histories(row.tokens + guesses, positions, row.options, device)
@@ -125,4 +131,4 @@ class Speculator:
             p[: len(ahead)] = torch.nn.functional.one_hot(ahead, vocab).to(p.dtype)
             q = None if drawn_from is None else drawn_from[None]  # None: prompt lookup's certain guesses
             accepted, token = accept_sampled(p[None], q, padded, count, row.generator)
-        return int(accepted), int(token)
+        return accepted, token
