@@ -16,7 +16,7 @@ import httpx
 
 # Loading the demo model (and our kernels' first build) takes a while on 2 busy cores.
 START_TIMEOUT_SECONDS = 900
-THREADS = 2  # the benchmark's machine: 2 cores, one process
+THREADS = len(os.sched_getaffinity(0))  # every core the benchmark may use (`taskset` narrows it), one process
 LLAMA_SERVER_CONTEXT = 16384  # -c: shared by its -np slots, 1024 tokens each at 16 clients
 
 LAUNCH_SERVE = Path(__file__).resolve().parents[2] / "launch" / "serve.py"
