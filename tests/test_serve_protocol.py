@@ -95,8 +95,6 @@ REFUSALS = {
                         "ids (or a list of one of them), found [1, true]", "prompt", "invalid_type"),
     "a number prompt": (CompletionRequest, M | {"prompt": 5}, "`prompt` must be a string or a list of token ids (or "
                         "a list of one of them), found 5", "prompt", "invalid_type"),
-    "best_of": (CompletionRequest, M | {"prompt": "x", "best_of": 2}, "`best_of` = 2 is not supported by this server: "
-                "it gives one choice per request", "best_of", "unsupported_parameter"),
     "a suffix": (CompletionRequest, M | {"prompt": "x", "suffix": "y"}, '`suffix` = "y" is not supported by this '
                  "server: it does not fill in text before a suffix", "suffix", "unsupported_parameter"),
     "neither prompt nor messages": (TokenizeRequest, M, "the body must have one of `prompt` or `messages`", None,
