@@ -71,6 +71,11 @@ REFUSALS = {
     "a long wrong value": (ChatCompletionRequest, CHAT | {"temperature": "x" * 100},
                            f'`temperature`: input should be a valid number, found "{"x" * 76}...', "temperature",
                            "invalid_type"),
+    "a wrong value of 80 characters": (ChatCompletionRequest, CHAT | {"temperature": "x" * 78},
+                                       f'`temperature`: input should be a valid number, found "{"x" * 78}"',
+                                       "temperature", "invalid_type"),
+    "one of 81": (ChatCompletionRequest, CHAT | {"temperature": "x" * 79},
+                  f'`temperature`: input should be a valid number, found "{"x" * 76}...', "temperature", "invalid_type"),
     "too many top_logprobs": (ChatCompletionRequest, CHAT | {"top_logprobs": 21}, "`top_logprobs`: input should be "
                               "less than or equal to 20, found 21", "top_logprobs", "invalid_value"),
     "max_tokens 0": (ChatCompletionRequest, CHAT | {"max_tokens": 0}, "`max_tokens`: input should be greater than or "
@@ -93,6 +98,14 @@ REFUSALS = {
                           "unsupported_parameter"),
     "a boolean token": (CompletionRequest, M | {"prompt": [1, True]}, "`prompt` must be a string or a list of token "
                         "ids (or a list of one of them), found [1, true]", "prompt", "invalid_type"),
+    "a prompt and something else": (CompletionRequest, M | {"prompt": ["a", {"x": 1}]}, "`prompt` must be a string "
+                                    'or a list of token ids (or a list of one of them), found ["a", {"x": 1}]', "prompt",
+                                    "invalid_type"),
+    "an unsupported value of 60 characters": (ChatCompletionRequest, CHAT | {"modalities": ["x" * 56]},
+                                              f'`modalities` = ["{"x" * 56}"] is not supported by this server: it '
+                                              "answers in text only", "modalities", "unsupported_parameter"),
+    "one of 61": (ChatCompletionRequest, CHAT | {"modalities": ["x" * 57]}, f'`modalities` = ["{"x" * 55}... is not '
+                  "supported by this server: it answers in text only", "modalities", "unsupported_parameter"),
     "a number prompt": (CompletionRequest, M | {"prompt": 5}, "`prompt` must be a string or a list of token ids (or "
                         "a list of one of them), found 5", "prompt", "invalid_type"),
     "a suffix": (CompletionRequest, M | {"prompt": "x", "suffix": "y"}, '`suffix` = "y" is not supported by this '
@@ -116,7 +129,7 @@ def test_each_refusal_says_exactly_what_is_wrong(name):
     with pytest.raises(RequestError) as refused:
         parse_body(raw, model)
     error = refused.value
-    assert (error.status, error.message, error.param, error.code) == (400, message, param, code)
+    assert (error.status, error.message, error.param, error.code, str(error)) == (400, message, param, code, message)
     assert error.body() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
                                       "code": code}}
 
