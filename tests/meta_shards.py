@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from llama_tp.args import ModelArgs
-from llama_tp.checkpoint.sharding import split_dim
+from tiny_checkpoint import split_dim
 
 
 def meta_shards(weights: dict[str, torch.Tensor], args: ModelArgs, layout: str, n: int,

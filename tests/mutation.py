@@ -9,7 +9,13 @@ results` lists what survived.
 """
 
 import dataclasses
+import os
 import sys
+
+# One thread per test process: mutmut forks its workers from a process whose tests have already
+# started torch's thread pool, and a pool used again after a fork can hang until the timeout,
+# which made every surviving mutant of a module with large-tensor tests take minutes.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 from mutmut import configuration
 from mutmut.__main__ import cli

@@ -44,6 +44,7 @@ def test_hf_copy_gives_our_logits(tiny_ckpt):
     torch.testing.assert_close(ours.forward(tokens, 0), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # a benchmark run, with transformers beside it
 def test_bench_writes_json(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "bench.json"
     main(ckpt_dir=str(tiny_ckpt), compare="hf", json_path=str(out), repeats=1, load_repeats=0,

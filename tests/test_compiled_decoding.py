@@ -87,6 +87,7 @@ def test_compiled_decoding_over_two_processes_equals_one_eager_process(checkpoin
         assert_same(results, eager())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_compiled_quantized_decoding_equals_eager(checkpoints, tokenizer_path, eager, quantize):
     """Compiled steps run the same int8 and int4 kernels as eager ones, fused with the operations

@@ -11,9 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_tp import Llama
 from llama_tp.text.chat_format import ChatMLFormat
-from llama_tp.checkpoint.sharding import split_dim
 from llama_tp.tools.convert.__main__ import main as convert
-from tiny_checkpoint import LLAMA2_TOKENIZER
+from tiny_checkpoint import LLAMA2_TOKENIZER, split_dim
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -70,6 +70,7 @@ def _prepare_in_order(log: str) -> tuple[str, str]:
     return demo.model_paths(None, None)
 
 
+@pytest.mark.slow  # a spawned world of three
 def test_demo_is_prepared_by_rank_0_while_the_others_wait(tmp_path):
     log = tmp_path / "order.txt"
     paths = run_world(3, _prepare_in_order, str(log))

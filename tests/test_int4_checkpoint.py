@@ -143,6 +143,7 @@ def _on_two_ranks(folders: dict[str, str]) -> dict:
             "load-time": outputs(folders["bf16"], "int4")}
 
 
+@pytest.mark.slow  # a two-process world; the one-process int4 tests above stay fast
 def test_int4_on_two_processes_matches_one(folders, one_process):
     """2 shards on 2 ranks, 1 shard split over them while loading, and load-time int4 of each
     rank's slice (whole groups: the same codes) agree with one process."""

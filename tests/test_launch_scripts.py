@@ -87,6 +87,7 @@ def test_streaming_script_builds_a_one_row_model(tmp_path, checkpoints):
     assert "batch 1 x 64 tokens" in result.stderr  # the memory plan Llama.build prints
 
 
+@pytest.mark.slow
 def test_text_completion_script_takes_quantize_int4(tmp_path, checkpoints):
     """--quantize int4 reaches Llama.build: the script's tokens are the API's with int4 layers."""
     records = run_with_files(tmp_path, checkpoints, "text_completion.py", 1, PROMPTS, "--quantize", "int4")

@@ -26,6 +26,9 @@ CASES = {
 }
 SHARD_COUNTS = (1, 2, 4)
 WORLD_SIZES = (1, 2, 4)
+# A worker process loading 12 checkpoints at three world sizes; test_reshard_plan.py checks the same
+# slices in memory, fast.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from llama_tp.tools.reshard import reshard
 from tiny_checkpoint import full_weights, write_checkpoint
 
@@ -15,6 +17,7 @@ PROJECT_ROOT = TESTS.parent
 # Rows of wo and w2 span one page or more, so a column slice touches (and must give back) every page.
 BIG = {"dim": 2048, "n_layers": 2, "n_heads": 16, "vocab_size": 4096}
 MB = 2**20
+pytestmark = pytest.mark.slow  # processes loading a 240 MB checkpoint
 
 
 def test_peak_rss_follows_the_slice(tmp_path):

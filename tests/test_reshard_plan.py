@@ -6,7 +6,7 @@ import torch
 from llama_tp.args import ModelArgs
 from llama_tp.checkpoint.sharding import Piece, assemble_slice, pieces_for, shard_ranges
 from meta_shards import meta_shards
-from tiny_checkpoint import TINY_LLAMA2, TINY_LLAMA3, full_weights
+from tiny_checkpoint import TINY_LLAMA2, TINY_LLAMA3, full_weights, split_dim
 
 CPU = torch.device("cpu")
 VOCAB = 256  # small: these tests check index arithmetic, not numerics
@@ -61,6 +61,25 @@ def test_dtype_conversion_and_no_copy_of_whole_tensors():
     assert same["norm.weight"] is shards[1]["norm.weight"]  # memory-mapped tensors stay mapped, not copied
     fp32 = assemble_slice(lambda s: shards[s], 2, args, layout, 0, 1, CPU, dtype=torch.float32)
     assert all(t.dtype == torch.float32 for t in fp32.values())
+    on_meta = assemble_slice(lambda s: shards[s], 2, args, layout, 0, 1, torch.device("meta"))
+    assert {t.device.type for t in on_meta.values()} == {"meta"}  # copies and whole tensors alike
+
+
+def test_release_gets_each_source_tensor_once_its_piece_is_copied():
+    params, layout, _ = CASES["llama3"]
+    args = ModelArgs.from_dict(params).with_vocab_size(VOCAB)
+    shards = meta_shards(full_weights(params, VOCAB), args, layout, 2)
+    released = []
+    # Two shards merged: each piece of a split tensor is copied, then released; a replicated
+    # tensor is taken as it is, and kept.
+    assemble_slice(lambda s: shards[s], 2, args, layout, 0, 1, CPU, release=released.append)
+    split = [name for name in shards[0] if split_dim(name, layout) is not None]
+    assert sorted(map(id, released)) == sorted(id(shards[s][name]) for s in range(2) for name in split)
+    released.clear()
+    assemble_slice(lambda s: shards[s], 2, args, layout, 1, 2, CPU, release=released.append)
+    assert released == []  # every tensor taken as it is
+    assemble_slice(lambda s: shards[s], 2, args, layout, 1, 2, CPU, dtype=torch.float64, release=released.append)
+    assert sorted(map(id, released)) == sorted(map(id, shards[1].values()))  # converted: each source released
 
 
 def test_mismatched_shards_are_refused():
@@ -68,10 +87,15 @@ def test_mismatched_shards_are_refused():
     args = ModelArgs.from_dict(params).with_vocab_size(VOCAB)
     shards = meta_shards(full_weights(params, VOCAB), args, layout, 2)
     shards[1]["layers.1.feed_forward.w2.weight"] = shards[1]["layers.1.feed_forward.w2.weight"][:, :-1]
-    with pytest.raises(ValueError, match=r"1: layers.1.feed_forward.w2.weight is \[64, 111\] where the first shard has \[64, 112\]"):
+    with pytest.raises(ValueError, match=r"^1: layers.1.feed_forward.w2.weight is \[64, 111\] where the first shard "
+                       r"has \[64, 112\]; the shards do not belong to one checkpoint$"):
+        assemble_slice(lambda s: shards[s], 2, args, layout, 0, 1, CPU)
+    del shards[1]["layers.1.feed_forward.w2.weight"]
+    with pytest.raises(ValueError, match=r"^1: layers.1.feed_forward.w2.weight is no such tensor where the first "
+                       r"shard has \[64, 112\]; the shards do not belong to one checkpoint$"):
         assemble_slice(lambda s: shards[s], 2, args, layout, 0, 1, CPU)
     kv2 = ModelArgs.from_dict(TINY_KV2).with_vocab_size(VOCAB)  # params.json says 2 KV heads, shards hold 4
-    with pytest.raises(ValueError, match="does not make 2 KV heads of size 8"):
+    with pytest.raises(ValueError, match="does not make 2 KV heads of size 8; check that params.json belongs to these shards$"):
         assemble_slice(lambda s: shards[s], 2, kv2, layout, 0, 1, CPU)
 
 

@@ -66,6 +66,7 @@ def test_refuses_to_overwrite_without_force(tmp_path):
     assert [p.name for p in shard_paths(tmp_path / "out")] == ["consolidated.00.pth"]  # old shards 01-03 gone
 
 
+@pytest.mark.slow  # a Python process of its own; reshard() is tested in this one above
 def test_command_line(tmp_path):
     params, layout = CASES["llama2"]
     source = write_checkpoint(tmp_path / "mp1", params, full_weights(params, 512), 1, layout)

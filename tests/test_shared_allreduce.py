@@ -45,6 +45,7 @@ EXCHANGES = pytest.mark.parametrize("native", [
 ])
 
 
+@pytest.mark.slow  # a spawned world of two (tens of seconds)
 @EXCHANGES
 def test_shared_memory_all_reduce(tmp_path, monkeypatch, native):
     monkeypatch.setenv("LLAMA_TP_CPU_KERNELS", "1" if native else "0")  # read by the spawned processes
