@@ -122,6 +122,18 @@ def test_an_exchange_that_waited_too_long_is_reported_as_a_lost_rank():
     assert not parallel.is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
+def test_a_lost_peer_after_the_launcher_died_is_reported_as_the_launchers_death(monkeypatch):
+    """torchrun killed: the rank whose watchdog saw it first stops, and another rank, finding that
+    peer gone, names the cause rather than the lost peer."""
+    from llama_tp.parallel import group
+
+    lost = RuntimeError("rank 0 lost rank 1 (process 20778 is gone) while waiting for the other ranks' tensors")
+    monkeypatch.setattr(group, "_launcher", os.getppid())
+    assert "lost contact with another process" in parallel.describe_peer_failure(lost)
+    monkeypatch.setattr(group, "_launcher", os.getppid() + 1)  # what the ranks were started by is gone
+    assert parallel.describe_peer_failure(lost) == f"the launcher (pid {os.getppid() + 1}) is gone; stopping this rank too"
+
+
 @pytest.fixture
 def ctrl_c_raises():
     """Ctrl-C raises KeyboardInterrupt even where pytest started with SIGINT ignored, as a shell starts

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
 
 from .collectives import forget_shared_sum
-from .group import _host_groups, collective_timeout, gather_objects, host_group
+from .group import _host_groups, collective_timeout, gather_objects, host_group, launcher_gone_message
 from .shared_memory import is_exchange_timeout
 
 @contextmanager
@@ -76,7 +76,11 @@ def check_same_on_every_rank(what: str, value: Any) -> None:
 
 
 def describe_peer_failure(error: BaseException) -> str:
-    """What a failed collective means for the user, in one line."""
+    """What a failed collective means for the user, in one line. Where torchrun has died, that
+    is the cause (the peer this rank lost saw it first and stopped)."""
+    launcher_gone = launcher_gone_message()
+    if launcher_gone is not None:
+        return launcher_gone
     detail = next(iter(str(error).strip().splitlines()), type(error).__name__)
     if "timed out" in detail.lower() or "timeout" in detail.lower():
         waited = collective_timeout().total_seconds()

@@ -276,19 +276,29 @@ def gather_objects_if_any(obj: Any, anything: bool) -> Optional[list[Any]]:
     return gather_objects(obj) if any(flag.item() for flag in flags) else None
 
 
+_launcher: Optional[int] = None  # torchrun's pid, where a watchdog watches it
+
+
+def launcher_gone_message() -> Optional[str]:
+    """What to say if the torchrun that started this rank has died, else None."""
+    if _launcher is None or os.getppid() == _launcher:
+        return None
+    return f"the launcher (pid {_launcher}) is gone; stopping this rank too"
+
+
 def _start_launcher_watchdog(poll_seconds: float = 1.0) -> None:
     """Exit if torchrun dies (e.g. killed with SIGKILL), so no rank is left behind as an orphan.
 
     A thread, because the main thread may be blocked inside a collective where Python runs no
     signal handlers; os._exit works from any thread.
     """
-    launcher = os.getppid()
+    global _launcher
+    _launcher = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == launcher:
+        while (message := launcher_gone_message()) is None:
             time.sleep(poll_seconds)
-        print(f"llama_tp error on rank {global_rank()}: the launcher (pid {launcher}) is gone; "
-              "stopping this rank too", file=sys.stderr, flush=True)
+        print(f"llama_tp error on rank {global_rank()}: {message}", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="llama_tp-launcher-watchdog", daemon=True).start()
