@@ -36,7 +36,8 @@ class Job:
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a child python: this checkout's llama_tp first, one thread per rank."""
     env = {key: value for key, value in os.environ.items() if key != "LLAMA_TP_DEBUG"}
-    return env | {"PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1"} | extra
+    path = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))  # the caller's after ours
+    return env | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"} | extra
 
 
 def torchrun_command(script: Path, args: list[str], nproc: int = 2, launcher: tuple[str, ...] = ()) -> list[str]:

@@ -13,8 +13,10 @@ LAUNCH = ROOT / "launch"
 
 
 def environment() -> dict[str, str]:
-    """This checkout first on the path, one thread per process (the test machine is small)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LLAMA_TP_TIMEOUT="60")
+    """This checkout first on the path (before the caller's PYTHONPATH, which may hold the
+    dependencies), one thread per process (the test machine is small)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", LLAMA_TP_TIMEOUT="60")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env

@@ -47,28 +47,31 @@ class TokenIds:
         self.stop_tokens: set[int] = set()
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second a tensor copy moves through memory (each byte read once and written once)."""
-    src = torch.ones(megabytes * 2**20 // 4)
+def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a tensor copy moves through the device's memory (each byte read once and
+    written once)."""
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / best
+    return 2 * src.numel() * src.element_size() / _best_seconds(lambda: dst.copy_(src), device, repeats)
 
 
-def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second a plain read (a sum) draws from memory: decoding only reads its weights,
-    and a core can wait on only so many reads at once, so this may fall short of the copy."""
-    data = torch.ones(megabytes * 2**20 // 4)
+def read_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a plain read (a sum) draws from the device's memory: decoding only reads its
+    weights, and a CPU core can wait on only so many reads at once, so this may fall short of the copy."""
+    data = torch.ones(megabytes * 2**20 // 4, device=device)
+    return data.numel() * data.element_size() / _best_seconds(data.sum, device, repeats)
+
+
+def _best_seconds(work: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The shortest of repeats runs of work, each waited for (a GPU runs it after the call returns)."""
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first run warms up (a GPU's first kernel loads its code)
         start = time.perf_counter()
-        data.sum()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return data.numel() * data.element_size() / best
+    return best
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
@@ -82,7 +85,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return in_state + sum(getattr(module, "packed_bytes", 0) for module in model.modules())
 
 
-def roofline(model: torch.nn.Module, world_size: int) -> dict:
+def roofline(model: torch.nn.Module, world_size: int, device: torch.device) -> dict:
     """Decode tokens per second that memory bandwidth allows: weight bytes per token over copy
     bandwidth; and the same at the rate of a plain read.
 
@@ -90,9 +93,9 @@ def roofline(model: torch.nn.Module, world_size: int) -> dict:
     decoding; the slowest rank's weights over its share of the bandwidth bound the job.
     """
     parallel.broadcast_object(None)  # start together
-    copy = copy_bandwidth()
+    copy = copy_bandwidth(device)
     parallel.broadcast_object(None)
-    read = read_bandwidth()
+    read = read_bandwidth(device)
     measured = (copy, read, weight_bytes_per_token(model))
     per_rank = [parallel.broadcast_object(measured, src=rank) for rank in range(world_size)]
     return {
@@ -304,10 +307,11 @@ def main(
         compile_decoding(model, placement.device)
     llama = Llama(model, TokenIds(args.vocab_size))
 
-    rooflines = [roofline(model, placement.world_size)]
+    rooflines = [roofline(model, placement.world_size, placement.device)]
     peer = None
     if compare:
-        peer, versions = open_peer(compare, ckpt_dir, gguf and Path(gguf), args, max_seq_len, torch_dtype)
+        peer, versions = open_peer(compare, ckpt_dir, gguf and Path(gguf), args, max_seq_len, torch_dtype,
+                                   placement.device)
         report["machine"] |= versions
 
     prompts = torch.randint(1, args.vocab_size, (max(batch_sizes), max_seq_len),
@@ -316,7 +320,7 @@ def main(
     parallel.print0("timing (tokens per second, medians of interleaved runs):")
     report["cases"] = interleaved(cases, repeats)
     # Bandwidth drifts on a shared machine: measured before and after the timing, averaged.
-    rooflines.append(roofline(model, placement.world_size))
+    rooflines.append(roofline(model, placement.world_size, placement.device))
     report["roofline"] = {key: statistics.mean(r[key] for r in rooflines) for key in rooflines[0]}
     report["roofline"] |= {"weight_bytes_per_token": rooflines[0]["weight_bytes_per_token"], "samples": rooflines}
     if "decode_batch_1" in report["cases"]:
@@ -331,6 +335,11 @@ def main(
     report["peak_rss_bytes_per_rank"] = [
         parallel.broadcast_object(peak_rss_bytes(), src=rank) for rank in range(placement.world_size)
     ]
+    if placement.device.type == "cuda":
+        report["peak_gpu_bytes_per_rank"] = [  # the peer's too, where it ran beside ours
+            parallel.broadcast_object(torch.cuda.max_memory_allocated(placement.device), src=rank)
+            for rank in range(placement.world_size)
+        ]
     if placement.is_main:
         Path(json_path).write_text(json.dumps(report, indent=2))
         print_table(report)
@@ -392,6 +401,8 @@ def print_table(report: dict) -> None:
               f"start {load['llama_tp']['peak_rss_increase_bytes'] / 1e6:.0f} MB vs "
               f"{load['meta_reference']['peak_rss_increase_bytes'] / 1e6:.0f} MB")
     print("peak resident memory per rank: " + ", ".join(f"{m / 1e6:.0f} MB" for m in report["peak_rss_bytes_per_rank"]))
+    if "peak_gpu_bytes_per_rank" in report:
+        print("peak GPU memory per rank: " + ", ".join(f"{m / 1e9:.1f} GB" for m in report["peak_gpu_bytes_per_rank"]))
 
 
 if __name__ == "__main__":

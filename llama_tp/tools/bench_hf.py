@@ -84,8 +84,9 @@ def build_hf_model(weights: dict[str, torch.Tensor], args: ModelArgs, max_seq_le
 @torch.inference_mode()
 def hf_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Greedy continuation of prompts [bsz, seqlen] by exactly new_tokens tokens: [bsz, new_tokens]."""
+    prompts = prompts.to(model.device)
     out = model.generate(
         prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False, num_beams=1,
     )
-    return out[:, prompts.shape[1]:]
+    return out[:, prompts.shape[1]:].cpu()

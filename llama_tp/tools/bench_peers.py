@@ -35,14 +35,15 @@ def check_peer(compare: Optional[str], world_size: int) -> None:
 
 
 def open_peer(compare: str, ckpt_dir: Path, gguf: Optional[Path], args: ModelArgs, max_seq_len: int,
-              dtype: torch.dtype) -> tuple[Peer, dict]:
-    """The peer `compare` names, ready to time, with its version for the report."""
+              dtype: torch.dtype, device: torch.device) -> tuple[Peer, dict]:
+    """The peer `compare` names, ready to time, with its version for the report; transformers runs
+    on our device (llama.cpp on the CPU)."""
     if compare == "hf":
         import transformers
 
         from .bench_hf import build_hf_model, hf_generate
 
-        model = build_hf_model(full_weights(ckpt_dir), args, max_seq_len, dtype)
+        model = build_hf_model(full_weights(ckpt_dir), args, max_seq_len, dtype).to(device)
         peer = Peer("hf", lambda rows, new: hf_generate(model, rows, new).tolist(), max_batch=2**31, close=lambda: None)
         return peer, {"transformers": transformers.__version__}
     from .bench_llamacpp import LlamaCpp

@@ -1,6 +1,6 @@
-"""launch/serve.py on two GPUs (NCCL, one GPU a rank) asked through the official openai client:
-greedy answers, alone and several at once, and seeded sampled ones, equal to one process's on one
-GPU (test_serve_launch.py does the same on CPU)."""
+"""launch/serve.py on one GPU and on two (NCCL, one GPU a rank) asked through the official openai
+client: greedy answers, alone and several at once, and seeded sampled ones, equal to one process's
+on one GPU (test_serve_launch.py does the same on CPU)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,12 +28,12 @@ def _answers_alone(checkpoint: str) -> tuple[list[str], str]:
     return greedy, sampled
 
 
-@pytest.mark.gpus(2)
-def test_two_gpus_serve_what_one_gpu_answers(tmp_path):
+@pytest.mark.parametrize("gpus", [pytest.param(1, marks=pytest.mark.gpus(1)), pytest.param(2, marks=pytest.mark.gpus(2))])
+def test_the_server_on_gpus_answers_what_one_gpu_answers(tmp_path, gpus):
     weights = full_weights(TINY_2WAY, 128256, seed=5)
-    one, two = (str(write_checkpoint(tmp_path / f"mp{n}", TINY_2WAY, weights, n, "vocab")) for n in (1, 2))
+    one, served = (str(write_checkpoint(tmp_path / f"mp{n}", TINY_2WAY, weights, n, "vocab")) for n in (1, gpus))
     greedy, sampled = run_world(1, _answers_alone, one)[0]
-    server = Server(two, 2, "--dtype", "fp32", log=tmp_path / "stderr.txt")
+    server = Server(served, gpus, "--dtype", "fp32", log=tmp_path / "stderr.txt")
     try:
         openai_client = client(server.url)
 
