@@ -12,7 +12,6 @@ from typing import Any, Optional
 from ..structured.constraint import Constraint
 from ..structured.grammars import grammars_for
 from ..structured.tools import call_constraint, render_dialog, tool_format
-from ..text.chat_format import SPECIAL_TAGS
 from ..text.streaming import check_stop
 from .protocol import INT64, ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
 from .requests import GenerationRequest
@@ -89,11 +88,12 @@ def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None)
     writes them), else in the model's chat format, the tools described and earlier calls and
     answers written in its tool format."""
     formatter = generator.formatter
+    forged_tools = False  # tools that a template writes into the prompt spell a control token
     try:
-        if getattr(formatter, "takes_tools", False):
+        if formatter.takes_tools:
             checked = template_messages(messages)
             prompt_tokens = formatter.encode_messages(checked, tools)
-            checked.append({"role": "system", "content": json.dumps(tools or [], ensure_ascii=False)})
+            forged_tools = formatter.spells_control(json.dumps(tools or [], ensure_ascii=False))
         else:
             plain = [{"role": "system" if message.role == "developer" else message.role, "content": message.content,
                       "tool_calls": [call.model_dump() for call in message.tool_calls or ()]} for message in messages]
@@ -101,8 +101,8 @@ def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None)
             prompt_tokens = formatter.encode_dialog_prompt(checked)
     except ValueError as error:  # the chat format's checks, or the template's refusal (TemplateRefused)
         raise RequestError(400, f"`messages`: {error}", "messages", "invalid_value") from None
-    if formatter.is_unsafe(checked):
-        tags = getattr(formatter, "control_tags", SPECIAL_TAGS)
+    if forged_tools or formatter.is_unsafe(checked):
+        tags = formatter.control_tags
         shown = ", ".join(tags[:8]) + (", ..." if len(tags) > 8 else "")
         raise RequestError(400, f"`messages`: a message holds one of the chat format's control tags "
                            f"({shown}), which could forge the dialog's turns; remove them", "messages", "invalid_value")

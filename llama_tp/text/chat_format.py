@@ -64,6 +64,9 @@ def check_turns(turns: list[Message], offset: int) -> None:
 class Llama2ChatFormat:
     """Meta's Llama 2 chat prompt: [INST] turns, the system prompt folded into the first one."""
 
+    takes_tools = False  # tools are described in its tool format (structured/tools.py)
+    control_tags = SPECIAL_TAGS  # text that is_unsafe refuses in a message
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.stop_tokens = tokenizer.stop_tokens
@@ -96,6 +99,9 @@ LLAMA3_ROLES = ("system", "user", "assistant", "ipython", "tool")
 
 class Llama3ChatFormat:
     """Meta's Llama 3 chat prompt: each message under a role header, ended by <|eot_id|>."""
+
+    takes_tools = False
+    control_tags: tuple[str, ...] = ()  # none: is_unsafe refuses nothing
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -168,6 +174,9 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 class ChatMLFormat:
     """ChatML: <|im_start|>{role}\\n{content}<|im_end|>\\n per message, then <|im_start|>assistant\\n."""
 
+    takes_tools = False
+    control_tags: tuple[str, ...] = ()  # none: is_unsafe refuses nothing
+
     def __init__(self, tokenizer, default_system_prompt: Optional[str] = None):
         if not hasattr(tokenizer, "special_id"):
             raise ValueError(f"ChatML needs a tokenizer with {IM_START} and {IM_END} tokens; "
@@ -200,6 +209,9 @@ class MistralChatFormat:
     """Mistral's prompt: <s>[INST] {user} [/INST]{answer}</s>[INST] {user} [/INST], one begin token
     for the dialog, a system message before the last user message (as Mistral's own templates put
     it). [INST] and [/INST] are control tokens where the vocabulary has them (v0.3), else text (v0.1)."""
+
+    takes_tools = False
+    control_tags: tuple[str, ...] = ()  # none: is_unsafe refuses nothing
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -260,8 +272,12 @@ class TemplateChatFormat:
     def is_unsafe(self, dialog: list[dict]) -> bool:
         """Whether a message's text (or its calls') spells a control token, which would become
         that token once the rendered prompt is tokenized (and could forge the dialog's turns)."""
-        return any(self._controls.search((message.get("content") or "") + json.dumps(
+        return any(self.spells_control((message.get("content") or "") + json.dumps(
             message.get("tool_calls"), ensure_ascii=False)) for message in dialog)
+
+    def spells_control(self, text: str) -> bool:
+        """Whether text the template writes into the prompt (a message, the tools) holds a control token's text."""
+        return self._controls.search(text) is not None
 
     def encode_messages(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         """The prompt of OpenAI-shaped messages (tool_calls, tool messages) and tools, up to the
