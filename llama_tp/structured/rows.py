@@ -33,9 +33,9 @@ class RowAdjustment:
     def accept(self, token: int) -> None:
         """The answer's next token, chosen: advance the grammar, count it."""
         if self.matcher is not None and not self.matcher.is_terminated():
-            # The mask allowed nothing else, so the grammar takes it.
-            accepted = self.matcher.accept_token(token)
-            assert accepted, f"the grammar refused token {token}, which its own mask allowed"
+            # The mask allowed nothing else, so the grammar takes it: a refusal is xgrammar's or our bug.
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
         if self.penalizes:
             self.counts[token] = self.counts.get(token, 0) + 1
 
