@@ -389,17 +389,23 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: "int | Sequence[int]", last_only: bool = False,
-                vocab_slice: bool = False, slots: Optional[Sequence[int]] = None) -> torch.Tensor:
+                vocab_slice: bool = False, slots: Optional[Sequence[int]] = None,
+                lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen], row r placed in cache row
         slots[r] (by default r) from position start_pos: one for every row, or one per row.
 
         last_only: only the last position's logits, [bsz, 1, vocab]: all that picking the next
         token needs, and it spares a prompt's worth of the largest matrix product.
+        lengths: rows padded on the right to seqlen (several prompts' chunks in one pass): row r's
+        own tokens are its first lengths[r], and last_only takes each row's logits at its own last
+        token. The padding's keys and values land in the cache after the row's tokens, where
+        nothing reads them before the row's next tokens overwrite them.
         vocab_slice: only this rank's slice of the vocabulary, [..., vocab // world size] from
         column rank * vocab // world size, not gathered from the other ranks (parallel.vocab_argmax).
         """
         bsz, seqlen = tokens.shape
         rows = self.cache_rows(bsz, seqlen, start_pos, slots)
+        last = None if lengths is None else torch.tensor(lengths, device=tokens.device) - 1
         for slot, start in zip(slots or range(bsz), [start_pos] * bsz if isinstance(start_pos, int) else start_pos):
             self.prefix_cache.keep(slot, start)  # from start on, the row is overwritten
         if seqlen == 1 and self.static_decode_shapes:
@@ -414,7 +420,7 @@ class Transformer(nn.Module):
                 return self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
             except torch._dynamo.exc.TorchDynamoException as error:  # compiling failed, not the step itself
                 self._fall_back(error)
-        return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice)
+        return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice, last=last)
 
     def every_row_step(self, tokens: torch.Tensor, rows: CacheRows, last_only: bool, vocab_slice: bool) -> torch.Tensor:
         """A compiled one-token step for CUDA graphs, which replay only the shapes they were
@@ -434,7 +440,8 @@ class Transformer(nn.Module):
         logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {type(error).__name__}: {cause}")
         self.decode_eagerly()
 
-    def _run(self, h: torch.Tensor, rows: CacheRows, compiled: bool, last_only: bool, vocab_slice: bool) -> torch.Tensor:
+    def _run(self, h: torch.Tensor, rows: CacheRows, compiled: bool, last_only: bool, vocab_slice: bool,
+             last: Optional[torch.Tensor] = None) -> torch.Tensor:
         """forward's layers and head on the embedded tokens h, through compile_decoding's functions
         or eagerly. Run again eagerly after a compiled attempt, a step rewrites the same cache entries."""
         run, groups, head = run_layers, [self.layers], run_head
@@ -445,8 +452,8 @@ class Transformer(nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()
         for layers in groups:
             h = run(layers, h, rows)
-        if last_only:
-            h = h[:, -1:]  # bsz, 1, dim
+        if last_only:  # bsz, 1, dim
+            h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]
         return head(self.norm, self.output, h, gather=not vocab_slice)
 
     def decode_eagerly(self) -> None:

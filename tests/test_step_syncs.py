@@ -115,3 +115,29 @@ def test_a_round_of_speculation_reads_back_once_for_every_row(speculating, optio
     with CountReadBacks() as counter:
         outcomes = speculating.speculator.round(model, rows)
     assert counter.calls == ["tolist"] and all(outcome.tokens for outcome in outcomes)
+
+
+def test_a_speculating_step_with_log_probabilities_reads_back_twice_for_every_row(speculating):
+    """The round's tokens once, then every gained token's log probability and alternatives once."""
+    requests = [request(speculating, prompt * 2, 8, temperature=0, logprobs=True, top_logprobs=2) for prompt in PROMPTS]
+    assert decode_step_read_backs(speculating, requests) == ["tolist", "tolist"]
+
+
+def test_a_rounds_log_probabilities_are_each_gained_tokens_under_the_logits_that_chose_it(llama):
+    from llama_tp.serve.engine import _round_logprobs
+    from llama_tp.speculative import Outcome
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    outcomes = [Outcome([4, 1], logits[:2]), Outcome([9], logits[2:3]), Outcome([7], logits[3:])]
+    requests = [request(llama, PROMPTS[0], 8, logprobs=True, top_logprobs=3), request(llama, PROMPTS[1], 8),
+                request(llama, PROMPTS[2], 8, logprobs=True)]
+    first, second, third = _round_logprobs(requests, outcomes)
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    assert second is None
+    assert [entry.token for entry in first] == [4, 1] and [entry.token for entry in third] == [7]
+    for entry, row in zip(first + third, (0, 1, 3)):
+        assert entry.logprob == pytest.approx(expected[row, entry.token].item(), abs=1e-6)
+    values, ids = expected[1].topk(3)
+    assert [i for i, _ in first[1].top] == ids.tolist()
+    assert [v for _, v in first[1].top] == pytest.approx(values.tolist(), abs=1e-6)
+    assert third[0].top == ()  # it asked for no alternatives

@@ -24,12 +24,12 @@ from .. import parallel
 from ..logs import logger
 from ..choices import agreed_tokens
 from ..sampler import TokenHistory, sample
-from ..speculative import Row
+from ..speculative import Outcome, Row
 from ..structured.rows import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .mailbox import Cancel, Mailbox, ServerState
 from .requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob
-from .scheduler import Chunk, Scheduler, Sequence
+from .scheduler import Chunk, Scheduler, Sequence, prefill_passes
 
 if TYPE_CHECKING:  # the generation API runs batch jobs through this engine (run_job)
     from ..generation import Llama
@@ -205,13 +205,14 @@ class Engine:
         # Prompt chunks first: a new request's first token then waits for its own prefill only,
         # not also for a decoding pass of the whole batch. The generating requests wait for the
         # chunk once per admission (chunks are at most max_prefill_tokens long).
-        for chunk in plan.prefill:
-            self._feed([chunk])
+        for chunks in prefill_passes(plan.prefill, self.model.max_seq_len):
+            self._feed(chunks)
             if self.speculator is not None and self.speculator.draft is not None:
                 # The draft reads the prompt chunk by chunk too, rather than all at once in the
                 # sequence's first round, which would hold up the other rows' round.
-                tokens = chunk.sequence.tokens[: chunk.start + len(chunk.tokens)]
-                self.speculator.draft.catch_up([chunk.sequence.slot.index], [tokens], plain=True)
+                for chunk in chunks:
+                    tokens = chunk.sequence.tokens[: chunk.start + len(chunk.tokens)]
+                    self.speculator.draft.catch_up([chunk.sequence.slot.index], [tokens], plain=True)
         if plan.decode:
             if self.speculator is not None:
                 # structured outputs (llama_tp/structured): a draft's guesses are not checked
@@ -233,13 +234,13 @@ class Engine:
                     sorted(s.request.stop_tokens),
                     min(s.request.max_tokens - s.generated, self.model.max_seq_len - len(s.tokens)))
                 for s in sequences]
-        outcomes = self.speculator.round(self.model, rows, want_logits=any(s.request.logprobs for s in sequences))
-        for sequence, outcome in zip(sequences, outcomes):
+        requests = [s.request for s in sequences]
+        outcomes = self.speculator.round(self.model, rows, want_logits=any(r.logprobs for r in requests))
+        logprobs = _round_logprobs(requests, outcomes)
+        for sequence, outcome, row_logprobs in zip(sequences, outcomes, logprobs):
             self.history.write(sequence.slot.index, len(sequence.tokens), outcome.tokens)
             for index, token in enumerate(outcome.tokens):
-                request = sequence.request
-                logprob = _logprob(request, token, outcome.logits[index]) if request.logprobs else None
-                if self._advance(sequence, token, logprob):
+                if self._advance(sequence, token, row_logprobs[index] if row_logprobs else None):
                     break
         stats = self.speculator.stats
         if stats.verified_rows >= self.next_report:
@@ -247,18 +248,23 @@ class Engine:
             self.next_report = stats.verified_rows + SPECULATION_REPORT_ROWS
 
     def _feed(self, chunks: list[Chunk]) -> None:
-        """One pass over chunks of equal length (one prompt chunk, or one token of each
-        generating request), then the next token of each sequence whose pending tokens it fed."""
-        sequences = [chunk.sequence for chunk in chunks]
-        plain_greedy = all(s.request.options.takes_best_logit and not s.request.logprobs for s in sequences)
-        tokens = torch.tensor([chunk.tokens for chunk in chunks], device=self.device)
-        logits = self.model.forward(tokens, [chunk.start for chunk in chunks], last_only=True,
-                                    vocab_slice=plain_greedy, slots=[s.slot.index for s in sequences])
+        """One pass over chunks (prompt chunks, the shorter padded to the longest; or one token of
+        each generating request), then the next token of each sequence whose pending tokens it fed."""
+        width = max(len(chunk.tokens) for chunk in chunks)
+        plain_greedy = all(c.sequence.request.options.takes_best_logit and not c.sequence.request.logprobs
+                           for c in chunks if c.completes)
+        tokens = torch.tensor([chunk.tokens + [0] * (width - len(chunk.tokens)) for chunk in chunks], device=self.device)
+        lengths = [len(chunk.tokens) for chunk in chunks]
+        logits = self.model.forward(tokens, [chunk.start for chunk in chunks], last_only=True, vocab_slice=plain_greedy,
+                                    slots=[c.sequence.slot.index for c in chunks],
+                                    lengths=None if min(lengths) == width else lengths)
         for chunk in chunks:
             self.scheduler.fed(chunk)
-        if not chunks[0].completes:  # a prompt's chunk before its last: nothing to choose yet
+        completing = [row for row, chunk in enumerate(chunks) if chunk.completes]
+        if not completing:  # prompts' chunks before their last: nothing to choose yet
             return
-        logits = logits[:, -1]  # bsz, vocab (or this rank's slice of it)
+        sequences = [chunks[row].sequence for row in completing]
+        logits = logits[completing, -1] if len(completing) < len(chunks) else logits[:, -1]  # bsz, vocab (or a slice)
         # structured outputs, logit_bias, penalties (llama_tp/structured): free rows pay nothing
         logits = adjust_rows([s.sampling.adjustment for s in sequences], logits,
                              parallel.model_parallel_rank() * logits.shape[-1] if plain_greedy else 0,
@@ -400,15 +406,25 @@ class Engine:
         self.mailbox.metrics.requests_waiting.set(0)
 
 
-def _logprob(request: GenerationRequest, token: int, logits: torch.Tensor) -> TokenLogprob:
-    """token's log probability under the model's logits [vocab] (before any sampling option),
-    with the likeliest tokens if the request asks."""
-    logprobs = F.log_softmax(logits, dim=-1)
-    top = ()
-    if request.top_logprobs:
-        values, ids = logprobs.topk(request.top_logprobs)
-        top = tuple(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token, float(logprobs[token]), top)
+def _round_logprobs(requests: list[GenerationRequest], outcomes: list[Outcome]) -> list[Optional[list[TokenLogprob]]]:
+    """Each asking request's log probabilities of the tokens its speculation round gained (under
+    the model's logits, before any sampling option), with the likeliest tokens where asked; None
+    for the others. Read back once for every row, after the round's own read-back of its tokens."""
+    asking = [row for row, request in enumerate(requests) if request.logprobs]
+    if not asking:
+        return [None] * len(requests)
+    logits = torch.cat([outcomes[row].logits[: len(outcomes[row].tokens)] for row in asking])
+    tokens = torch.tensor([token for row in asking for token in outcomes[row].tokens], device=logits.device)
+    top = max(requests[row].top_logprobs for row in asking)
+    columns = _logprob_columns(tokens, F.log_softmax(logits.float(), dim=-1), top)
+    values = iter(torch.cat([column.double() for column in columns], dim=-1).tolist())
+    result: list[Optional[list[TokenLogprob]]] = [None] * len(requests)
+    for row in asking:
+        n = requests[row].top_logprobs
+        lines = [next(values) for _ in outcomes[row].tokens]
+        result[row] = [TokenLogprob(token, line[0], tuple(zip(map(int, line[1 : 1 + n]), line[1 + top : 1 + top + n])))
+                       for token, line in zip(outcomes[row].tokens, lines)]
+    return result
 
 
 def _logprob_columns(tokens: torch.Tensor, logprobs: Optional[torch.Tensor], top: int) -> list[torch.Tensor]:

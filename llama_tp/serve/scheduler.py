@@ -6,8 +6,9 @@ told the same admissions and cancellations, and so makes the same decisions.
 Each cache row (slot) remembers the tokens whose keys and values it holds (the model's
 PrefixCache). A request runs in a slot until it ends; each step feeds the model the tokens of its
 sequence that the slot does not hold yet: one for a request that is generating (these rows make
-one batch), a chunk of its prompt for a request being prefilled (each chunk a pass of its own,
-within a per-step budget, so that a long prompt never stalls the generating rows for long).
+one batch), a chunk of its prompt for a request being prefilled (within a per-step budget, so
+that a long prompt never stalls the generating rows for long; several prompts' chunks share a
+pass where padding them to one length costs little: prefill_passes).
 A request that ended leaves its tokens in its slot: a later request that begins with them (the
 next turn of a conversation, the same system prompt) takes that slot and skips their prefill.
 A request's `n` choices run in n slots: the first prefills the prompt, the others wait for it,
@@ -80,7 +81,7 @@ class Copy:
 @dataclass(frozen=True)
 class StepPlan:
     decode: list[Chunk]  # one token each: one batch
-    prefill: list[Chunk]  # each a pass of its own
+    prefill: list[Chunk]  # in passes of their own (prefill_passes)
     copies: list[Copy] = field(default_factory=list)  # done first
 
 
@@ -158,6 +159,29 @@ class Scheduler:
     def fed(self, chunk: Chunk) -> None:
         """The chunk's keys and values are in its slot now."""
         self.prefix_cache.extend(chunk.sequence.slot.index, chunk.start, chunk.tokens)
+
+
+def prefill_passes(chunks: list[Chunk], max_seq_len: int) -> list[list[Chunk]]:
+    """The step's prompt chunks grouped into passes, longest first, the shorter chunks of a pass
+    padded on the right to its first's length: one pass reads the weights once for all its rows
+    (and on a GPU launches its kernels once), where a pass a chunk would read them once a chunk.
+    A chunk joins a pass while the padded pass stays within MAX_PADDING times the tokens it
+    feeds, and while its padding ends inside the cache."""
+    passes: list[list[Chunk]] = []
+    for chunk in sorted(chunks, key=lambda chunk: -len(chunk.tokens)):
+        if passes:
+            group, width = passes[-1], len(passes[-1][0].tokens)
+            fed = sum(len(member.tokens) for member in group) + len(chunk.tokens)
+            if (len(group) + 1) * width <= MAX_PADDING * fed and chunk.start + width <= max_seq_len:
+                group.append(chunk)
+                continue
+        passes.append([chunk])
+    return passes
+
+
+# The most a prefill pass may compute, as a multiple of the prompt tokens it feeds (the rest is
+# padding): a little wasted arithmetic buys reading the weights once for several prompts.
+MAX_PADDING = 1.5
 
 
 def _prefilling(sequence: Sequence) -> bool:
