@@ -141,6 +141,8 @@ class Scheduler:
             elif pending and budget > 0:
                 prefill.append(Chunk(sequence, start, pending[:budget]))
                 budget -= len(prefill[-1].tokens)
+        # In cache-row order: rows that fill a block of the cache are read in place, not gathered.
+        decode.sort(key=lambda chunk: chunk.sequence.slot.index)
         return StepPlan(decode, prefill, copies)
 
     def _take_prefill(self, sequence: Sequence) -> list[Copy]:
