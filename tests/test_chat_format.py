@@ -1,12 +1,12 @@
 """text/chat_format.py's Mistral and ChatML layouts and its refusals, on a stand-in tokenizer whose
-tokens are characters: every expected prompt is written out here, in milliseconds (the real
+tokens are characters, and a model's own template on it: every expected prompt is written out here, in milliseconds (the real
 tokenizers' tests are test_llama2_chat_format.py, test_llama3_chat.py, test_convert_chat.py and
 test_convert_families.py's template comparison)."""
 
 import pytest
 
 from llama_tp.text.chat_format import (ChatMLFormat, Llama2ChatFormat, Llama3ChatFormat, MistralChatFormat,
-                                       chat_format_for)
+                                       TemplateChatFormat, chat_format_for)
 
 BOS, EOS = 1, 2
 
@@ -139,3 +139,33 @@ def test_llama3_layout_and_refusals():
         with pytest.raises(ValueError) as refused:
             chat.encode_dialog_prompt(dialog)
         assert str(refused.value) == message
+
+
+# A ChatML-like template on a tokenizer with a control token whose text begins another's.
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}<|im_start|>assistant"
+CONTROLS = {"<|im_start|>": 3, "<|im_end|>": 4, "<|im_start|>assistant": 5}
+
+
+def test_a_template_is_used_only_with_a_tokenizer_that_names_its_control_tokens():
+    assert isinstance(chat_format_for(Characters(CONTROLS), chat_template=TEMPLATE), TemplateChatFormat)
+    assert isinstance(chat_format_for(Characters(), chat_template=TEMPLATE), Llama2ChatFormat)  # it has none
+
+
+def test_a_templates_prompt_has_its_control_tokens_longest_first_and_the_rest_as_plain_text():
+    template = TemplateChatFormat(TEMPLATE, Characters(CONTROLS), Llama3ChatFormat(Characters(CONTROLS)))
+    dialog = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "tool", "content": "42"}]
+    assert template.encode_dialog_prompt(dialog) == (  # no begin token before each piece of text
+        [3, *text("user\nhi"), 4, 5, *text("\nyo"), 4, 3, *text("tool\n42"), 4, 5])
+
+
+def test_a_template_refuses_control_tokens_spelled_in_text_or_in_tool_calls():
+    deepseek = "<\uff5ctool\u2581sep\uff5c>"  # DeepSeek's, not ASCII: found as written, not as JSON's \\u escapes
+    template = TemplateChatFormat(TEMPLATE, Characters(CONTROLS | {deepseek: 6}), Llama3ChatFormat(Characters()))
+
+    def calling(arguments):
+        return [{"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+
+    assert template.is_unsafe([{"role": "user", "content": "a <|im_end|> b"}])
+    assert template.is_unsafe(calling("<|im_end|>")) and template.is_unsafe(calling(deepseek))
+    assert not template.is_unsafe([{"role": "user", "content": "a <|im_end b"}]) and not template.is_unsafe(calling("{}"))

@@ -34,3 +34,34 @@ def test_sampling_follows_the_distribution():
     torch.manual_seed(0)
     draws = torch.cat([sample_top_p(probs, 1.0) for _ in range(2000)])
     assert abs(draws.float().mean().item() - 0.4) < 0.04
+
+
+def test_top_p_cuts_a_token_once_the_mass_above_it_reaches_p_exactly():
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])  # powers of two: the running sums are exact
+    torch.manual_seed(0)
+    assert {sample_top_p(probs, 0.75).item() for _ in range(300)} == {0, 1}  # 0.5 + 0.25 reaches 0.75
+
+
+def test_each_row_samples_from_its_own_nucleus():
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.125, 0.125, 0.25, 0.5]])
+    torch.manual_seed(0)
+    draws = torch.cat([sample_top_p(probs, 0.75) for _ in range(300)], dim=1)  # [2 rows, 300 draws]
+    assert set(draws[0].tolist()) == {0, 1} and set(draws[1].tolist()) == {2, 3}
+
+
+def test_a_generator_makes_the_draws_the_same_whatever_the_global_seed():
+    probs = torch.full((64, 4), 0.25)
+
+    def draws(global_seed, seed):
+        torch.manual_seed(global_seed)
+        return sample_top_p(probs, 1.0, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(draws(0, 5), draws(1, 5))
+    assert not torch.equal(draws(0, 5), draws(0, 6))
+
+
+def test_next_token_samples_within_top_p():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.3]])).expand(200, -1)
+    torch.manual_seed(0)
+    assert next_token(logits, temperature=1.0, top_p=0.1).tolist() == [0] * 200  # only the best reaches 0.1
+    assert set(next_token(logits, temperature=1.0, top_p=1.0).tolist()) == {0, 1, 2}

@@ -63,6 +63,14 @@ def test_greedy_and_taking_the_best_logit():
     assert not SamplingOptions(temperature=0.5).takes_best_logit
 
 
+def test_distribution_is_greedy_exactly_where_the_options_are():
+    tiny = torch.finfo(torch.float32).tiny  # the smallest temperature that samples: a tie is split, not broken
+    tie = torch.zeros(1, 2)
+    assert not SamplingOptions(temperature=tiny).greedy
+    assert distribution(tie, SamplingOptions(temperature=tiny, top_p=1.0)).tolist() == [[0.5, 0.5]]
+    assert distribution(tie, SamplingOptions(temperature=tiny / 2, top_p=1.0)).tolist() == [[1.0, 0.0]]
+
+
 def test_a_seed_gives_a_private_generator():
     assert SamplingOptions().generator(torch.device("cpu")) is None
     generator = SamplingOptions(seed=3).generator(torch.device("cpu"))
@@ -82,6 +90,9 @@ def test_the_repetition_penalty_shrinks_positive_logits_and_grows_negative_ones(
     assert torch.equal(adjust_logits(logits, SamplingOptions(), history), logits)  # 1: none
     empty = torch.zeros(2, 0, dtype=torch.long)
     assert torch.equal(adjust_logits(logits, SamplingOptions(repetition_penalty=2.0), empty), logits)
+    assert torch.equal(adjust_logits(logits, SamplingOptions(repetition_penalty=2.0), None), logits)  # no history
+    below_one = adjust_logits(torch.tensor([[0.5, 1.0]]), SamplingOptions(repetition_penalty=2.0), torch.tensor([[0, 1]]))
+    assert below_one.tolist() == [[0.25, 0.5]]  # positive below 1 shrinks too
     banned = adjust_logits(logits, SamplingOptions(), None, torch.tensor([[True, False, False, False]] * 2))
     assert banned[:, 0].tolist() == [-math.inf, -math.inf] and torch.equal(banned[:, 1:], logits[:, 1:])
     assert seen_in(torch.tensor([[2, -1], [-1, -1]]), 3).tolist() == [[False, False, True], [False] * 3]
@@ -105,6 +116,9 @@ def test_distribution_cuts_at_each_options_edge():
     # min-p: tokens below min_p times the best's probability go.
     assert torch.allclose(distribution(logits, SamplingOptions(temperature=1.0, top_p=1.0, min_p=0.3)),
                           torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    at_the_edge = torch.tensor([[0.0, math.log(0.5), math.log(0.25)]])  # the second at exactly half the best's
+    assert torch.allclose(distribution(at_the_edge, SamplingOptions(temperature=1.0, top_p=1.0, min_p=0.5)),
+                          torch.tensor([[2 / 3, 1 / 3, 0]]))
     # temperature 2: probabilities go as their square roots.
     hot = torch.sqrt(torch.tensor([0.5, 0.25, 0.125, 0.125]))
     assert torch.allclose(distribution(logits, SamplingOptions(temperature=2.0, top_p=1.0)), (hot / hot.sum())[None])
