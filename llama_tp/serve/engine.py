@@ -210,9 +210,9 @@ class Engine:
             if self.speculator is not None and self.speculator.draft is not None:
                 # The draft reads the prompt chunk by chunk too, rather than all at once in the
                 # sequence's first round, which would hold up the other rows' round.
-                for chunk in chunks:
-                    tokens = chunk.sequence.tokens[: chunk.start + len(chunk.tokens)]
-                    self.speculator.draft.catch_up([chunk.sequence.slot.index], [tokens], plain=True)
+                self.speculator.draft.catch_up([chunk.sequence.slot.index for chunk in chunks],
+                                               [chunk.sequence.tokens[: chunk.start + len(chunk.tokens)] for chunk in chunks],
+                                               plain=True)
         if plan.decode:
             if self.speculator is not None:
                 # structured outputs (llama_tp/structured): a draft's guesses are not checked
