@@ -99,6 +99,7 @@ def main(
                                 speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
                                 draft_quantize=draft_quantize)
         generator.model.prefix_cache.enabled = not no_prefix_cache
+        generator.model.warm_up_decoding()  # before /health says ready, not in the first requests
         engine = Engine(generator, max_prefill_tokens, mailbox)
         stopping = threading.Event()
         _stop_on_signals(stopping, mailbox)

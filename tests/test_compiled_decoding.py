@@ -153,6 +153,25 @@ def test_static_shapes_serve_staggered_rows_without_recompiling(checkpoints, tok
         torch.testing.assert_close(layer.attention.cache.k[:, :, :13], eager_layer.attention.cache.k[:, :, :13])
 
 
+@pytest.mark.slow
+def test_a_warmed_up_step_compiles_nothing_more_for_greedy_or_sampled_rows(checkpoints, tokenizer_path):
+    """launch/serve.py warms the compiled step up before it says it serves: afterwards neither a
+    greedy step (the vocabulary slice) nor a sampled one (the whole vocabulary) compiles, and the
+    warm-up leaves no cache row holding anything."""
+    torch._dynamo.reset()
+    compiled = build(str(checkpoints["llama3", 1]), tokenizer_path, compile=False).model
+    compiled.compile_decoding(static_shapes=True, dynamic=False)
+    compiled.warm_up_decoding()
+    assert compiled.prefix_cache.rows[0] == []
+    tokens = torch.randint(0, 32000, (1, 7), generator=torch.Generator().manual_seed(2))
+    compiled.forward(tokens[:, :5], 0, slots=[1])  # a prompt: eager, as prompts are
+    torch._dynamo.utils.counters.clear()
+    for position, vocab_slice in ((5, True), (6, False)):
+        compiled.forward(tokens[:, position : position + 1], position, last_only=True, vocab_slice=vocab_slice,
+                         slots=[1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
 @pytest.mark.parametrize("n_layers, size", [(30, 10), (32, 8), (80, 10), (22, 2), (7, 7), (13, 1)])
 def test_layers_per_call_splits_the_layers_into_equal_groups(n_layers, size):
     assert model.layers_per_call(n_layers) == size
