@@ -6,25 +6,15 @@ distribution sampling.py defines, on both of top-p's paths (its candidates, the 
 import pytest
 import torch
 
-from llama_tp import sampler
 from llama_tp.sampler import sample
 from llama_tp.sampling import SamplingOptions, distribution
-from test_sampler import FLAT, SHARP, SAMPLES, chi_square_p_value
+from test_sampler import FLAT, SHARP, SAMPLES, chi_square_p_value, four_candidates  # noqa: F401 (a fixture)
 
 CUDA = torch.device("cuda")
 GREEDY = SamplingOptions(temperature=0)
 NUCLEUS = SamplingOptions(temperature=0.8, top_p=0.9)
 WHOLE = SamplingOptions(temperature=0.7, top_p=1.0)
 CUT = SamplingOptions(temperature=1.0, top_p=0.95, top_k=6, min_p=0.05)
-
-
-@pytest.fixture
-def four_candidates(monkeypatch):
-    """So few candidates that FLAT's nucleus reaches past them and takes the full sort."""
-    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", 4)
-    sampler.step_options.cache_clear()
-    yield
-    sampler.step_options.cache_clear()
 
 
 @pytest.mark.parametrize("options", [NUCLEUS, WHOLE, CUT], ids=["top-p", "no cut", "top-k, min-p, top-p"])
