@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 
 from llama_tp.text.tokenizer import Tokenizer
@@ -20,10 +21,11 @@ VOCAB = 32000  # the Llama 2 tokenizer's, which every tiny checkpoint here is pa
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-# Every test that needs our AVX-512 kernels says "AVX-512" in its skip reason. With
-# LLAMA_TP_REQUIRE_KERNELS=1 (set by .ci/run on a CPU with AVX-512 and a compiler), such a skip is
-# a failure: the kernels should have run, and a green run would otherwise hide that they did not.
-KERNEL_SKIP = "AVX-512"
+# Every test that needs our kernels names the instruction sets they need in its skip reason
+# ("AVX-512", or "AVX-512 or AVX2" for the quantized products). With LLAMA_TP_REQUIRE_KERNELS=1
+# (set by .ci/run where a compiler is found), a skip that names this CPU's own is a failure: the
+# kernels should have run, and a green run would otherwise hide that they did not.
+KERNEL_SKIP = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability())
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -32,10 +34,10 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.skipped and os.environ.get("LLAMA_TP_REQUIRE_KERNELS") == "1" and isinstance(report.longrepr, tuple):
         reason = report.longrepr[2]
-        if KERNEL_SKIP in reason:
+        if KERNEL_SKIP is not None and KERNEL_SKIP in reason:
             report.outcome = "failed"
             report.longrepr = (f"{reason}, but LLAMA_TP_REQUIRE_KERNELS=1 says the kernels must run here: "
-                               "check that the CPU has AVX-512, a C++ compiler is found and LLAMA_TP_CPU_KERNELS is not 0")
+                               f"check that the CPU has {KERNEL_SKIP}, a C++ compiler is found and LLAMA_TP_CPU_KERNELS is not 0")
 
 
 @pytest.fixture(scope="session")

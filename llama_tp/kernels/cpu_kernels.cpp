@@ -23,6 +23,7 @@
 #include <cmath>
 #include <vector>
 
+#include "quantized_products.h"
 #include "simd.h"
 
 namespace {
@@ -167,11 +168,11 @@ __m512 widen(const int8_t* q) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
 }
 
-// y[r][lane] for one block and Rows rows of x (row stride width), storing the lanes in `lanes`.
+// y[r][lane] for one block and Rows rows of x (row stride width), storing its first `count` lanes.
 template <int Rows>
 void block_product(const int8_t* q, const float* scales, const float* zeros, const float* x,
                    const float* x_sums, int64_t width, int64_t groups, float* y, int64_t y_stride,
-                   __mmask16 lanes) {
+                   int64_t count) {
   const int64_t size = width / groups;
   __m512 acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
@@ -203,44 +204,17 @@ void block_product(const int8_t* q, const float* scales, const float* zeros, con
       acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
     }
   }
+  const __mmask16 lanes = first_lanes(count);  // the last block may be partial
   for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * y_stride, lanes, acc[r]);
 }
 
-using BlockProduct = void (*)(const int8_t*, const float*, const float*, const float*, const float*,
-                              int64_t, int64_t, float*, int64_t, __mmask16);
-constexpr BlockProduct kBlockProducts[kRowsPerPass] = {block_product<1>, block_product<2>, block_product<3>,
-                                                       block_product<4>};
+constexpr llama_tp::Int8Pass kBlockProducts[kRowsPerPass] = {block_product<1>, block_product<2>, block_product<3>,
+                                                             block_product<4>};
 
 // x [rows, width] fp32 times the blocked weight, transposed: y [rows, out_features] fp32.
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                         const at::Tensor& zeros, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [rows, width]");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == kLanes && q.scalar_type() == at::kChar && q.is_contiguous(),
-              "q must be contiguous int8 [blocks, width, 16]");
-  const int64_t rows = x.size(0), width = x.size(1), blocks = q.size(0), groups = scales.size(1);
-  TORCH_CHECK(q.size(1) == width && width % groups == 0 && blocks * kLanes >= out_features, "shapes do not match");
-  TORCH_CHECK(scales.sizes() == zeros.sizes() && scales.size(0) == blocks && scales.size(2) == kLanes &&
-              scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat &&
-              scales.is_contiguous() && zeros.is_contiguous(), "scales and zeros must be contiguous fp32 [blocks, groups, 16]");
-  const at::Tensor x_sums = x.view({rows, groups, width / groups}).sum(2).contiguous();  // rows, groups
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const int8_t* q_data = q.data_ptr<int8_t>();
-  const float *scale_data = scales.data_ptr<float>(), *zero_data = zeros.data_ptr<float>();
-  const float *x_data = x.data_ptr<float>(), *x_sum_data = x_sums.data_ptr<float>();
-  float* y_data = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const __mmask16 lanes = first_lanes(out_features - block * kLanes);  // the last block may be partial
-      for (int64_t row = 0; row < rows; row += kRowsPerPass) {  // the block stays in cache between passes
-        const int pass_rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, rows - row));
-        kBlockProducts[pass_rows - 1](q_data + block * width * kLanes, scale_data + block * groups * kLanes,
-                                      zero_data + block * groups * kLanes, x_data + row * width,
-                                      x_sum_data + row * groups, width, groups,
-                                      y_data + row * out_features + block * kLanes, out_features, lanes);
-      }
-    }
-  });
-  return y;
+  return llama_tp::int8_product_in_passes(x, q, scales, zeros, out_features, kRowsPerPass, kBlockProducts);
 }
 
 }  // namespace

@@ -5,7 +5,8 @@ prompts (int4_kernel.cpp, int4.py); one new token's attention to the cache (atte
 decode_attention), and eagerly the whole step of a few tokens, rotation and cache write included
 (decode_step_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
 in ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
-(parallel/shared_memory.cpp).
+(parallel/shared_memory.cpp). CPUs with AVX2 but not AVX-512 build the quantized products alone
+(avx2_kernels.cpp: int4 and int8, the same operators on the same layouts; load_quantized).
 
 All are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
 torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
@@ -30,8 +31,11 @@ def cxx_compiler_found() -> bool:
 
 # Asked once, at import: the model asks before every norm and product. A CPU with AVX-512, as
 # torch itself detects it, a C++ compiler to build the kernels with, and LLAMA_TP_CPU_KERNELS not 0.
-ON_THIS_CPU = (os.environ.get("LLAMA_TP_CPU_KERNELS", "1") != "0"
-               and torch.backends.cpu.get_cpu_capability() == "AVX512" and cxx_compiler_found())
+_ALLOWED = os.environ.get("LLAMA_TP_CPU_KERNELS", "1") != "0" and cxx_compiler_found()
+ON_THIS_CPU = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX512"
+# CPUs with AVX2 (and its FMA and F16C) but not AVX-512 build the quantized products alone
+# (avx2_kernels.cpp): without them an int4 or int8 layer converts its weight back every step.
+QUANTIZED_AVX2 = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def runs_on(device: torch.device) -> bool:
@@ -39,36 +43,21 @@ def runs_on(device: torch.device) -> bool:
     return ON_THIS_CPU and device.type == "cpu"
 
 
+def quantized_runs_on(device: torch.device) -> bool:
+    """Whether our int4 and int8 products run on this device: all the kernels' (AVX-512) or AVX2's own."""
+    return (ON_THIS_CPU or QUANTIZED_AVX2) and device.type == "cpu"
+
+
 @functools.cache
 def load() -> None:
     """Compile (or take from torch's extension cache) and load the kernels: call it before
     torch.compile traces a call to them."""
-    from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
-
-    start = time.perf_counter()
-    if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH: take the ninja package's
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    try:
-        cpp_extension.load(
-            name="llama_tp_cpu_kernels",
-            sources=[str(Path(__file__).with_name("cpu_kernels.cpp")),
-                     str(Path(__file__).with_name("attention_kernel.cpp")),
-                     str(Path(__file__).with_name("int4_kernel.cpp")),
-                     str(Path(__file__).parents[1] / "parallel" / "shared_memory.cpp")],
-            # AVX-512 as torch's capability check has it (F, BW, VL, DQ), FMA; OpenMP: at::parallel_for's threads
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as error:  # a compiler, linker or ninja failure, whatever torch raises for it
-        raise RuntimeError(
-            f"building llama_tp's CPU kernels failed ({type(error).__name__}: {str(error).strip()[:300]}); "
-            "fix the C++ toolchain (g++ or $CXX, ninja), or set LLAMA_TP_CPU_KERNELS=0 to use torch's kernels"
-        ) from error
-    if time.perf_counter() - start > 2:  # built, not taken from the cache
-        logger.info(f"compiled llama_tp's CPU kernels in {time.perf_counter() - start:.0f} s (once: they are cached)")
+    _build("llama_tp_cpu_kernels",
+           [Path(__file__).with_name("cpu_kernels.cpp"), Path(__file__).with_name("attention_kernel.cpp"),
+            Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).parents[1] / "parallel" / "shared_memory.cpp"],
+           # AVX-512 as torch's capability check has it (F, BW, VL, DQ), FMA
+           ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"])
+    _register_quantized_shapes()
 
     @torch.library.register_fake("llama_tp::float_product")
     def _(x, w):
@@ -86,6 +75,52 @@ def load() -> None:
     def _(qkv, turns, k_cache, v_cache, slots, positions, heads):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads * k_cache.shape[-1])
 
+    @torch.library.register_fake("llama_tp::shared_sum")
+    def _(x, buffer, rank, world_size, capacity, timeout_seconds):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("llama_tp::shared_gather")
+    def _(x, buffer, rank, world_size, capacity, timeout_seconds):
+        return x.new_empty(*x.shape[:-1], x.shape[-1] * world_size)
+
+
+@functools.cache
+def load_quantized() -> None:
+    """Load the int4 and int8 products: with all the kernels (AVX-512), or built alone for AVX2."""
+    if ON_THIS_CPU:
+        load()
+        return
+    _build("llama_tp_avx2_kernels", [Path(__file__).with_name("avx2_kernels.cpp")], ["-mavx2", "-mfma", "-mf16c"])
+    _register_quantized_shapes()
+
+
+def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
+    """Compile (or take from torch's extension cache) and load one extension of torch operators."""
+    from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
+
+    start = time.perf_counter()
+    if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH: take the ninja package's
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    try:
+        # OpenMP: at::parallel_for's threads
+        cpp_extension.load(name=name, sources=[str(source) for source in sources],
+                           extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False)
+    except Exception as error:  # a compiler, linker or ninja failure, whatever torch raises for it
+        raise RuntimeError(
+            f"building llama_tp's CPU kernels failed ({type(error).__name__}: {str(error).strip()[:300]}); "
+            "fix the C++ toolchain (g++ or $CXX, ninja), or set LLAMA_TP_CPU_KERNELS=0 to use torch's kernels"
+        ) from error
+    if time.perf_counter() - start > 2:  # built, not taken from the cache
+        logger.info(f"compiled llama_tp's CPU kernels ({name}) in {time.perf_counter() - start:.0f} s "
+                    "(once: they are cached)")
+
+
+def _register_quantized_shapes() -> None:
+    """The int4 and int8 operators' output shapes, for torch.compile."""
+
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
         return x.new_empty(x.shape[0], out_features)
@@ -97,14 +132,6 @@ def load() -> None:
     @torch.library.register_fake("llama_tp::int4_weight")
     def _(codes, scales, mins):
         return codes.new_empty(codes.shape[0], 2 * codes.shape[1], dtype=torch.float32)
-
-    @torch.library.register_fake("llama_tp::shared_sum")
-    def _(x, buffer, rank, world_size, capacity, timeout_seconds):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("llama_tp::shared_gather")
-    def _(x, buffer, rank, world_size, capacity, timeout_seconds):
-        return x.new_empty(*x.shape[:-1], x.shape[-1] * world_size)
 
 
 def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ its smallest to its largest value, and Q4_0's, the value of largest magnitude at
 of it / -8. Scale and min are rounded to fp16 first and the codes taken against them, so weights
 dequantised from Q4_1 or Q4_0 blocks round back to their own codes.
 
-Products of up to MAX_ROWS rows (decoding) on CPUs with AVX-512 run our C++ kernel
-(int4_kernel.cpp: int4_product), which reads this layout as it is stored; more rows (prompts)
-convert the weight back to fp32 with its int4_weight and multiply through oneDNN.
+Products of up to MAX_ROWS rows (decoding) on CPUs with AVX-512 or AVX2 run our C++ kernel
+(int4_kernel.cpp, avx2_kernels.cpp: int4_product), which reads this layout as it is stored; more
+rows (prompts) convert the weight back to fp32 with its int4_weight and multiply through oneDNN.
 """
 
 import torch
@@ -114,12 +114,12 @@ def grouped_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 
 
 def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x [..., in] times the int4 weight, transposed: [..., out] in x's dtype (after cpu_kernels.load())."""
+    """x [..., in] times the int4 weight, transposed: [..., out] in x's dtype (after cpu_kernels.load_quantized())."""
     if x.dtype == torch.float32:  # decoding's case: no conversions to dispatch, 120 times a step
         return torch.ops.llama_tp.int4_product(x.contiguous(), codes, scales, mins)
     return torch.ops.llama_tp.int4_product(x.float().contiguous(), codes, scales, mins).to(x.dtype)
 
 
 def weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The weight in fp32 [out, in], converted back by our kernel (after cpu_kernels.load())."""
+    """The weight in fp32 [out, in], converted back by our kernel (after cpu_kernels.load_quantized())."""
     return torch.ops.llama_tp.int4_weight(codes, scales, mins)

@@ -16,25 +16,21 @@
 // instruction as two 256-bit halves, they bound a one-row product rather than memory: see
 // docs/int4.md for the measurements.
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <torch/types.h>
 
 #include <algorithm>
 
+#include "quantized_products.h"
 #include "simd.h"
 
 namespace {
 
 using llama_tp::first_lanes;
+using llama_tp::kInt4Group;
 using llama_tp::kLanes;
-using llama_tp::prefetch_ahead;
 
-constexpr int64_t kGroup = 32, kGroupBytes = kGroup / 2;
-constexpr int64_t kGroupsPerLine = 64 / kGroupBytes;  // a 64-byte cache line of codes: asked for once
 constexpr int64_t kChunkGroups = 64;  // groups whose scales and mins are turned into fp32 at a time
-constexpr int64_t kOutputsPerTask = 16;  // outputs a thread takes at a time
 constexpr int64_t kAheadBytes = 4096;
 
 // Rows x outputs in one pass over the outputs' codes: 4 x 2 make 16 sums of two registers each,
@@ -72,7 +68,7 @@ void group_weights(const uint8_t* bytes, __m512 table, __m512& low, __m512& high
 template <int Rows, int Outputs>
 void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t width,
                const float* x, float* y, int64_t y_stride) {
-  const int64_t groups = width / kGroup, row_bytes = width / 2;
+  const int64_t groups = width / kInt4Group, row_bytes = width / 2;
   __m512 sum[Rows][Outputs][2];
   for (int r = 0; r < Rows; ++r)
     for (int o = 0; o < Outputs; ++o) sum[r][o][0] = sum[r][o][1] = _mm512_setzero_ps();
@@ -86,7 +82,7 @@ void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* min
       to_fp32(mins + o * groups + first, chunk, grid[o].min);
     }
     for (int64_t g = 0; g < chunk; ++g) {
-      const int64_t input = (first + g) * kGroup;
+      const int64_t input = (first + g) * kInt4Group;
       for (int o = 0; o < Outputs; ++o) {
         const uint8_t* bytes = codes + o * row_bytes + input / 2;
         __m512 low, high;
@@ -103,88 +99,46 @@ void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* min
     for (int o = 0; o < Outputs; ++o) y[r * y_stride + o] = _mm512_reduce_add_ps(_mm512_add_ps(sum[r][o][0], sum[r][o][1]));
 }
 
-using Int4Rows = void (*)(const uint8_t*, const at::Half*, const at::Half*, int64_t, const float*, float*, int64_t);
-
 template <int Outputs>
-constexpr Int4Rows kInt4Rows[kRowsPerPass] = {int4_rows<1, Outputs>, int4_rows<2, Outputs>, int4_rows<3, Outputs>,
-                                              int4_rows<4, Outputs>};
+constexpr llama_tp::Int4Pass kInt4Rows[kRowsPerPass] = {int4_rows<1, Outputs>, int4_rows<2, Outputs>,
+                                                        int4_rows<3, Outputs>, int4_rows<4, Outputs>};
 
 // The kernels for `outputs` outputs a pass (kOutputsPerPassOfOneRow, kOutputsPerPass or 1).
-const Int4Rows* int4_kernels(int64_t outputs) {
+const llama_tp::Int4Pass* int4_kernels(int64_t outputs) {
   return outputs == kOutputsPerPassOfOneRow ? kInt4Rows<kOutputsPerPassOfOneRow>
          : outputs == kOutputsPerPass       ? kInt4Rows<kOutputsPerPass>
                                             : kInt4Rows<1>;
 }
 
-void check_weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-              codes.size(1) % kGroupBytes == 0, "codes must be contiguous uint8 [out_features, width / 2], width a multiple of 32");
-  const std::vector<int64_t> grid_shape = {codes.size(0), codes.size(1) / kGroupBytes};
-  for (const at::Tensor* grid : {&scales, &mins})
-    TORCH_CHECK(grid->sizes() == grid_shape && grid->scalar_type() == at::kHalf && grid->is_contiguous(),
-                "scales and mins must be contiguous fp16 [out_features, width / 32]");
-}
-
 // x [..., width] fp32 times the int4 weight, transposed: y [..., out_features] fp32.
 at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
-  check_weight(codes, scales, mins);
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(-1) == 2 * codes.size(1),
-              "x must be contiguous fp32 [..., width]");
-  const int64_t width = x.size(-1), rows = x.numel() / width, out_features = codes.size(0), groups = scales.size(1);
-  std::vector<int64_t> y_shape(x.sizes().begin(), x.sizes().end());
-  y_shape.back() = out_features;
-  at::Tensor y = at::empty(y_shape, x.options());
-  const uint8_t* code_data = codes.data_ptr<uint8_t>();
-  const at::Half *scale_data = scales.data_ptr<at::Half>(), *min_data = mins.data_ptr<at::Half>();
-  const float* x_data = x.data_ptr<float>();
-  float* y_data = y.data_ptr<float>();
-  const int64_t tasks = (out_features + kOutputsPerTask - 1) / kOutputsPerTask;
-  const int64_t per_pass = rows == 1 ? kOutputsPerPassOfOneRow : kOutputsPerPass;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t first = begin * kOutputsPerTask, last = std::min(end * kOutputsPerTask, out_features);
-    // This thread's first codes, asked for at once; the passes ask for the rest kAheadBytes ahead.
-    for (int64_t line = 0; line < std::min(kAheadBytes, (last - first) * width / 2); line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(code_data + first * width / 2) + line, _MM_HINT_T0);
-    for (int64_t o = first; o < last;) {
-      const int64_t outputs = last - o >= per_pass ? per_pass : 1;  // the last few one at a time
-      const Int4Rows* kernels = int4_kernels(outputs);
-      for (int64_t row = 0; row < rows; row += kRowsPerPass) {  // the outputs' codes stay in cache between passes
-        const int pass_rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, rows - row));
-        kernels[pass_rows - 1](code_data + o * width / 2, scale_data + o * groups, min_data + o * groups, width,
-                               x_data + row * width, y_data + row * out_features + o, out_features);
-      }
-      o += outputs;
+  const bool one_row = x.dim() >= 1 && x.size(-1) > 0 && x.numel() == x.size(-1);
+  return llama_tp::int4_product_in_passes(x, codes, scales, mins, one_row ? kOutputsPerPassOfOneRow : kOutputsPerPass,
+                                          kRowsPerPass, kAheadBytes,
+                                          [](int64_t outputs, int rows) { return int4_kernels(outputs)[rows - 1]; });
+}
+
+// One output's weights converted back, width of them into out.
+void convert_output(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t width, float* out) {
+  const int64_t groups = width / kInt4Group;
+  Grid grid;
+  for (int64_t first = 0; first < groups; first += kChunkGroups) {
+    const int64_t chunk = std::min(kChunkGroups, groups - first);
+    to_fp32(scales + first, chunk, grid.scale);
+    to_fp32(mins + first, chunk, grid.min);
+    for (int64_t g = 0; g < chunk; ++g) {
+      const int64_t input = (first + g) * kInt4Group;
+      __m512 low, high;
+      group_weights(codes + input / 2, values(grid.scale[g], grid.min[g]), low, high);
+      _mm512_storeu_ps(out + input, low);
+      _mm512_storeu_ps(out + input + kLanes, high);
     }
-  });
-  return y;
+  }
 }
 
 // The int4 weight converted back: fp32 [out_features, width], for prompts' matrix products.
 at::Tensor int4_weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
-  check_weight(codes, scales, mins);
-  const int64_t out_features = codes.size(0), width = 2 * codes.size(1), groups = scales.size(1);
-  at::Tensor weight = at::empty({out_features, width}, codes.options().dtype(at::kFloat));
-  const uint8_t* code_data = codes.data_ptr<uint8_t>();
-  const at::Half *scale_data = scales.data_ptr<at::Half>(), *min_data = mins.data_ptr<at::Half>();
-  float* weight_data = weight.data_ptr<float>();
-  at::parallel_for(0, out_features, kOutputsPerTask, [&](int64_t begin, int64_t end) {
-    Grid grid;
-    for (int64_t o = begin; o < end; ++o) {
-      for (int64_t first = 0; first < groups; first += kChunkGroups) {
-        const int64_t chunk = std::min(kChunkGroups, groups - first);
-        to_fp32(scale_data + o * groups + first, chunk, grid.scale);
-        to_fp32(min_data + o * groups + first, chunk, grid.min);
-        for (int64_t g = 0; g < chunk; ++g) {
-          const int64_t input = (first + g) * kGroup;
-          __m512 low, high;
-          group_weights(code_data + o * width / 2 + input / 2, values(grid.scale[g], grid.min[g]), low, high);
-          _mm512_storeu_ps(weight_data + o * width + input, low);
-          _mm512_storeu_ps(weight_data + o * width + input + kLanes, high);
-        }
-      }
-    }
-  });
-  return weight;
+  return llama_tp::int4_weight_by_outputs(codes, scales, mins, convert_output);
 }
 
 }  // namespace

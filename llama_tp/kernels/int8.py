@@ -7,9 +7,9 @@ around zero where that grid fits the group better. Weights that come from GGUF's
 (4-bit Q4_0 and Q4_1, 8-bit Q8_0, as the demo model's do) land on one of the two grids, so they
 are kept almost exactly.
 
-Products of a few rows (decoding) on CPUs with AVX-512 run our C++ kernel (cpu_kernels.cpp:
-int8_product), which reads the weight in blocks of 16 output channels stored input-major, laid
-out once at load (`blocks`). torch.compile's code for the same product (grouped_product)
+Products of a few rows (decoding) on CPUs with AVX-512 or AVX2 run our C++ kernel
+(cpu_kernels.cpp, avx2_kernels.cpp: int8_product), which reads the weight in blocks of 16 output
+channels stored input-major, laid out once at load (`blocks`). torch.compile's code for the same product (grouped_product)
 converts the weight back with one chain of additions per output: in a decode step of the demo
 model on this project's 2-core Intel Xeon machine it read 8-11 G weights per second, the kernel,
 which widens 16 outputs' weights per load into 4 independent sums and asks for the weight 8 KB
@@ -117,7 +117,7 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 def product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             out_features: int) -> torch.Tensor:
     """x [..., in] times the blocked int8 weight, transposed: [..., out_features] in x's dtype
-    (after cpu_kernels.load())."""
+    (after cpu_kernels.load_quantized())."""
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # rows, in
     y = torch.ops.llama_tp.int8_product(rows, q, scales, zeros, out_features)
     return y.view(*x.shape[:-1], out_features).to(x.dtype)

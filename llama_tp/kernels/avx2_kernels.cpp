@@ -1,0 +1,202 @@
+// The quantized products for CPUs with AVX2 but not AVX-512: int4_kernel.cpp's two operators and
+// cpu_kernels.cpp's int8_product, on the same layouts, with registers of 8 floats instead of 16.
+// Without them an int4 or int8 layer converts its weight back through torch at every step: on
+// the demo model's int8 output head (AMD EPYC, one thread) that took 51 ms a token.
+//
+// int4: AVX2 has no 16-entry lookup (its vpermps takes 3 bits), so each code is turned into a
+// float and multiplied and added to its group's scale and min: the same single rounding as the
+// AVX-512 kernel's table, so both convert back exactly what int4.dequantize computes. A group's
+// 16 bytes widen 8 at a time into 8 lanes: their low four bits are inputs 0-7 (then 8-15), the
+// high four inputs 16-23 (then 24-31). That is 14 instructions a group and output, then one
+// multiply-add per 8 weights and row.
+//
+// int8: a block's 16 outputs are two registers; as in cpu_kernels.cpp, each group's products
+// q . x are summed first and then scaled, and its zero times the group's sum of x added.
+
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "quantized_products.h"
+
+namespace {
+
+using llama_tp::kInt4Group;
+using llama_tp::kInt8BlockLanes;
+
+constexpr int64_t kLanes = 8;  // floats per AVX2 register
+constexpr int64_t kChunkGroups = 64;   // groups whose scales and mins are turned into fp32 at a time
+constexpr int64_t kAheadBytes = 4096;  // weights asked for this far ahead of the pass reading them
+
+// Rows x outputs a pass: 4 x 2 sums, the group's 4 weight registers and the row's input fit the
+// 16 registers; more rows take further passes over codes still in cache.
+constexpr int kRowsPerPass = 4;
+constexpr int64_t kOutputsPerPass = 2;
+
+// One output's scales and mins of a chunk of groups, in fp32.
+struct Grid {
+  alignas(32) float scale[kChunkGroups];
+  alignas(32) float min[kChunkGroups];
+};
+
+// n fp16 values (n <= kChunkGroups) as fp32 into out.
+void to_fp32(const at::Half* half, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    _mm256_store_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half + i))));
+  for (; i < n; ++i) out[i] = static_cast<float>(half[i]);
+}
+
+// A group's 32 weights from its 16 bytes, in four registers of 8 inputs each (0-7, 8-15, 16-23, 24-31).
+void group_weights(const uint8_t* bytes, float scale, float min, __m256 w[4]) {
+  const __m256 scales = _mm256_set1_ps(scale), mins = _mm256_set1_ps(min);
+  const __m256i low_bits = _mm256_set1_epi32(0xF);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + half * kLanes)));
+    w[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(codes, low_bits)), scales, mins);
+    w[half + 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), scales, mins);
+  }
+}
+
+float sum_lanes(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// y[r][o] = x[r] . w[o] for Rows rows of x (stride width) and Outputs consecutive outputs.
+template <int Rows, int Outputs>
+void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t width,
+               const float* x, float* y, int64_t y_stride) {
+  const int64_t groups = width / kInt4Group, row_bytes = width / 2;
+  __m256 sum[Rows][Outputs];
+  for (int r = 0; r < Rows; ++r)
+    for (int o = 0; o < Outputs; ++o) sum[r][o] = _mm256_setzero_ps();
+  Grid grid[Outputs];
+  for (int64_t line = 0; line < Outputs * row_bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(codes) + line + kAheadBytes, _MM_HINT_T0);
+  for (int64_t first = 0; first < groups; first += kChunkGroups) {
+    const int64_t chunk = std::min(kChunkGroups, groups - first);
+    for (int o = 0; o < Outputs; ++o) {
+      to_fp32(scales + o * groups + first, chunk, grid[o].scale);
+      to_fp32(mins + o * groups + first, chunk, grid[o].min);
+    }
+    for (int64_t g = 0; g < chunk; ++g) {
+      const int64_t input = (first + g) * kInt4Group;
+      for (int o = 0; o < Outputs; ++o) {
+        __m256 w[4];
+        group_weights(codes + o * row_bytes + input / 2, grid[o].scale[g], grid[o].min[g], w);
+        for (int r = 0; r < Rows; ++r) {
+          const float* x_group = x + r * width + input;
+          for (int part = 0; part < 4; ++part)
+            sum[r][o] = _mm256_fmadd_ps(w[part], _mm256_loadu_ps(x_group + part * kLanes), sum[r][o]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int o = 0; o < Outputs; ++o) y[r * y_stride + o] = sum_lanes(sum[r][o]);
+}
+
+template <int Outputs>
+constexpr llama_tp::Int4Pass kInt4Rows[kRowsPerPass] = {int4_rows<1, Outputs>, int4_rows<2, Outputs>,
+                                                        int4_rows<3, Outputs>, int4_rows<4, Outputs>};
+
+// x [..., width] fp32 times the int4 weight, transposed: y [..., out_features] fp32.
+at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  return llama_tp::int4_product_in_passes(x, codes, scales, mins, kOutputsPerPass, kRowsPerPass, kAheadBytes,
+                                          [](int64_t outputs, int rows) {
+                                            return (outputs == kOutputsPerPass ? kInt4Rows<kOutputsPerPass> : kInt4Rows<1>)[rows - 1];
+                                          });
+}
+
+// One output's weights converted back, width of them into out.
+void convert_output(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t width, float* out) {
+  const int64_t groups = width / kInt4Group;
+  Grid grid;
+  for (int64_t first = 0; first < groups; first += kChunkGroups) {
+    const int64_t chunk = std::min(kChunkGroups, groups - first);
+    to_fp32(scales + first, chunk, grid.scale);
+    to_fp32(mins + first, chunk, grid.min);
+    for (int64_t g = 0; g < chunk; ++g) {
+      const int64_t input = (first + g) * kInt4Group;
+      __m256 w[4];
+      group_weights(codes + input / 2, grid.scale[g], grid.min[g], w);
+      for (int part = 0; part < 4; ++part) _mm256_storeu_ps(out + input + part * kLanes, w[part]);
+    }
+  }
+}
+
+// The int4 weight converted back: fp32 [out_features, width], for prompts' matrix products.
+at::Tensor int4_weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  return llama_tp::int4_weight_by_outputs(codes, scales, mins, convert_output);
+}
+
+// ---- int8_product ----
+
+constexpr int kInt8RowsPerPass = 2;  // 2 rows x 2 halves of sums and of totals, the weights, x: 11 registers
+
+__m256 widen8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+// y[r][lane] for one block and Rows rows of x (row stride width), storing its first `count` lanes.
+template <int Rows>
+void block_product(const int8_t* q, const float* scales, const float* zeros, const float* x,
+                   const float* x_sums, int64_t width, int64_t groups, float* y, int64_t y_stride, int64_t count) {
+  const int64_t size = width / groups;
+  __m256 total[Rows][2];
+  for (int r = 0; r < Rows; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* q_group = q + g * size * kInt8BlockLanes;
+    const float* x_group = x + g * size;
+    __m256 dot[Rows][2];
+    for (int r = 0; r < Rows; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < size; ++i) {
+      if (i % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(q_group + i * kInt8BlockLanes) + kAheadBytes, _MM_HINT_T0);
+      const __m256 low = widen8(q_group + i * kInt8BlockLanes), high = widen8(q_group + i * kInt8BlockLanes + kLanes);
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 input = _mm256_set1_ps(x_group[r * width + i]);
+        dot[r][0] = _mm256_fmadd_ps(low, input, dot[r][0]);
+        dot[r][1] = _mm256_fmadd_ps(high, input, dot[r][1]);
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m256 scale = _mm256_loadu_ps(scales + g * kInt8BlockLanes + half * kLanes);
+      const __m256 zero = _mm256_loadu_ps(zeros + g * kInt8BlockLanes + half * kLanes);
+      for (int r = 0; r < Rows; ++r) {
+        total[r][half] = _mm256_fmadd_ps(dot[r][half], scale, total[r][half]);
+        total[r][half] = _mm256_fmadd_ps(zero, _mm256_set1_ps(x_sums[r * groups + g]), total[r][half]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    alignas(32) float lanes[kInt8BlockLanes];
+    _mm256_store_ps(lanes, total[r][0]);
+    _mm256_store_ps(lanes + kLanes, total[r][1]);
+    std::copy(lanes, lanes + std::min(count, kInt8BlockLanes), y + r * y_stride);  // the last block may be partial
+  }
+}
+
+constexpr llama_tp::Int8Pass kBlockProducts[kInt8RowsPerPass] = {block_product<1>, block_product<2>};
+
+// x [rows, width] fp32 times the blocked weight, transposed: y [rows, out_features] fp32.
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                        const at::Tensor& zeros, int64_t out_features) {
+  return llama_tp::int8_product_in_passes(x, q, scales, zeros, out_features, kInt8RowsPerPass, kBlockProducts);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llama_tp, m) {
+  m.def("int4_product(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
+  m.def("int4_weight(Tensor codes, Tensor scales, Tensor mins) -> Tensor");
+  m.def("int8_product(Tensor x, Tensor q, Tensor scales, Tensor zeros, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llama_tp, CPU, m) {
+  m.impl("int4_product", int4_product);
+  m.impl("int4_weight", int4_weight);
+  m.impl("int8_product", int8_product);
+}
