@@ -14,6 +14,10 @@ uniform number u from its own generator and takes the token where the running su
 probabilities, best first, passes u: the same token whichever way its nucleus was found, so the
 full sort is needed only for the rows it concerns, and the caller learns which with the tokens
 (Draw.unsettled), in the step's one read-back.
+
+Speculative sampling needs the distributions themselves (distributions: every row's in one
+call, exactly sampling.distribution's), and draws from them the same way (draw: one uniform
+number a row from its own generator, and the inverse CDF in vocabulary order).
 """
 
 import functools
@@ -133,7 +137,7 @@ class Draw:
             return self.tokens
         at = torch.tensor(redo, device=self.tokens.device)
         weights, order = _nucleus(self._scaled[at], self._step.top_p[at])
-        drawn = order.gather(-1, _inverse_cdf(weights, self._uniform[at])[:, None]).squeeze(-1)
+        drawn = order.gather(-1, inverse_cdf(weights, self._uniform[at])[:, None]).squeeze(-1)
         return self.tokens.index_put((self._step.sampled_index[at],), drawn)
 
 
@@ -153,11 +157,8 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
     greedy = len(step.sampled) < len(options)
     tokens = logits.max(dim=-1).indices if greedy else torch.empty(len(options), dtype=torch.long,
                                                                        device=logits.device)
-    scaled = logits[step.sampled_index] if greedy else logits
-    # Shift first: for a tiny temperature logits / temperature overflows to inf (softmax: NaN),
-    # while values <= 0 divided by it only reach -inf.
-    scaled = (scaled - scaled.max(dim=-1, keepdim=True).values).mul_(step.inverse_temperature)
-    uniform = _uniforms(step.sampled, generators, logits.device)
+    scaled = _at_temperature(logits, step)
+    uniform = uniforms(step.sampled, generators, logits.device)
     best = torch.topk(scaled, step.candidates, dim=-1) if step.nucleus.rows or step.top_k is not None else None
     scaled, values = _cut(scaled, best, step)
     drawn = torch.empty(len(step.sampled), dtype=torch.long, device=logits.device)
@@ -166,15 +167,45 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
         rows = step.nucleus
         weights, rows_held = _candidate_weights(rows.of(values), rows.of(scaled), rows.of(step.top_p))
         ids = rows.of(best.indices)
-        drawn[rows.index] = ids.gather(-1, _inverse_cdf(weights, rows.of(uniform))[:, None]).squeeze(-1)
+        drawn[rows.index] = ids.gather(-1, inverse_cdf(weights, rows.of(uniform))[:, None]).squeeze(-1)
         held[rows.index] = rows_held
     if step.whole.rows:
         rows = step.whole
-        drawn[rows.index] = _inverse_cdf(torch.softmax(rows.of(scaled), dim=-1), rows.of(uniform))
+        drawn[rows.index] = inverse_cdf(torch.softmax(rows.of(scaled), dim=-1), rows.of(uniform))
     tokens = tokens.index_put((step.sampled_index,), drawn)
     unsettled = torch.zeros(len(options), dtype=torch.bool, device=logits.device)
     unsettled = unsettled.index_put((step.sampled_index,), ~held)
     return Draw(tokens, unsettled, scaled, uniform, step)
+
+
+def distributions(logits: torch.Tensor, options: "Sequence[SamplingOptions]", history: Optional[torch.Tensor] = None,
+                  ban: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The probabilities each row's next token is drawn from: logits [rows, vocab] -> [rows, vocab],
+    row r exactly sampling.distribution's for options[r] (greedy rows: all on the best token),
+    all rows in one call. history and ban: as sample takes them. Speculative sampling compares
+    the draft's and the target's; a row whose top-p cuts sorts its whole vocabulary."""
+    step = step_options(tuple(options), logits.shape[-1], logits.device)
+    logits = adjusted(logits, step, history, ban)
+    probs = torch.nn.functional.one_hot(logits.max(dim=-1).indices, logits.shape[-1]).float()
+    if not step.sampled:
+        return probs
+    scaled = _at_temperature(logits, step)
+    best = torch.topk(scaled, step.candidates, dim=-1) if step.top_k is not None else None
+    scaled, _ = _cut(scaled, best, step)
+    sampled = torch.softmax(scaled, dim=-1)
+    if step.nucleus.rows:
+        rows = step.nucleus
+        kept, order = _nucleus(rows.of(scaled), rows.of(step.top_p))
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+        sampled = sampled.index_put((rows.index,), torch.zeros_like(kept).scatter_(-1, order, kept))
+    return probs.index_put((step.sampled_index,), sampled)
+
+
+def draw(probs: torch.Tensor, rows: Sequence[int], generators: Generators = None) -> torch.Tensor:
+    """A token for each of rows from its probabilities probs[row] [vocab], with one uniform number
+    from its own generator (generators as sample takes them): [len(rows)]."""
+    index = torch.tensor(rows, dtype=torch.long, device=probs.device)
+    return inverse_cdf(probs[index], uniforms(rows, generators, probs.device))
 
 
 def choose(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
@@ -206,6 +237,14 @@ def penalised(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor
     values = logits.gather(-1, ids)
     changed = torch.where(values > 0, values / penalty, values * penalty)
     return logits.scatter(-1, ids, torch.where(fill >= 0, changed, values))
+
+
+def _at_temperature(logits: torch.Tensor, step: StepOptions) -> torch.Tensor:
+    """The sampled rows' logits [sampled, vocab], their best at 0, at their temperature."""
+    scaled = logits[step.sampled_index] if len(step.sampled) < len(logits) else logits
+    # Shift first: for a tiny temperature logits / temperature overflows to inf (softmax: NaN),
+    # while values <= 0 divided by it only reach -inf.
+    return (scaled - scaled.max(dim=-1, keepdim=True).values).mul_(step.inverse_temperature)
 
 
 def _cut(scaled: torch.Tensor, best, step: StepOptions) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -245,7 +284,7 @@ def _nucleus(scaled: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, t
     return probs.masked_fill(mass_before >= top_p, 0.0), order
 
 
-def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """For each row, the index where the running sum of weights [rows, n] (not normalised) first
     passes uniform [rows] times their total: index i with probability weights[i] / total."""
     running = torch.cumsum(weights.double(), dim=-1)
@@ -255,9 +294,12 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.minimum(chosen, last)
 
 
-def _uniforms(rows: Sequence[int], generators: Generators, device: torch.device) -> torch.Tensor:
-    """One uniform number in [0, 1) for each sampled row, from its own generator: [rows] float64."""
+def uniforms(rows: Sequence[int], generators: Generators, device: torch.device,
+             per_row: Optional[int] = None) -> torch.Tensor:
+    """Uniform numbers in [0, 1) for each of rows, from its own generator: [rows] float64, or
+    [rows, per_row] with per_row numbers a row (each row's drawn together, in row order)."""
+    shape = () if per_row is None else (per_row,)
     if generators is None or isinstance(generators, torch.Generator):
-        return torch.rand(len(rows), dtype=torch.float64, device=device, generator=generators)
-    return torch.stack([torch.rand((), dtype=torch.float64, device=device, generator=generators[row])
+        return torch.rand(len(rows), *shape, dtype=torch.float64, device=device, generator=generators)
+    return torch.stack([torch.rand(shape, dtype=torch.float64, device=device, generator=generators[row])
                         for row in rows])
