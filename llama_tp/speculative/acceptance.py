@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from ..sampler import Generators, inverse_cdf, uniforms
+
 
 def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor,
                   counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +30,7 @@ def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor,
 
 
 def accept_sampled(p: torch.Tensor, q: Optional[torch.Tensor], guesses: torch.Tensor, counts: torch.Tensor,
-                   generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   generators: Generators = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the tokens it returns
     follow p, the target's distributions, whatever q proposed them.
 
@@ -39,16 +41,18 @@ def accept_sampled(p: torch.Tensor, q: Optional[torch.Tensor], guesses: torch.Te
     first rejection the next token is drawn from max(p - q, 0), normalised; after the last
     guess, from p. Returns the accepted count [rows] and the next token [rows].
 
-    Every call draws rows * m uniforms, then one token a row: a seeded generator gives the same
-    result on every rank and in every run.
+    generators: one for every row (None: torch's global one), or one per row. Each row draws
+    m + 1 uniform numbers from its generator: one to accept each guess, and the last to take the
+    next token by the inverse CDF (sampler.py's draw). A seeded generator gives the same result
+    on every rank and in every run.
     """
     rows, m = guesses.shape
     valid = torch.arange(m, device=guesses.device)[None, :] < counts[:, None]  # rows, m
     index = guesses.clamp(min=0)[..., None]  # rows, m, 1
     p_guess = p[:, :m].gather(-1, index).squeeze(-1)  # rows, m
     q_guess = torch.ones_like(p_guess) if q is None else q.gather(-1, index).squeeze(-1)
-    uniform = torch.rand(rows, m, generator=generator, device=p.device)
-    accept = (uniform * q_guess < p_guess) & valid  # probability min(1, p / q)
+    uniform = uniforms(range(rows), generators, p.device, per_row=m + 1)  # rows, m + 1
+    accept = (uniform[:, :m] * q_guess < p_guess) & valid  # probability min(1, p / q)
     accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # rows
     at = torch.arange(rows, device=p.device)
     p_next = p[at, accepted]  # rows, vocab
@@ -64,8 +68,6 @@ def accept_sampled(p: torch.Tensor, q: Optional[torch.Tensor], guesses: torch.Te
         q_padded = torch.cat([q, q.new_zeros(rows, 1, q.shape[-1])], dim=1)  # rows, m + 1, vocab
         q_next = q_padded[at, accepted] * rejected[:, None]
     residual = (p_next - q_next).clamp(min=0)
-    mass = residual.sum(dim=-1, keepdim=True)
     # A rejection needs p(g) < q(g), so the residual has mass; if rounding left none, p itself.
-    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
-    token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
-    return accepted, token
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
+    return accepted, inverse_cdf(residual, uniform[:, m])
