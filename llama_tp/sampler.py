@@ -158,7 +158,7 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
     tokens = logits.max(dim=-1).indices if greedy else torch.empty(len(options), dtype=torch.long,
                                                                        device=logits.device)
     scaled = _at_temperature(logits, step)
-    uniform = uniforms(step.sampled, generators, logits.device)
+    uniform = _uniforms(step.sampled, generators, logits.device)
     best = torch.topk(scaled, step.candidates, dim=-1) if step.nucleus.rows or step.top_k is not None else None
     scaled, values = _cut(scaled, best, step)
     drawn = torch.empty(len(step.sampled), dtype=torch.long, device=logits.device)
@@ -205,7 +205,7 @@ def draw(probs: torch.Tensor, rows: Sequence[int], generators: Generators = None
     """A token for each of rows from its probabilities probs[row] [vocab], with one uniform number
     from its own generator (generators as sample takes them): [len(rows)]."""
     index = torch.tensor(rows, dtype=torch.long, device=probs.device)
-    return inverse_cdf(probs[index], uniforms(rows, generators, probs.device))
+    return inverse_cdf(probs[index], _uniforms(rows, generators, probs.device))
 
 
 def choose(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
@@ -294,12 +294,9 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.minimum(chosen, last)
 
 
-def uniforms(rows: Sequence[int], generators: Generators, device: torch.device,
-             per_row: Optional[int] = None) -> torch.Tensor:
-    """Uniform numbers in [0, 1) for each of rows, from its own generator: [rows] float64, or
-    [rows, per_row] with per_row numbers a row (each row's drawn together, in row order)."""
-    shape = () if per_row is None else (per_row,)
+def _uniforms(rows: Sequence[int], generators: Generators, device: torch.device) -> torch.Tensor:
+    """One uniform number in [0, 1) for each sampled row, from its own generator: [rows] float64."""
     if generators is None or isinstance(generators, torch.Generator):
-        return torch.rand(len(rows), *shape, dtype=torch.float64, device=device, generator=generators)
-    return torch.stack([torch.rand(shape, dtype=torch.float64, device=device, generator=generators[row])
+        return torch.rand(len(rows), dtype=torch.float64, device=device, generator=generators)
+    return torch.stack([torch.rand((), dtype=torch.float64, device=device, generator=generators[row])
                         for row in rows])

@@ -107,9 +107,10 @@ def test_each_row_decides_with_its_own_generator_whatever_else_is_in_the_batch()
     outcomes = set()
     for draft in (q, None):
         accepted, token = accept_sampled(p, draft, guesses, counts, generators(range(rows)))
-        for row in range(rows):
-            alone = accept_sampled(p[row : row + 1], None if draft is None else draft[row : row + 1],
-                                   guesses[row : row + 1], counts[row : row + 1], generators([row]))
+        for row, count in enumerate(counts.tolist()):  # alone, padded to no more than its own guesses
+            own = slice(row, row + 1)
+            alone = accept_sampled(p[own, : count + 1], None if draft is None else draft[own, :count],
+                                   guesses[own, :count], [count], generators([row]))
             assert (accepted[row], token[row]) == alone, row
         outcomes.update(zip(accepted.tolist(), token.tolist()))
     assert len(outcomes) > 3  # the rows did not all decide alike
