@@ -51,6 +51,10 @@ class StepOptions:
     whole: "Subset"  # sampled rows without one: drawn from the whole vocabulary, in its order
     candidates: int  # how many best tokens a sampled row looks at first
     penalty: Optional[torch.Tensor]  # rows, 1; None when no row penalises repeats
+    # Top-p rows whose top-k cut falls among the candidates, so that their nucleus does too, and
+    # the others (distributions sorts the whole vocabulary only for these).
+    nucleus_among_candidates: "Subset"
+    nucleus_anywhere: "Subset"
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ def step_options(options: "tuple[SamplingOptions, ...]", vocab: int, device: tor
 
     top_k = [min(o.top_k or 0, vocab) for o in chosen]
     penalties = [o.repetition_penalty for o in options]
+    candidates = min(vocab, max([NUCLEUS_CANDIDATES, *top_k]))
+    among_candidates = [0 < k < candidates for k in top_k]
     return StepOptions(
         sampled, torch.tensor(sampled, dtype=torch.long, device=device),
         column([o.temperature for o in chosen]), column([1 / o.temperature for o in chosen]),
@@ -87,8 +93,10 @@ def step_options(options: "tuple[SamplingOptions, ...]", vocab: int, device: tor
         column([o.min_p for o in chosen]) if any(o.min_p for o in chosen) else None,
         subset([i for i, o in enumerate(chosen) if o.top_p < 1]),
         subset([i for i, o in enumerate(chosen) if o.top_p >= 1]),
-        min(vocab, max([NUCLEUS_CANDIDATES, *top_k])),
+        candidates,
         column(penalties) if any(p != 1.0 for p in penalties) else None,
+        subset([i for i, o in enumerate(chosen) if o.top_p < 1 and among_candidates[i]]),
+        subset([i for i, o in enumerate(chosen) if o.top_p < 1 and not among_candidates[i]]),
     )
 
 
@@ -183,22 +191,29 @@ def distributions(logits: torch.Tensor, options: "Sequence[SamplingOptions]", hi
     """The probabilities each row's next token is drawn from: logits [rows, vocab] -> [rows, vocab],
     row r exactly sampling.distribution's for options[r] (greedy rows: all on the best token),
     all rows in one call. history and ban: as sample takes them. Speculative sampling compares
-    the draft's and the target's; a row whose top-p cuts sorts its whole vocabulary."""
+    the draft's and the target's. A row whose top-p cuts sorts its whole vocabulary, unless its
+    top-k leaves fewer tokens than the candidates."""
     step = step_options(tuple(options), logits.shape[-1], logits.device)
     logits = adjusted(logits, step, history, ban)
-    probs = torch.nn.functional.one_hot(logits.max(dim=-1).indices, logits.shape[-1]).float()
+    # All on each row's best token: the greedy rows' answer, and the sampled rows' are written over.
+    probs = torch.zeros_like(logits).scatter_(-1, logits.max(dim=-1, keepdim=True).indices, 1.0)
     if not step.sampled:
         return probs
     scaled = _at_temperature(logits, step)
     best = torch.topk(scaled, step.candidates, dim=-1) if step.top_k is not None else None
-    scaled, _ = _cut(scaled, best, step)
-    sampled = torch.softmax(scaled, dim=-1)
-    if step.nucleus.rows:
-        rows = step.nucleus
-        kept, order = _nucleus(rows.of(scaled), rows.of(step.top_p))
-        kept = kept / kept.sum(dim=-1, keepdim=True)
-        sampled = sampled.index_put((rows.index,), torch.zeros_like(kept).scatter_(-1, order, kept))
-    return probs.index_put((step.sampled_index,), sampled)
+    scaled, values = _cut(scaled, best, step)
+    probs.index_fill_(0, step.sampled_index, 0.0)
+    if step.whole.rows:
+        rows = step.whole
+        probs.index_put_((step.sampled_index[rows.index],), torch.softmax(rows.of(scaled), dim=-1))
+    if step.nucleus_among_candidates.rows:  # every token outside the candidates is cut: they are the vocabulary
+        rows = step.nucleus_among_candidates
+        kept, _ = _candidate_weights(rows.of(values), rows.of(values), rows.of(step.top_p))
+        _put(probs, step.sampled_index[rows.index], kept, rows.of(best.indices))
+    if step.nucleus_anywhere.rows:
+        rows = step.nucleus_anywhere
+        _put(probs, step.sampled_index[rows.index], *_nucleus(rows.of(scaled), rows.of(step.top_p)))
+    return probs
 
 
 def draw(probs: torch.Tensor, rows: Sequence[int], generators: Generators = None) -> torch.Tensor:
@@ -274,6 +289,12 @@ def _candidate_weights(values: torch.Tensor, scaled: torch.Tensor,
     # Held: the last candidate is cut (by top-p, or already by top-k or min-p), or there is no other token.
     held = ~keep[:, -1] | (values[:, -1] == float("-inf")) | (values.shape[-1] == scaled.shape[-1])
     return probs * keep, held
+
+
+def _put(probs: torch.Tensor, rows: torch.Tensor, kept: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Rows [n] of probs [rows, vocab] take what their nucleus keeps, kept [n, m] (0 for the tokens
+    it cuts) of tokens [n, m], renormalised."""
+    probs.index_put_((rows[:, None].expand_as(tokens), tokens), kept / kept.sum(dim=-1, keepdim=True))
 
 
 def _nucleus(scaled: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,17 +118,18 @@ def test_the_history_grows_with_each_step():
 
 
 def test_distributions_are_each_rows_distribution_in_one_call():
-    vocab = 40
-    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    vocab = 40  # fewer than NUCLEUS_CANDIDATES: top-k 8 leaves its nucleus among them, top-k 40 does not
+    logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(4)) * 3
     options = [SamplingOptions(temperature=0), SamplingOptions(temperature=0.8, top_p=0.9),
                SamplingOptions(temperature=1e-8, top_p=1.0), SamplingOptions(temperature=1.3, top_p=1.0, top_k=5),
                SamplingOptions(temperature=0.7, top_p=0.6, min_p=0.05),
                SamplingOptions(temperature=1.0, top_p=0.95, top_k=8, repetition_penalty=1.4),
                SamplingOptions(temperature=0, repetition_penalty=2.0), SamplingOptions(temperature=1.1, top_p=1.0),
-               SamplingOptions(temperature=0.9, top_p=0.8, min_p=0.2, repetition_penalty=0.7)]
-    history = torch.randint(0, vocab, (9, 6), generator=torch.Generator().manual_seed(5))
+               SamplingOptions(temperature=0.9, top_p=0.8, min_p=0.2, repetition_penalty=0.7),
+               SamplingOptions(temperature=1.0, top_p=0.7, top_k=40)]
+    history = torch.randint(0, vocab, (10, 6), generator=torch.Generator().manual_seed(5))
     history[:, 4:] = -1  # padding, as speculation pads
-    ban = torch.zeros(9, vocab, dtype=torch.bool)
+    ban = torch.zeros(10, vocab, dtype=torch.bool)
     ban[[1, 6, 8], logits[[1, 6, 8]].argmax(dim=-1)] = True  # each one's best token
     probs = sampler.distributions(logits, options, history, ban)
     for row, row_options in enumerate(options):

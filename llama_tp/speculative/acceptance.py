@@ -61,14 +61,14 @@ def accept_sampled(p: torch.Tensor, q: Optional[torch.Tensor], guesses: torch.Te
     # q at the position of the next token: the rejected guess's distribution, or nothing after
     # the last guess (so the residual is p itself).
     rejected = accepted < counts
-    if q is None:
+    if not m:
         q_next = torch.zeros_like(p_next)
-        if m:
-            rejected_guess = guesses[at, accepted.clamp(max=m - 1)]
-            q_next[at[rejected], rejected_guess[rejected]] = 1.0
-    else:
-        q_padded = torch.cat([q, q.new_zeros(rows, 1, q.shape[-1])], dim=1)  # rows, m + 1, vocab
-        q_next = q_padded[at, accepted] * rejected[:, None]
+    elif q is None:
+        q_next = torch.zeros_like(p_next)
+        rejected_guess = guesses[at, accepted.clamp(max=m - 1)]
+        q_next[at[rejected], rejected_guess[rejected]] = 1.0
+    else:  # a row that accepted all its guesses reads a q it then ignores
+        q_next = q[at, accepted.clamp(max=m - 1)] * rejected[:, None]
     residual = (p_next - q_next).clamp(min=0)
     # A rejection needs p(g) < q(g), so the residual has mass; if rounding left none, p itself.
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)

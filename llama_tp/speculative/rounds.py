@@ -137,10 +137,15 @@ class Speculator:
         sampled = [index for index, row in enumerate(rows) if not row.options.greedy]
         if greedy:  # each position's distribution is one-hot on its choice
             at = torch.tensor(greedy, device=device)
-            accepted[at], token[at] = accept_greedy(p[at].argmax(dim=-1), padded[at], counts[at])
+            accepted[at], token[at] = accept_greedy(_of(p, at).argmax(dim=-1), padded[at], counts[at])
         if sampled:
             at = torch.tensor(sampled, device=device)
-            q = None if drawn_from is None else drawn_from[at]
-            accepted[at], token[at] = accept_sampled(p[at], q, padded[at], [len(guesses[i]) for i in sampled],
+            q = None if drawn_from is None else _of(drawn_from, at)
+            accepted[at], token[at] = accept_sampled(_of(p, at), q, padded[at], [len(guesses[i]) for i in sampled],
                                                      [rows[i].generator for i in sampled])
         return accepted, token
+
+
+def _of(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """tensor's rows [n, ...]: without a copy when they are all of them, in order."""
+    return tensor if len(rows) == len(tensor) else tensor[rows]
