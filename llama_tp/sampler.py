@@ -14,6 +14,10 @@ uniform number u from its own generator and takes the token where the running su
 probabilities, best first, passes u: the same token whichever way its nucleus was found, so the
 full sort is needed only for the rows it concerns, and the caller learns which with the tokens
 (Draw.unsettled), in the step's one read-back.
+
+Speculative sampling needs the distributions themselves (distributions: every row's in one
+call, exactly sampling.distribution's), and draws from them the same way (draw: one uniform
+number a row from its own generator, and the inverse CDF in vocabulary order).
 """
 
 import functools
@@ -47,6 +51,10 @@ class StepOptions:
     whole: "Subset"  # sampled rows without one: drawn from the whole vocabulary, in its order
     candidates: int  # how many best tokens a sampled row looks at first
     penalty: Optional[torch.Tensor]  # rows, 1; None when no row penalises repeats
+    # Top-p rows whose top-k cut falls among the candidates, so that their nucleus does too, and
+    # the others (distributions sorts the whole vocabulary only for these).
+    nucleus_among_candidates: "Subset"
+    nucleus_anywhere: "Subset"
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ def step_options(options: "tuple[SamplingOptions, ...]", vocab: int, device: tor
 
     top_k = [min(o.top_k or 0, vocab) for o in chosen]
     penalties = [o.repetition_penalty for o in options]
+    candidates = min(vocab, max([NUCLEUS_CANDIDATES, *top_k]))
+    among_candidates = [0 < k < candidates for k in top_k]
     return StepOptions(
         sampled, torch.tensor(sampled, dtype=torch.long, device=device),
         column([o.temperature for o in chosen]), column([1 / o.temperature for o in chosen]),
@@ -83,8 +93,10 @@ def step_options(options: "tuple[SamplingOptions, ...]", vocab: int, device: tor
         column([o.min_p for o in chosen]) if any(o.min_p for o in chosen) else None,
         subset([i for i, o in enumerate(chosen) if o.top_p < 1]),
         subset([i for i, o in enumerate(chosen) if o.top_p >= 1]),
-        min(vocab, max([NUCLEUS_CANDIDATES, *top_k])),
+        candidates,
         column(penalties) if any(p != 1.0 for p in penalties) else None,
+        subset([i for i, o in enumerate(chosen) if o.top_p < 1 and among_candidates[i]]),
+        subset([i for i, o in enumerate(chosen) if o.top_p < 1 and not among_candidates[i]]),
     )
 
 
@@ -133,7 +145,7 @@ class Draw:
             return self.tokens
         at = torch.tensor(redo, device=self.tokens.device)
         weights, order = _nucleus(self._scaled[at], self._step.top_p[at])
-        drawn = order.gather(-1, _inverse_cdf(weights, self._uniform[at])[:, None]).squeeze(-1)
+        drawn = order.gather(-1, inverse_cdf(weights, self._uniform[at])[:, None]).squeeze(-1)
         return self.tokens.index_put((self._step.sampled_index[at],), drawn)
 
 
@@ -153,10 +165,7 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
     greedy = len(step.sampled) < len(options)
     tokens = logits.max(dim=-1).indices if greedy else torch.empty(len(options), dtype=torch.long,
                                                                        device=logits.device)
-    scaled = logits[step.sampled_index] if greedy else logits
-    # Shift first: for a tiny temperature logits / temperature overflows to inf (softmax: NaN),
-    # while values <= 0 divided by it only reach -inf.
-    scaled = (scaled - scaled.max(dim=-1, keepdim=True).values).mul_(step.inverse_temperature)
+    scaled = _at_temperature(logits, step)
     uniform = _uniforms(step.sampled, generators, logits.device)
     best = torch.topk(scaled, step.candidates, dim=-1) if step.nucleus.rows or step.top_k is not None else None
     scaled, values = _cut(scaled, best, step)
@@ -166,15 +175,52 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
         rows = step.nucleus
         weights, rows_held = _candidate_weights(rows.of(values), rows.of(scaled), rows.of(step.top_p))
         ids = rows.of(best.indices)
-        drawn[rows.index] = ids.gather(-1, _inverse_cdf(weights, rows.of(uniform))[:, None]).squeeze(-1)
+        drawn[rows.index] = ids.gather(-1, inverse_cdf(weights, rows.of(uniform))[:, None]).squeeze(-1)
         held[rows.index] = rows_held
     if step.whole.rows:
         rows = step.whole
-        drawn[rows.index] = _inverse_cdf(torch.softmax(rows.of(scaled), dim=-1), rows.of(uniform))
+        drawn[rows.index] = inverse_cdf(torch.softmax(rows.of(scaled), dim=-1), rows.of(uniform))
     tokens = tokens.index_put((step.sampled_index,), drawn)
     unsettled = torch.zeros(len(options), dtype=torch.bool, device=logits.device)
     unsettled = unsettled.index_put((step.sampled_index,), ~held)
     return Draw(tokens, unsettled, scaled, uniform, step)
+
+
+def distributions(logits: torch.Tensor, options: "Sequence[SamplingOptions]", history: Optional[torch.Tensor] = None,
+                  ban: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The probabilities each row's next token is drawn from: logits [rows, vocab] -> [rows, vocab],
+    row r exactly sampling.distribution's for options[r] (greedy rows: all on the best token),
+    all rows in one call. history and ban: as sample takes them. Speculative sampling compares
+    the draft's and the target's. A row whose top-p cuts sorts its whole vocabulary, unless its
+    top-k leaves fewer tokens than the candidates."""
+    step = step_options(tuple(options), logits.shape[-1], logits.device)
+    logits = adjusted(logits, step, history, ban)
+    # All on each row's best token: the greedy rows' answer, and the sampled rows' are written over.
+    probs = torch.zeros_like(logits).scatter_(-1, logits.max(dim=-1, keepdim=True).indices, 1.0)
+    if not step.sampled:
+        return probs
+    scaled = _at_temperature(logits, step)
+    best = torch.topk(scaled, step.candidates, dim=-1) if step.top_k is not None else None
+    scaled, values = _cut(scaled, best, step)
+    probs.index_fill_(0, step.sampled_index, 0.0)
+    if step.whole.rows:
+        rows = step.whole
+        probs.index_put_((step.sampled_index[rows.index],), torch.softmax(rows.of(scaled), dim=-1))
+    if step.nucleus_among_candidates.rows:  # every token outside the candidates is cut: they are the vocabulary
+        rows = step.nucleus_among_candidates
+        kept, _ = _candidate_weights(rows.of(values), rows.of(values), rows.of(step.top_p))
+        _put(probs, step.sampled_index[rows.index], kept, rows.of(best.indices))
+    if step.nucleus_anywhere.rows:
+        rows = step.nucleus_anywhere
+        _put(probs, step.sampled_index[rows.index], *_nucleus(rows.of(scaled), rows.of(step.top_p)))
+    return probs
+
+
+def draw(probs: torch.Tensor, rows: Sequence[int], generators: Generators = None) -> torch.Tensor:
+    """A token for each of rows from its probabilities probs[row] [vocab], with one uniform number
+    from its own generator (generators as sample takes them): [len(rows)]."""
+    index = torch.tensor(rows, dtype=torch.long, device=probs.device)
+    return inverse_cdf(probs[index], _uniforms(rows, generators, probs.device))
 
 
 def choose(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
@@ -208,6 +254,14 @@ def penalised(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor
     return logits.scatter(-1, ids, torch.where(fill >= 0, changed, values))
 
 
+def _at_temperature(logits: torch.Tensor, step: StepOptions) -> torch.Tensor:
+    """The sampled rows' logits [sampled, vocab], their best at 0, at their temperature."""
+    scaled = logits[step.sampled_index] if len(step.sampled) < len(logits) else logits
+    # Shift first: for a tiny temperature logits / temperature overflows to inf (softmax: NaN),
+    # while values <= 0 divided by it only reach -inf.
+    return (scaled - scaled.max(dim=-1, keepdim=True).values).mul_(step.inverse_temperature)
+
+
 def _cut(scaled: torch.Tensor, best, step: StepOptions) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Top-k's and min-p's cuts, at -inf: in the scaled logits [sampled, vocab] (best at 0) and in
     the best candidates' values (best: their topk, or None)."""
@@ -237,6 +291,12 @@ def _candidate_weights(values: torch.Tensor, scaled: torch.Tensor,
     return probs * keep, held
 
 
+def _put(probs: torch.Tensor, rows: torch.Tensor, kept: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Rows [n] of probs [rows, vocab] take what their nucleus keeps, kept [n, m] (0 for the tokens
+    it cuts) of tokens [n, m], renormalised."""
+    probs.index_put_((rows[:, None].expand_as(tokens), tokens), kept / kept.sum(dim=-1, keepdim=True))
+
+
 def _nucleus(scaled: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The full sort's answer to _candidate_weights: kept probabilities best first [rows, vocab],
     and the tokens in that order."""
@@ -245,7 +305,7 @@ def _nucleus(scaled: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, t
     return probs.masked_fill(mass_before >= top_p, 0.0), order
 
 
-def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """For each row, the index where the running sum of weights [rows, n] (not normalised) first
     passes uniform [rows] times their total: index i with probability weights[i] / total."""
     running = torch.cumsum(weights.double(), dim=-1)

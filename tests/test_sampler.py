@@ -115,3 +115,34 @@ def test_the_history_grows_with_each_step():
     history.append(torch.tensor([0, 1]), torch.tensor([2, 1]), torch.tensor([7, 3]))
     history.write(1, 2, [4, 4])
     assert history.ids.tolist() == [[1, 2, 7, -1, -1, -1], [0, 3, 4, 4, -1, -1]]
+
+
+def test_distributions_are_each_rows_distribution_in_one_call():
+    vocab = 40  # fewer than NUCLEUS_CANDIDATES: top-k 8 leaves its nucleus among them, top-k 40 does not
+    logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    options = [SamplingOptions(temperature=0), SamplingOptions(temperature=0.8, top_p=0.9),
+               SamplingOptions(temperature=1e-8, top_p=1.0), SamplingOptions(temperature=1.3, top_p=1.0, top_k=5),
+               SamplingOptions(temperature=0.7, top_p=0.6, min_p=0.05),
+               SamplingOptions(temperature=1.0, top_p=0.95, top_k=8, repetition_penalty=1.4),
+               SamplingOptions(temperature=0, repetition_penalty=2.0), SamplingOptions(temperature=1.1, top_p=1.0),
+               SamplingOptions(temperature=0.9, top_p=0.8, min_p=0.2, repetition_penalty=0.7),
+               SamplingOptions(temperature=1.0, top_p=0.7, top_k=40)]
+    history = torch.randint(0, vocab, (10, 6), generator=torch.Generator().manual_seed(5))
+    history[:, 4:] = -1  # padding, as speculation pads
+    ban = torch.zeros(10, vocab, dtype=torch.bool)
+    ban[[1, 6, 8], logits[[1, 6, 8]].argmax(dim=-1)] = True  # each one's best token
+    probs = sampler.distributions(logits, options, history, ban)
+    for row, row_options in enumerate(options):
+        expected = distribution(logits[row : row + 1], row_options, history[row : row + 1], ban[row : row + 1])
+        torch.testing.assert_close(probs[row : row + 1], expected)
+    assert torch.equal(probs[6].argmax(), choose_next(logits[6:7], options[6], history[6:7], ban[6:7])[0])
+    assert len({int((row > 0).sum()) for row in probs}) > 3  # the cuts differ from row to row
+
+
+def test_a_draw_takes_each_rows_token_with_its_own_generator():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25], [0.0, 0.0, 0.0, 1.0]])
+    generators = [torch.Generator().manual_seed(row) for row in range(3)]
+    tokens = sampler.draw(probs, [0, 1], generators)
+    uniform = [torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(row)) for row in range(2)]
+    assert tokens.tolist() == [1 + int(uniform[0] >= 0.5), int(uniform[1] * 4)]
+    assert sampler.draw(probs, [2, 0], torch.Generator().manual_seed(0)).tolist()[0] == 3

@@ -25,7 +25,7 @@ def test_each_row_takes_the_token_where_the_running_sum_passes_its_float64_unifo
 
 
 def test_the_inverse_cdf_takes_the_first_running_sum_past_u_never_a_token_without_weight():
-    inverse_cdf = sampler._inverse_cdf
+    inverse_cdf = sampler.inverse_cdf
     assert inverse_cdf(torch.tensor([[1.0, 1.0]]), torch.tensor([0.5], dtype=torch.float64)).tolist() == [1]
     assert inverse_cdf(torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([0.0], dtype=torch.float64)).tolist() == [1]
 

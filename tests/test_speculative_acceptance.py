@@ -94,6 +94,28 @@ def test_a_row_that_accepts_all_its_guesses_draws_from_p_whole_whatever_its_padd
         assert set(token.tolist()) == {0, 3} and 0.4 < (token == 3).double().mean() < 0.6
 
 
+def test_each_row_decides_with_its_own_generator_whatever_else_is_in_the_batch():
+    rows, vocab = 6, 8
+    p = torch.softmax(torch.randn(rows, 3, vocab, generator=torch.Generator().manual_seed(7)), dim=-1)
+    q = torch.softmax(torch.randn(rows, 2, vocab, generator=torch.Generator().manual_seed(8)), dim=-1)
+    guesses = torch.randint(0, vocab, (rows, 2), generator=torch.Generator().manual_seed(9))
+    counts = torch.tensor([2, 2, 1, 2, 0, 2])
+
+    def generators(chosen):
+        return [torch.Generator().manual_seed(20 + row) for row in chosen]
+
+    outcomes = set()
+    for draft in (q, None):
+        accepted, token = accept_sampled(p, draft, guesses, counts, generators(range(rows)))
+        for row, count in enumerate(counts.tolist()):  # alone, padded to no more than its own guesses
+            own = slice(row, row + 1)
+            alone = accept_sampled(p[own, : count + 1], None if draft is None else draft[own, :count],
+                                   guesses[own, :count], [count], generators([row]))
+            assert (accepted[row], token[row]) == alone, row
+        outcomes.update(zip(accepted.tolist(), token.tolist()))
+    assert len(outcomes) > 3  # the rows did not all decide alike
+
+
 def test_everything_is_made_on_the_inputs_device():
     # On the meta device a tensor made on the CPU by mistake cannot be mixed in: a GPU's case.
     meta = torch.device("meta")

@@ -74,11 +74,13 @@ def outputs_at(accepted: torch.Tensor, token: torch.Tensor, guesses: torch.Tenso
     return torch.where(accepted[reached] > position, guesses[reached, position], token[reached])
 
 
+@pytest.mark.parametrize("generators", ["one", "a row's own"])
 @pytest.mark.parametrize("draft", ["model", "lookup"])
-def test_what_speculative_sampling_returns_follows_the_target_not_the_draft(draft):
+def test_what_speculative_sampling_returns_follows_the_target_not_the_draft(draft, generators):
     """Each returned token follows the target's p at its position, a chi-square test at 99.9% on
     40 000 samples a position, whatever proposed it: a draft drawing from q, or certain
-    guesses (lookup's); and it does not follow q."""
+    guesses (lookup's); and it does not follow q. The same whether every row draws from one
+    generator or each from its own."""
     generator = torch.Generator().manual_seed(8)
     if draft == "model":
         guesses = torch.stack([torch.multinomial(Q[i], SAMPLES, replacement=True, generator=generator)
@@ -86,6 +88,8 @@ def test_what_speculative_sampling_returns_follows_the_target_not_the_draft(draf
         q = Q.expand(SAMPLES, -1, -1)
     else:
         guesses, q = torch.tensor([[0, 4, 0]]).expand(SAMPLES, -1), None
+    if generators != "one":
+        generator = [torch.Generator().manual_seed(1000 + row) for row in range(SAMPLES)]
     accepted, token = accept_sampled(P.expand(SAMPLES, -1, -1), q, guesses, torch.full((SAMPLES,), 3), generator)
     for position in range(2):
         returned = outputs_at(accepted, token, guesses, position)

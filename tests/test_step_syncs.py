@@ -117,6 +117,33 @@ def test_a_round_of_speculation_reads_back_once_for_every_row(speculating, optio
     assert counter.calls == ["tolist"] and all(outcome.tokens for outcome in outcomes)
 
 
+@pytest.fixture(scope="module")
+def drafting(tmp_path_factory) -> Llama:
+    directory = tmp_path_factory.mktemp("tiny-draft")
+    write_checkpoint(directory, TINY_LLAMA2, full_weights(TINY_LLAMA2, 32000), 1, "dim")
+    return Llama.build(str(directory), str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=4, speculate="draft",
+                       draft_quantize="int8", speculate_k=3)
+
+
+def test_a_round_with_a_draft_reads_back_once_a_guess_and_once_for_the_verdicts(drafting):
+    """Rows with their own options and generators: each of the draft's steps draws every row's
+    guess in one call, and the target's verdicts come in one more."""
+    from llama_tp.speculative import Row
+
+    model = drafting.model
+    options = [dict(temperature=0), dict(temperature=0.8, top_k=50, repetition_penalty=1.2, seed=1),
+               dict(temperature=1.1, top_p=1.0, min_gen_len=5, seed=2), dict(temperature=0.7, top_k=20)]
+    rows = []
+    for slot, (prompt, chosen) in enumerate(zip(PROMPTS, options)):
+        model.forward(torch.tensor([prompt[:-1]]), 0, slots=[slot])
+        model.prefix_cache.extend(slot, 0, prompt[:-1])
+        chosen = drafting.sampling_options(**chosen)
+        rows.append(Row(slot, prompt, chosen, chosen.generator(model.rotary.device), len(prompt), [2], 10))
+    with CountReadBacks() as counter:
+        outcomes = drafting.speculator.round(model, rows)
+    assert counter.calls == ["tolist"] * (3 + 1) and all(outcome.tokens for outcome in outcomes)
+
+
 def test_a_speculating_step_with_log_probabilities_reads_back_twice_for_every_row(speculating):
     """The round's tokens once, then every gained token's log probability and alternatives once."""
     requests = [request(speculating, prompt * 2, 8, temperature=0, logprobs=True, top_logprobs=2) for prompt in PROMPTS]

@@ -6,9 +6,11 @@ count (counts [rows]), and padding is never accepted. Position i of a row (0 <= 
 target's prediction after the row's tokens and its first i guesses.
 """
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
+
+from ..sampler import Generators, inverse_cdf
 
 
 def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor,
@@ -27,45 +29,64 @@ def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor,
     return accepted, choices.gather(-1, accepted[:, None]).squeeze(-1)
 
 
-def accept_sampled(p: torch.Tensor, q: Optional[torch.Tensor], guesses: torch.Tensor, counts: torch.Tensor,
-                   generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_sampled(p: torch.Tensor, q: Optional[torch.Tensor], guesses: torch.Tensor,
+                   counts: Union[torch.Tensor, Sequence[int]],
+                   generators: Generators = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the tokens it returns
     follow p, the target's distributions, whatever q proposed them.
 
     p [rows, m + 1, vocab]: the target's distribution at each position; q [rows, m, vocab]: the
     distribution each guess was drawn from (None: the guesses were certain, as prompt lookup's
-    are: q is one-hot on each); guesses [rows, m]; counts [rows].
+    are: q is one-hot on each); guesses [rows, m]; counts [rows], on the device or the host.
     Guess i is accepted with probability min(1, p(g) / q(g)) while all before it were; at the
     first rejection the next token is drawn from max(p - q, 0), normalised; after the last
     guess, from p. Returns the accepted count [rows] and the next token [rows].
 
-    Every call draws rows * m uniforms, then one token a row: a seeded generator gives the same
-    result on every rank and in every run.
+    generators: one for every row (None: torch's global one), or one per row. A row's uniform
+    numbers accept its guesses, and the last takes the next token by the inverse CDF (as
+    sampler.py's draw does). A seeded generator gives the same result on every rank and in
+    every run.
     """
     rows, m = guesses.shape
+    uniform = _uniforms(counts, m, generators, p.device)  # rows, m + 1
+    counts = torch.as_tensor(counts, device=p.device)
     valid = torch.arange(m, device=guesses.device)[None, :] < counts[:, None]  # rows, m
     index = guesses.clamp(min=0)[..., None]  # rows, m, 1
     p_guess = p[:, :m].gather(-1, index).squeeze(-1)  # rows, m
     q_guess = torch.ones_like(p_guess) if q is None else q.gather(-1, index).squeeze(-1)
-    uniform = torch.rand(rows, m, generator=generator, device=p.device)
-    accept = (uniform * q_guess < p_guess) & valid  # probability min(1, p / q)
+    accept = (uniform[:, :m] * q_guess < p_guess) & valid  # probability min(1, p / q)
     accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # rows
     at = torch.arange(rows, device=p.device)
     p_next = p[at, accepted]  # rows, vocab
     # q at the position of the next token: the rejected guess's distribution, or nothing after
     # the last guess (so the residual is p itself).
     rejected = accepted < counts
-    if q is None:
+    if not m:
         q_next = torch.zeros_like(p_next)
-        if m:
-            rejected_guess = guesses[at, accepted.clamp(max=m - 1)]
-            q_next[at[rejected], rejected_guess[rejected]] = 1.0
-    else:
-        q_padded = torch.cat([q, q.new_zeros(rows, 1, q.shape[-1])], dim=1)  # rows, m + 1, vocab
-        q_next = q_padded[at, accepted] * rejected[:, None]
+    elif q is None:
+        q_next = torch.zeros_like(p_next)
+        rejected_guess = guesses[at, accepted.clamp(max=m - 1)]
+        q_next[at[rejected], rejected_guess[rejected]] = 1.0
+    else:  # a row that accepted all its guesses reads a q it then ignores
+        q_next = q[at, accepted.clamp(max=m - 1)] * rejected[:, None]
     residual = (p_next - q_next).clamp(min=0)
-    mass = residual.sum(dim=-1, keepdim=True)
     # A rejection needs p(g) < q(g), so the residual has mass; if rounding left none, p itself.
-    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
-    token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
-    return accepted, token
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
+    return accepted, inverse_cdf(residual, uniform[:, m])
+
+
+def _uniforms(counts: Union[torch.Tensor, Sequence[int]], m: int, generators: Generators,
+              device: torch.device) -> torch.Tensor:
+    """Uniform numbers [rows, m + 1] float64: each row's for its guesses, then (at m) its token's.
+
+    One generator for every row: all of them in one call. One a row: count + 1 numbers from each
+    row's own, so that what a seeded row draws does not depend on the other rows' guesses; its
+    count is read on the host (pass counts as a list to spare a read-back)."""
+    if generators is None or isinstance(generators, torch.Generator):
+        return torch.rand(len(counts), m + 1, dtype=torch.float64, device=device, generator=generators)
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    drawn = torch.cat([torch.rand(count + 1, dtype=torch.float64, device=device, generator=generator)
+                       for count, generator in zip(counts, generators)])
+    places = [row * (m + 1) + i for row, count in enumerate(counts) for i in (*range(count), m)]
+    uniform = torch.zeros(len(counts) * (m + 1), dtype=torch.float64, device=device)
+    return uniform.index_put_((torch.tensor(places, device=device),), drawn).view(len(counts), m + 1)

@@ -14,8 +14,8 @@ import torch
 from .. import parallel
 from ..choices import read_back
 from ..model import Transformer
-from ..sampling import choose_next, distribution
-from .rows import Row, histories, suppressed
+from ..sampler import distributions, draw
+from .rows import Row, batch_histories, batch_suppressed
 
 # Rows that lack at most this many tokens are fed together, each from as far back as the one that
 # lacks the most: after a round a row lacks its new token, and the last guess it accepted if it
@@ -29,31 +29,39 @@ class Draft:
         self.description = description  # for people: "int8 copy of the target", a folder
 
     def propose(self, rows: list[Row], counts: list[int], forced: list[list[int]],
-                plain: bool) -> tuple[list[list[int]], list[Optional[torch.Tensor]]]:
+                plain: bool) -> tuple[list[list[int]], Optional[torch.Tensor]]:
         """counts[r] guesses for each row (its forced tokens first), each drawn as the row's options
-        draw from the draft's logits; and for each row whose options sample, the distributions
-        the guesses were drawn from [counts[r], vocab] (None for greedy rows).
+        draw from the draft's logits; and, when some row samples, the distributions the guesses
+        were drawn from, [rows, most guesses, vocab] (what a greedy row's hold, or a row's past
+        its count, is never read).
 
         plain: every row is plain greedy, so the draft's best token is picked from vocabulary
         slices (parallel.vocab_argmax) without gathering its logits.
         """
         guesses: list[list[int]] = [[] for _ in rows]
-        drawn_from: list[list[torch.Tensor]] = [[] for _ in rows]
         steps = max(counts, default=0)
         chosen = [r for r, count in enumerate(counts) if count > 0]
         if not steps:
-            return guesses, [None] * len(rows)
+            return guesses, None
         logits = self.catch_up([rows[r].slot for r in chosen], [rows[r].tokens for r in chosen], plain)
+        drawn_from = []
         for step in range(steps):
-            picks = self._pick([rows[r] for r in chosen], [guesses[r] for r in chosen],
-                               [forced[r] for r in chosen], [drawn_from[r] for r in chosen], logits, plain)
+            picks, probs = self._pick([rows[r] for r in chosen], [guesses[r] for r in chosen],
+                                      [forced[r] for r in chosen], [counts[r] for r in chosen], logits, plain)
+            drawn_from.append(probs)
             for r, token in zip(chosen, picks):
                 guesses[r].append(token)
             if step + 1 < steps:
                 starts = [len(rows[r].tokens) + step for r in chosen]
                 logits = self._forward([[token] for token in picks], starts, [rows[r].slot for r in chosen], plain)
-        return ([g[:count] for g, count in zip(guesses, counts)],
-                [torch.stack(d[:count]) if d else None for d, count in zip(drawn_from, counts)])
+        guesses = [g[:count] for g, count in zip(guesses, counts)]
+        if plain or all(rows[r].options.greedy for r in chosen):
+            return guesses, None
+        q = torch.stack(drawn_from, dim=1)  # chosen, steps, vocab
+        if len(chosen) < len(rows):
+            index = torch.tensor(chosen, device=q.device)
+            q = q.new_zeros(len(rows), *q.shape[1:]).index_copy_(0, index, q)
+        return guesses, q
 
     def catch_up(self, slots: Sequence[int], sequences: Sequence[list[int]], plain: bool) -> torch.Tensor:
         """Feed the draft what it lacks of each sequence, its last token at least, in cache row
@@ -89,30 +97,31 @@ class Draft:
         return logits
 
     @staticmethod
-    def _pick(rows: list[Row], guesses: list[list[int]], forced: list[list[int]],
-              drawn_from: list[list[torch.Tensor]], logits: torch.Tensor, plain: bool) -> list[int]:
-        """Each row's next guess from the draft's logits [rows, vocab]: forced, or drawn as the row
-        draws (its distribution kept for verifying)."""
+    def _pick(rows: list[Row], guesses: list[list[int]], forced: list[list[int]], counts: list[int],
+              logits: torch.Tensor, plain: bool) -> tuple[list[int], Optional[torch.Tensor]]:
+        """Each row's next guess from the draft's logits [rows, vocab], all rows at once: forced, or
+        drawn as the row draws (a row past its count draws nothing); and unless plain, the
+        distributions they were drawn from [rows, vocab] (a forced token's is never read: the
+        target's is one-hot on it, so it is always accepted)."""
         if plain:
             best = parallel.vocab_argmax(logits).tolist()
-            return [f[len(g)] if len(g) < len(f) else b for b, g, f in zip(best, guesses, forced)]
-        picks = []
-        for index, (row, row_guesses, row_forced) in enumerate(zip(rows, guesses, forced)):
-            position = len(row.tokens) + len(row_guesses)
-            row_logits = logits[index : index + 1]
-            history = histories(row.tokens + row_guesses, 1, row.options, logits.device)
-            suppress = suppressed(row, position, 1, row_logits.shape[-1], logits.device)
-            if len(row_guesses) < len(row_forced):
-                token = torch.tensor(row_forced[len(row_guesses)], device=logits.device)
-                if not row.options.greedy:
-                    drawn_from[index].append(torch.nn.functional.one_hot(token, logits.shape[-1]).to(logits.dtype))
-            elif row.options.greedy:
-                token = choose_next(row_logits, row.options, history, suppress)
-            else:
-                probs = distribution(row_logits, row.options, history, suppress)
-                drawn_from[index].append(probs[0])
-                token = torch.multinomial(probs, 1, generator=row.generator)
-            picks.append(token.reshape(()))
+            return [f[len(g)] if len(g) < len(f) else b for b, g, f in zip(best, guesses, forced)], None
+        device, vocab = logits.device, logits.shape[-1]
+        history = None
+        if any(row.options.repetition_penalty != 1.0 for row in rows):
+            history = batch_histories([row.tokens + g for row, g in zip(rows, guesses)], 1, device)[:, 0]
+        ban = batch_suppressed(rows, [len(row.tokens) + len(g) for row, g in zip(rows, guesses)], 1, vocab, device)
+        probs = distributions(logits, [row.options for row in rows], history, None if ban is None else ban[:, 0])
+        tokens = probs.argmax(dim=-1)  # a greedy row's best token: its distribution is one-hot
+        ahead = [f[len(g)] if len(g) < len(f) else -1 for g, f in zip(guesses, forced)]
+        sampling = [index for index, (row, g, count, token) in enumerate(zip(rows, guesses, counts, ahead))
+                    if not row.options.greedy and token < 0 and len(g) < count]
+        if sampling:
+            drawn = draw(probs, sampling, [row.generator for row in rows])
+            tokens = tokens.index_put((torch.tensor(sampling, device=device),), drawn)
+        if any(token >= 0 for token in ahead):  # the verdict takes them whatever their distribution says
+            ahead_tokens = torch.tensor(ahead, device=device)
+            tokens = torch.where(ahead_tokens >= 0, ahead_tokens, tokens)
         # Read back once for every row, as rank 0 drew them: a rank whose draft drew otherwise
         # would record other tokens in its draft's cache and feed it other passes later.
-        return [int(row[0]) for row in read_back([torch.stack(picks)])[1]]
+        return [int(row[0]) for row in read_back([tokens])[1]], probs

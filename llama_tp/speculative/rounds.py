@@ -19,11 +19,11 @@ from .. import parallel
 from ..choices import read_back
 from ..kernels import matmul
 from ..model import Transformer
-from ..sampling import choose_next, distribution
+from ..sampler import distributions
 from .acceptance import accept_greedy, accept_sampled
 from .draft import Draft
 from .lookup import lookup_guesses
-from .rows import Outcome, Row, histories, suppressed
+from .rows import Outcome, Row, batch_histories, batch_suppressed
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Speculator:
         if self.mode == "lookup":
             guesses = [f + lookup_guesses(row.tokens + f, count - len(f))
                        for row, f, count in zip(rows, forced, counts)]
-            drawn_from: list[Optional[torch.Tensor]] = [None] * len(rows)
+            drawn_from: Optional[torch.Tensor] = None  # certain guesses
         else:
             guesses, drawn_from = self.draft.propose(rows, counts, forced, plain)
         width = max(map(len, guesses))
@@ -93,9 +93,7 @@ class Speculator:
             padded = torch.tensor([g + [-1] * (width - len(g)) for g in guesses], device=device)
             accepted, token = accept_greedy(choices, padded, torch.tensor(list(map(len, guesses)), device=device))
         else:
-            verdicts = [self._verify(row, g, q, logits[index, : len(g) + 1])
-                        for index, (row, g, q) in enumerate(zip(rows, guesses, drawn_from))]
-            accepted, token = (torch.cat(column) for column in zip(*verdicts))
+            accepted, token = self._verify(rows, guesses, drawn_from, logits)
         # The round's one read-back for every row, as rank 0 decided (the greedy verdicts are
         # the same on every rank: vocab_argmax's winners come from the same gathered pairs).
         verdicts = [(int(taken), int(chosen)) for taken, chosen in read_back([accepted, token])[1]]
@@ -110,25 +108,44 @@ class Speculator:
         return outcomes
 
     @staticmethod
-    def _verify(row: Row, guesses: list[int], drawn_from: Optional[torch.Tensor],
+    def _verify(rows: list[Row], guesses: list[list[int]], drawn_from: Optional[torch.Tensor],
                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row's accepted count and next token, [1] each on the device, from the target's
-        logits [guesses + 1, vocab] at its last token and each guess, with the row's options
-        applied at each position."""
-        positions, vocab = logits.shape
+        """Every row's accepted count and next token, [rows] each on the device, from the target's
+        logits [rows, width + 1, vocab] at each row's last token and guesses (padded to the
+        longest), with each row's options applied at each position: one set of distributions
+        for all rows, then one verdict for the greedy rows and one for the sampled.
+        drawn_from [rows, width, vocab]: what the guesses were drawn from (None: certain guesses)."""
+        count, positions, vocab = logits.shape
         device = logits.device
-        history = histories(row.tokens + guesses, positions, row.options, device)
-        suppress = suppressed(row, len(row.tokens), positions, vocab, device)
-        ahead = torch.tensor(list(row.forced[:positions]), dtype=torch.long, device=device)
-        count = torch.tensor([len(guesses)], device=device)
-        padded = torch.tensor([guesses], dtype=torch.long, device=device)
-        if row.options.greedy:
-            choices = choose_next(logits, row.options, history, suppress)
-            choices[: len(ahead)] = ahead
-            accepted, token = accept_greedy(choices[None], padded, count)
-        else:
-            p = distribution(logits, row.options, history, suppress)
-            p[: len(ahead)] = torch.nn.functional.one_hot(ahead, vocab).to(p.dtype)
-            q = None if drawn_from is None else drawn_from[None]  # None: prompt lookup's certain guesses
-            accepted, token = accept_sampled(p[None], q, padded, count, row.generator)
+        history = None
+        if any(row.options.repetition_penalty != 1.0 for row in rows):
+            padded_rows = [row.tokens + g + [-1] * (positions - 1 - len(g)) for row, g in zip(rows, guesses)]
+            history = batch_histories(padded_rows, positions, device).flatten(0, 1)  # rows * positions, longest
+        ban = batch_suppressed(rows, [len(row.tokens) for row in rows], positions, vocab, device)
+        p = distributions(logits.flatten(0, 1), [row.options for row in rows for _ in range(positions)], history,
+                          None if ban is None else ban.flatten(0, 1)).view(count, positions, vocab)
+        if any(row.forced for row in rows):  # the prompt's own tokens, whatever the model prefers
+            ahead = torch.tensor([[*row.forced[:positions], *[-1] * (positions - len(row.forced[:positions]))]
+                                  for row in rows], device=device)  # rows, positions
+            one_hot = torch.nn.functional.one_hot(ahead.clamp(min=0), vocab).to(p.dtype)
+            p = torch.where((ahead >= 0)[..., None], one_hot, p)
+        counts = torch.tensor([len(g) for g in guesses], device=device)
+        padded = torch.tensor([g + [-1] * (positions - 1 - len(g)) for g in guesses], dtype=torch.long, device=device)
+        accepted = torch.empty(count, dtype=torch.long, device=device)
+        token = torch.empty(count, dtype=torch.long, device=device)
+        greedy = [index for index, row in enumerate(rows) if row.options.greedy]
+        sampled = [index for index, row in enumerate(rows) if not row.options.greedy]
+        if greedy:  # each position's distribution is one-hot on its choice
+            at = torch.tensor(greedy, device=device)
+            accepted[at], token[at] = accept_greedy(_of(p, at).argmax(dim=-1), padded[at], counts[at])
+        if sampled:
+            at = torch.tensor(sampled, device=device)
+            q = None if drawn_from is None else _of(drawn_from, at)
+            accepted[at], token[at] = accept_sampled(_of(p, at), q, padded[at], [len(guesses[i]) for i in sampled],
+                                                     [rows[i].generator for i in sampled])
         return accepted, token
+
+
+def _of(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """tensor's rows [n, ...]: without a copy when they are all of them, in order."""
+    return tensor if len(rows) == len(tensor) else tensor[rows]

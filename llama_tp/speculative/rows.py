@@ -39,10 +39,18 @@ def histories(tokens: list[int], positions: int, options: SamplingOptions,
     seen yet; None without a penalty."""
     if options.repetition_penalty == 1.0:
         return None
-    ids = torch.tensor(tokens, device=device)
-    seen = len(tokens) - positions + 1 + torch.arange(positions, device=device)  # positions
-    hidden = torch.arange(len(tokens), device=device)[None, :] >= seen[:, None]
-    return ids.expand(positions, -1).masked_fill(hidden, -1)
+    return batch_histories([tokens], positions, device)[0]
+
+
+def batch_histories(sequences: Sequence[Sequence[int]], positions: int, device: torch.device) -> torch.Tensor:
+    """histories for several rows at once, whatever their options: [rows, positions, longest],
+    -1 for a token not seen yet or past a row's end. A row's sequence may end in -1s (padding)."""
+    longest = max(map(len, sequences))
+    ids = torch.tensor([[*tokens, *[-1] * (longest - len(tokens))] for tokens in sequences], device=device)
+    first = torch.tensor([len(tokens) - positions + 1 for tokens in sequences], device=device)
+    seen = first[:, None] + torch.arange(positions, device=device)  # rows, positions
+    hidden = torch.arange(longest, device=device) >= seen[..., None]  # rows, positions, longest
+    return ids[:, None, :].expand(-1, positions, -1).masked_fill(hidden, -1)
 
 
 def suppressed(row: Row, position: int, positions: int, vocab: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -53,3 +61,14 @@ def suppressed(row: Row, position: int, positions: int, vocab: int, device: torc
         return None
     generated = position - row.prompt_length + torch.arange(positions, device=device)
     return stop_ban(generated, min_gen_len, sorted(row.stop_tokens), vocab)
+
+
+def batch_suppressed(rows: Sequence[Row], positions_from: Sequence[int], positions: int, vocab: int,
+                     device: torch.device) -> Optional[torch.Tensor]:
+    """suppressed for several rows at once, row r's from positions_from[r]: [rows, positions, vocab]
+    bool, or None if no row bans anything."""
+    bans = [suppressed(row, position, positions, vocab, device) for row, position in zip(rows, positions_from)]
+    if all(ban is None for ban in bans):
+        return None
+    nothing = torch.zeros(positions, vocab, dtype=torch.bool, device=device)
+    return torch.stack([nothing if ban is None else ban for ban in bans])
