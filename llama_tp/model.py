@@ -392,7 +392,7 @@ class Transformer(nn.Module):
     def warm_up_decoding(self) -> None:
         """Compile the one-token step now, for greedy steps (this rank's vocabulary slice) and for
         sampled ones (the whole vocabulary), rather than in the first requests' steps: compiling
-        takes seconds (13 s for a 7B on an H200), which a server's first clients would wait.
+        takes seconds (11 s for a 7B on an H200), which a server's first clients would wait.
         Every rank calls it together; cache row 0 is left holding nothing."""
         if self.run_decode_layers is run_layers:  # not compiled
             return
