@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 == self.weight.dtype:  # one call instead of three
-            if cpu_kernels.runs_on(x.device) and not torch.compiler.is_compiling():
+            if cpu_kernels.decoding_kernels_run_on(x.device) and not torch.compiler.is_compiling():
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)  # one pass instead of six
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference does.
@@ -126,10 +126,10 @@ class KVCache(nn.Module):
             # A compiled step (CUDA graphs above all) then writes the cache in place, never a copy.
             torch._dynamo.mark_static_address(buffer)
         # Whether one new token attends through our CPU kernel (attention_kernel.cpp): fp32, and
-        # heads a multiple of its 16-float registers wide, and no sliding window (it reads each row
+        # heads a whole number of its registers wide, and no sliding window (it reads each row
         # from position 0). Decided here, not at every layer's step.
-        self.kernel_attends = (cpu_kernels.runs_on(device) and dtype == torch.float32 and head_dim % 16 == 0
-                               and not windowed)
+        self.kernel_attends = (cpu_kernels.decoding_kernels_run_on(device) and dtype == torch.float32
+                               and head_dim % cpu_kernels.ATTENTION_LANES == 0 and not windowed)
         self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
 
     def write(self, rows: CacheRows, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -366,6 +366,13 @@ class Transformer(nn.Module):
         layer: a prompt prefilled once serves several rows (the server's `n` choices)."""
         for layer in self.layers:
             layer.attention.cache.copy_positions(source, dest, start, end)
+
+    @property
+    def exact_steps(self) -> bool:
+        """Whether a step of up to MAX_KERNEL_STEP_TOKENS tokens a row gives each token the bits of a
+        one-token step of its row alone, whatever shares the batch: where our kernels take every
+        product (AVX-512) and the attention."""
+        return cpu_kernels.runs_on(self.positions.device) and self.layers[0].attention.cache.kernel_attends
 
     def compile_decoding(self, static_shapes: bool, **compile_options) -> None:
         """Run one-token steps through torch.compile, in equal groups of consecutive layers, then

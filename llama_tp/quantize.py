@@ -96,7 +96,7 @@ class Int8Linear(nn.Module):
 
     def use_kernel(self) -> None:
         """Lay the weight out for our int8 kernel, whose products it then takes."""
-        cpu_kernels.load_quantized()
+        cpu_kernels.load_decoding_kernels()
         self.weight, self.scales, self.zeros = int8.blocks(self.weight, self.scales, self.zeros)
         self.blocked = True
 
@@ -138,7 +138,7 @@ class Int4Linear(nn.Module):
 
     def use_kernel(self) -> None:
         """Multiply through our int4 kernel from now on (once the weights are loaded)."""
-        cpu_kernels.load_quantized()
+        cpu_kernels.load_decoding_kernels()
         self.operands = (self.weight, self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,7 +213,7 @@ def replace_linear_layers(model: nn.Module, replacement: Callable[[str, nn.Modul
 def use_kernels(model: nn.Module) -> nn.Module:
     """Hand the model's int8 and int4 layers to our kernels, where they run (a CPU with AVX-512 or AVX2)."""
     for module in model.modules():
-        if isinstance(module, (Int8Linear, Int4Linear)) and cpu_kernels.quantized_runs_on(module.weight.device):
+        if isinstance(module, (Int8Linear, Int4Linear)) and cpu_kernels.decoding_kernels_run_on(module.weight.device):
             module.use_kernel()
     return model
 

@@ -22,7 +22,7 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # Every test that needs our kernels names the instruction sets they need in its skip reason
-# ("AVX-512", or "AVX-512 or AVX2" for the quantized products). With LLAMA_TP_REQUIRE_KERNELS=1
+# ("AVX-512", or "AVX-512 or AVX2" for the quantized products, norm and attention). With LLAMA_TP_REQUIRE_KERNELS=1
 # (set by .ci/run where a compiler is found), a skip that names this CPU's own is a failure: the
 # kernels should have run, and a green run would otherwise hide that they did not.
 KERNEL_SKIP = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability())

@@ -11,7 +11,8 @@ from llama_tp import Llama
 from llama_tp.kernels import cpu_kernels
 from llama_tp.model import MAX_KERNEL_STEP_TOKENS, apply_rotary
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="our kernels need AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
+                                reason="the kernel needs AVX-512 or AVX2")
 
 
 def _attention_inputs(batch, heads, kv_heads, head_dim, positions, cached=64, seed=0):
@@ -34,7 +35,7 @@ def _expected_attention(q, k_cache, v_cache, slots, lengths):
 
 
 # 9 heads on 3 kv heads (the demo model's), one head per kv head, all heads on one; 17 and 33
-# positions leave a tail of a 16-lane register; 8 rows split between threads, each its own length.
+# positions leave a tail of a register (16 or 8 lanes); 8 rows split between threads, each its own length.
 @pytest.mark.parametrize("batch, heads, kv_heads, head_dim, positions", [
     (1, 9, 3, 64, [1]), (1, 9, 3, 64, [17]), (8, 9, 3, 64, [60, 1, 33, 17, 2, 64, 5, 48]), (3, 4, 4, 48, [33] * 3),
     (2, 8, 1, 128, [16, 3]), (2, 4, 2, 16, [5, 5]),
@@ -65,7 +66,7 @@ def test_decode_attention_refuses_rows_outside_the_cache():
 
 def test_compiled_decode_attention_calls_the_kernel_as_it_is():
     inputs = _attention_inputs(2, 9, 3, 64, [21, 4])
-    cpu_kernels.load()
+    cpu_kernels.load_decoding_kernels()
     torch._dynamo.reset()
     compiled = torch.compile(cpu_kernels.decode_attention, fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(*inputs), cpu_kernels.decode_attention(*inputs))

@@ -13,7 +13,7 @@ from gguf.quants import quantize as gguf_quantize
 from llama_tp.kernels import cpu_kernels, int4, int8
 from llama_tp.quantize import Int4Linear, Int8Linear
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.quantized_runs_on(torch.device("cpu")),
+needs_kernel = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
                                   reason="the kernel needs AVX-512 or AVX2")
 
 
@@ -63,7 +63,7 @@ def test_quantize_int4_refuses_what_it_cannot_hold():
 @pytest.mark.parametrize("out_features, width", [(1, 32), (7, 96), (17, 576), (40, 2080)])
 def test_product_equals_the_converted_back_weights_product_for_1_to_32_rows(out_features, width):
     codes, scales, mins = _weight(out_features, width, seed=width)
-    cpu_kernels.load_quantized()
+    cpu_kernels.load_decoding_kernels()
     x = torch.randn(int4.MAX_ROWS, width, generator=torch.Generator().manual_seed(3))
     weight = int4.dequantize(codes, scales, mins, torch.float64)
     for rows in range(1, int4.MAX_ROWS + 1):
@@ -76,7 +76,7 @@ def test_product_equals_the_converted_back_weights_product_for_1_to_32_rows(out_
 @needs_kernel
 def test_kernel_converts_back_exactly_the_weight_torch_does():
     codes, scales, mins = _weight(33, 2080, seed=4)
-    cpu_kernels.load_quantized()
+    cpu_kernels.load_decoding_kernels()
     assert torch.equal(int4.weight(codes, scales, mins), int4.dequantize(codes, scales, mins, torch.float32))
 
 

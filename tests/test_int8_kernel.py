@@ -9,7 +9,7 @@ from llama_tp.kernels import cpu_kernels, int8
 from llama_tp.kernels.int8 import dequantize, quantize_int8
 from llama_tp.quantize import Int8Linear
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.quantized_runs_on(torch.device("cpu")),
+pytestmark = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
                                 reason="the kernel needs AVX-512 or AVX2")
 
 
@@ -23,7 +23,7 @@ def _weight(rows: int, width: int, seed: int):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 def test_product_equals_the_exact_product_of_the_grouped_weight(out_features, width, rows):
     q, scales, zeros = _weight(out_features, width, seed=rows)
-    cpu_kernels.load_quantized()
+    cpu_kernels.load_decoding_kernels()
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(100 + rows))
     expected = x.double() @ dequantize(q, scales, zeros, torch.float64).t()
     got = int8.product(x, *int8.blocks(q, scales, zeros), out_features)

@@ -48,8 +48,8 @@ def test_a_row_decodes_to_the_same_bits_whatever_else_is_in_the_batch(checkpoint
     wide), a row's step is computed the same way alone or beside others: greedy answers cannot
     depend on the batch."""
     llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3)
-    if not llama.model.layers[0].attention.cache.kernel_attends:
-        pytest.skip("our attention kernel does not run on this CPU: it needs AVX-512")
+    if not llama.model.exact_steps:
+        pytest.skip("our products and attention do not all run on this CPU: they need AVX-512")
     tokens = torch.randint(0, 32000, (3, 8), generator=torch.Generator().manual_seed(3))
     for row in range(3):
         llama.model.forward(tokens[row : row + 1, : 5 + row], 0, slots=[row])
@@ -63,8 +63,8 @@ def test_a_step_of_several_tokens_gives_each_the_bits_of_a_step_of_its_own(check
     """Where our kernels run, feeding 4 tokens a row in one pass (guesses to verify) gives exactly
     the logits of 4 one-token steps: speculative decoding cannot change a greedy answer."""
     llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=2)
-    if not llama.model.layers[0].attention.cache.kernel_attends:
-        pytest.skip("our attention kernel does not run on this CPU: it needs AVX-512")
+    if not llama.model.exact_steps:
+        pytest.skip("our products and attention do not all run on this CPU: they need AVX-512")
     tokens = torch.randint(0, 32000, (2, 12), generator=torch.Generator().manual_seed(4))
     llama.model.forward(tokens[:, :5], 0)
     steps = torch.cat([llama.model.forward(tokens[:, pos : pos + 1], pos) for pos in range(5, 9)], dim=1)

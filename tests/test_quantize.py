@@ -99,7 +99,7 @@ def test_int8_logits_close_and_greedy_unchanged(tiny_ckpt, quantize, tolerance):
     layers = [m for m in quantized.model.modules() if isinstance(m, layer)]
     assert len(layers) == 2 * 4 + 1  # wqkv, wo, w13, w2 per layer, and the output
     if quantize == "int8":  # through the C++ kernel wherever it runs
-        assert all(m.blocked == cpu_kernels.quantized_runs_on(torch.device("cpu")) for m in layers)
+        assert all(m.blocked == cpu_kernels.decoding_kernels_run_on(torch.device("cpu")) for m in layers)
     greedy, _ = reference.generate(PROMPTS, max_gen_len=20, temperature=0, echo=True)
     width = max(map(len, greedy))
     tokens = torch.tensor([row + [3] * (width - len(row)) for row in greedy])  # bsz, width

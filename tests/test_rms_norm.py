@@ -7,10 +7,11 @@ import torch.nn.functional as F
 from llama_tp.kernels import cpu_kernels
 from llama_tp.model import RMSNorm
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="our kernels need AVX-512")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
+                                  reason="the kernel needs AVX-512 or AVX2")
 
 
-# 37: two registers and a tail of 5; 130 rows: split between threads.
+# 37: two AVX-512 registers and a tail of 5 (four AVX2 ones and 5); 130 rows: split between threads.
 @needs_kernel
 @pytest.mark.parametrize("shape", [(1, 1, 576), (8, 1, 576), (3, 5, 37), (130, 64)])
 def test_our_rms_norm_is_torch_s(shape):

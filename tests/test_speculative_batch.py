@@ -28,7 +28,7 @@ class TableModel:
         self.prefix_cache = PrefixCache(rows)
         self.max_seq_len = 256
         self.rotary = SimpleNamespace(device=torch.device("cpu"))
-        self.layers = [SimpleNamespace(attention=SimpleNamespace(cache=SimpleNamespace(kernel_attends=False)))]
+        self.exact_steps = False
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """The logits predicting what follows tokens [VOCAB]."""

@@ -279,8 +279,8 @@ def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: tor
     pack_linear = pack and quantize is None and not stored
     load_into(model, state, device, dtype, Path(ckpt_dir), pack_linear=pack_linear,
               quantize=None if stored else quantize)
-    if matmul.kernel_runs(device, dtype):
-        cpu_kernels.load()  # before torch.compile traces a decoding step that calls it
+    if cpu_kernels.decoding_kernels_run_on(device):
+        cpu_kernels.load_decoding_kernels()  # before torch.compile traces a decoding step that calls them
     return use_kernels(quantize_model(model, quantize) if quantize == "int8_dynamic" else model)
 
 

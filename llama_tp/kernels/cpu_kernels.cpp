@@ -5,8 +5,6 @@
 // float_product: a plain fp32 weight [out, in], as MKL and oneDNN also read it. Each output's
 // row is summed in registers of 16 inputs and the registers summed at the end.
 //
-// rms_norm: the norm in one pass over each row, where torch's takes six.
-//
 // int8_product: grouped int8 weights (int8.py) in blocks of 16 output channels, each block
 // input-major: q[block][input][lane]. One 16-byte load then holds one input's weights for 16
 // outputs, which widen into one register of 16 floats, and no sum ever runs across a register.
@@ -20,7 +18,6 @@
 #include <torch/types.h>
 
 #include <algorithm>
-#include <cmath>
 #include <vector>
 
 #include "quantized_products.h"
@@ -121,43 +118,6 @@ at::Tensor float_product(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// ---- rms_norm ----
-
-// Each row of x [..., dim] divided by its root mean square, times weight [dim]. torch's CPU
-// rms_norm is six operations, each a pass over x and a dispatch: in a decoding step, where
-// the weights just streamed through have pushed everything else out of the caches, 28-54 us
-// a call, 61 calls a step.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be contiguous fp32 [..., dim]");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.scalar_type() == at::kFloat &&
-              weight.is_contiguous(), "weight must be contiguous fp32 [dim]");
-  const int64_t dim = x.size(-1), rows = x.numel() / dim;
-  at::Tensor y = at::empty_like(x);
-  const float *x_data = x.data_ptr<float>(), *w_data = weight.data_ptr<float>();
-  float* y_data = y.data_ptr<float>();
-  constexpr int64_t kRowsPerThread = 64;  // fewer rows than this are not worth waking a thread
-  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* in = x_data + row * dim;
-      float* out = y_data + row * dim;
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t i = 0; i < dim; i += kLanes) {
-        const __mmask16 lanes = first_lanes(dim - i);
-        const __m512 values = _mm512_maskz_loadu_ps(lanes, in + i);
-        squares = _mm512_fmadd_ps(values, values, squares);
-      }
-      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / dim + static_cast<float>(eps)));
-      for (int64_t i = 0; i < dim; i += kLanes) {
-        const __mmask16 lanes = first_lanes(dim - i);
-        const __m512 normed = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, in + i), scale);
-        _mm512_mask_storeu_ps(out + i, lanes, _mm512_mul_ps(normed, _mm512_maskz_loadu_ps(lanes, w_data + i)));
-      }
-    }
-  });
-  return y;
-}
-
 // ---- int8_product ----
 
 // Rows multiplied in one pass over a block: 4 rows x 4 partial sums + a weight fit the 32 registers.
@@ -221,12 +181,10 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& q, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(llama_tp, m) {
   m.def("float_product(Tensor x, Tensor w) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("int8_product(Tensor x, Tensor q, Tensor scales, Tensor zeros, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_tp, CPU, m) {
   m.impl("float_product", float_product);
-  m.impl("rms_norm", rms_norm);
   m.impl("int8_product", int8_product);
 }

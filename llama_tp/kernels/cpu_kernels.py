@@ -1,12 +1,13 @@
 """Our C++ kernels for decoding on CPUs with AVX-512 (cpu_kernels.cpp): matrix products of a few
-rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py), and an RMS
-norm in one pass (rms_norm); products by grouped 4-bit weights and their conversion back for
-prompts (int4_kernel.cpp, int4.py); one new token's attention to the cache (attention_kernel.cpp,
+rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py); products by grouped
+4-bit weights and their conversion back for prompts (int4_kernel.cpp, int4.py); an RMS norm in one
+pass (norm_kernel.cpp, rms_norm); one new token's attention to the cache (attention_kernel.cpp,
 decode_attention), and eagerly the whole step of a few tokens, rotation and cache write included
 (decode_step_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
 in ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
-(parallel/shared_memory.cpp). CPUs with AVX2 but not AVX-512 build the quantized products alone
-(avx2_kernels.cpp: int4 and int8, the same operators on the same layouts; load_quantized).
+(parallel/shared_memory.cpp). CPUs with AVX2 but not AVX-512 build the decoding kernels alone:
+the quantized products (avx2_kernels.cpp: the same operators on the same layouts), the norm and
+the attention (built for 8-float registers, float_lanes.h); load_decoding_kernels.
 
 All are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
 torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
@@ -33,19 +34,24 @@ def cxx_compiler_found() -> bool:
 # torch itself detects it, a C++ compiler to build the kernels with, and LLAMA_TP_CPU_KERNELS not 0.
 _ALLOWED = os.environ.get("LLAMA_TP_CPU_KERNELS", "1") != "0" and cxx_compiler_found()
 ON_THIS_CPU = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX512"
-# CPUs with AVX2 (and its FMA and F16C) but not AVX-512 build the quantized products alone
-# (avx2_kernels.cpp): without them an int4 or int8 layer converts its weight back every step.
-QUANTIZED_AVX2 = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX2"
+# CPUs with AVX2 (and its FMA and F16C) but not AVX-512 build the decoding kernels alone: without
+# them an int4 or int8 layer converts its weight back every step, and rows at different positions
+# attend through a gathered copy of their caches.
+AVX2_KERNELS = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX2"
+# The kernels both builds have: norm and attention written once for either register width.
+DECODING_SOURCES = ("norm_kernel.cpp", "attention_kernel.cpp")
+# Floats in one of the attention kernel's registers: a head's width must be a multiple of it.
+ATTENTION_LANES = 16 if ON_THIS_CPU else 8
 
 
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernels run on this device (ON_THIS_CPU)."""
+    """Whether all the kernels run on this device (ON_THIS_CPU)."""
     return ON_THIS_CPU and device.type == "cpu"
 
 
-def quantized_runs_on(device: torch.device) -> bool:
-    """Whether our int4 and int8 products run on this device: all the kernels' (AVX-512) or AVX2's own."""
-    return (ON_THIS_CPU or QUANTIZED_AVX2) and device.type == "cpu"
+def decoding_kernels_run_on(device: torch.device) -> bool:
+    """Whether our int4 and int8 products, norm and attention run on this device: with AVX-512 or AVX2."""
+    return (ON_THIS_CPU or AVX2_KERNELS) and device.type == "cpu"
 
 
 @functools.cache
@@ -53,27 +59,15 @@ def load() -> None:
     """Compile (or take from torch's extension cache) and load the kernels: call it before
     torch.compile traces a call to them."""
     _build("llama_tp_cpu_kernels",
-           [Path(__file__).with_name("cpu_kernels.cpp"), Path(__file__).with_name("attention_kernel.cpp"),
-            Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).parents[1] / "parallel" / "shared_memory.cpp"],
+           [*(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "int4_kernel.cpp", *DECODING_SOURCES)),
+            Path(__file__).parents[1] / "parallel" / "shared_memory.cpp"],
            # AVX-512 as torch's capability check has it (F, BW, VL, DQ), FMA
            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"])
-    _register_quantized_shapes()
+    _register_decoding_shapes()
 
     @torch.library.register_fake("llama_tp::float_product")
     def _(x, w):
         return x.new_empty(*x.shape[:-1], w.shape[0])
-
-    @torch.library.register_fake("llama_tp::rms_norm")
-    def _(x, weight, eps):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("llama_tp::decode_attention")
-    def _(q, k_cache, v_cache, slots, lengths):
-        return torch.empty_like(q)
-
-    @torch.library.register_fake("llama_tp::decode_step_attention")
-    def _(qkv, turns, k_cache, v_cache, slots, positions, heads):
-        return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads * k_cache.shape[-1])
 
     @torch.library.register_fake("llama_tp::shared_sum")
     def _(x, buffer, rank, world_size, capacity, timeout_seconds):
@@ -85,13 +79,15 @@ def load() -> None:
 
 
 @functools.cache
-def load_quantized() -> None:
-    """Load the int4 and int8 products: with all the kernels (AVX-512), or built alone for AVX2."""
+def load_decoding_kernels() -> None:
+    """Load the quantized products, norm and attention: with all the kernels (AVX-512), or built
+    alone for AVX2."""
     if ON_THIS_CPU:
         load()
         return
-    _build("llama_tp_avx2_kernels", [Path(__file__).with_name("avx2_kernels.cpp")], ["-mavx2", "-mfma", "-mf16c"])
-    _register_quantized_shapes()
+    _build("llama_tp_avx2_kernels", [Path(__file__).with_name(name) for name in ("avx2_kernels.cpp", *DECODING_SOURCES)],
+           ["-mavx2", "-mfma", "-mf16c"])
+    _register_decoding_shapes()
 
 
 def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
@@ -118,8 +114,20 @@ def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
                     "(once: they are cached)")
 
 
-def _register_quantized_shapes() -> None:
-    """The int4 and int8 operators' output shapes, for torch.compile."""
+def _register_decoding_shapes() -> None:
+    """The quantized products', norm's and attention's output shapes, for torch.compile."""
+
+    @torch.library.register_fake("llama_tp::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("llama_tp::decode_attention")
+    def _(q, k_cache, v_cache, slots, lengths):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("llama_tp::decode_step_attention")
+    def _(qkv, turns, k_cache, v_cache, slots, positions, heads):
+        return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads * k_cache.shape[-1])
 
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
@@ -143,7 +151,7 @@ def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm of fp32 x [..., dim] over its last dimension, times an fp32 weight [dim]."""
-    load()
+    load_decoding_kernels()
     return torch.ops.llama_tp.rms_norm(x.contiguous(), weight, eps)
 
 
@@ -151,10 +159,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      lengths: torch.Tensor) -> torch.Tensor:
     """One new token per row attending to its cache row: q [bsz, heads, 1, head_dim] to the
     keys and values of cache row slots[b] at positions [0, lengths[b]), the caches [rows, kv heads,
-    positions, head_dim]; all fp32, head_dim a multiple of 16; slots, lengths int64 [bsz]. As
-    scaled_dot_product_attention(q, keys, values, enable_gqa=True) row by row."""
+    positions, head_dim]; all fp32, head_dim a multiple of ATTENTION_LANES; slots, lengths int64
+    [bsz]. As scaled_dot_product_attention(q, keys, values, enable_gqa=True) row by row."""
     if not torch.compiler.is_compiling():
-        load()
+        load_decoding_kernels()
     bsz, heads, _, head_dim = q.shape
     out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), k_cache, v_cache,
                                               slots, lengths)
@@ -169,6 +177,6 @@ def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_cache: torch
     values written into the caches [rows, kv heads, max positions, head_dim], then its attention to
     the row's positions up to its own: [bsz, tokens, heads * head_dim]. As apply_rotary,
     KVCache.update and decode_attention do it, in one call, and each token exactly as in a step of
-    its own: fp32, head_dim a multiple of 16; slots, positions int64 [bsz]."""
-    load()
+    its own: fp32, head_dim a multiple of ATTENTION_LANES; slots, positions int64 [bsz]."""
+    load_decoding_kernels()
     return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_cache, v_cache, slots, positions, heads)

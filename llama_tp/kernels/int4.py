@@ -114,12 +114,12 @@ def grouped_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 
 
 def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x [..., in] times the int4 weight, transposed: [..., out] in x's dtype (after cpu_kernels.load_quantized())."""
+    """x [..., in] times the int4 weight, transposed: [..., out] in x's dtype (after cpu_kernels.load_decoding_kernels())."""
     if x.dtype == torch.float32:  # decoding's case: no conversions to dispatch, 120 times a step
         return torch.ops.llama_tp.int4_product(x.contiguous(), codes, scales, mins)
     return torch.ops.llama_tp.int4_product(x.float().contiguous(), codes, scales, mins).to(x.dtype)
 
 
 def weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The weight in fp32 [out, in], converted back by our kernel (after cpu_kernels.load_quantized())."""
+    """The weight in fp32 [out, in], converted back by our kernel (after cpu_kernels.load_decoding_kernels())."""
     return torch.ops.llama_tp.int4_weight(codes, scales, mins)

@@ -117,7 +117,7 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 def product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             out_features: int) -> torch.Tensor:
     """x [..., in] times the blocked int8 weight, transposed: [..., out_features] in x's dtype
-    (after cpu_kernels.load_quantized())."""
+    (after cpu_kernels.load_decoding_kernels())."""
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # rows, in
     y = torch.ops.llama_tp.int8_product(rows, q, scales, zeros, out_features)
     return y.view(*x.shape[:-1], out_features).to(x.dtype)

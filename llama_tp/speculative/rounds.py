@@ -60,7 +60,7 @@ class Speculator:
         """Guesses a row for a round of `rows` rows: k, or fewer where our kernels would otherwise
         hand the verifying pass's products to oneDNN, whose rows do not come out as in a
         one-token step (matmul.KERNEL_MAX_ROWS)."""
-        if model.layers[0].attention.cache.kernel_attends:
+        if model.exact_steps:
             return max(0, min(self.k, matmul.KERNEL_MAX_ROWS // rows - 1))
         return self.k
 
