@@ -30,6 +30,7 @@
 
 #include <algorithm>
 
+#include "float_lanes.h"
 #include "quantized_products.h"
 
 namespace {
@@ -37,7 +38,7 @@ namespace {
 using llama_tp::kInt4Group;
 using llama_tp::kInt8BlockLanes;
 
-constexpr int64_t kLanes = 8;  // floats per AVX2 register
+constexpr int64_t kLanes = llama_tp::lanes::kWidth;  // 8: this file is built for AVX2 alone
 constexpr int64_t kChunkGroups = 64;   // groups whose scales and mins are turned into fp32 at a time
 constexpr int64_t kAheadBytes = 4096;  // weights asked for this far ahead of the pass reading them
 
@@ -71,12 +72,6 @@ void group_weights(const uint8_t* bytes, float scale, float min, __m256 w[4]) {
     w[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(codes, low_bits)), scales, mins);
     w[half + 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), scales, mins);
   }
-}
-
-float sum_lanes(__m256 v) {
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
 void prefetch_ahead(const uint8_t* codes, int64_t bytes) {
@@ -120,7 +115,7 @@ void int4_direct(const uint8_t* codes, const at::Half* scales, const at::Half* m
     for (int o = 0; o < Outputs; ++o) {
       __m256 total = sum[r][o][0];
       for (int s = 1; s < kPartSums; ++s) total = _mm256_add_ps(total, sum[r][o][s]);
-      y[r * y_stride + o] = sum_lanes(total);
+      y[r * y_stride + o] = llama_tp::lanes::sum(total);
     }
 }
 
@@ -179,7 +174,7 @@ void int4_buffered(int rows, const uint8_t* codes, const at::Half* scales, const
       add_buffered_products<1, Outputs>(weights[0], chunk * kInt4Group, x_chunk + r * width, width, sums + r * Outputs);
   }
   for (int r = 0; r < rows; ++r)
-    for (int o = 0; o < Outputs; ++o) y[r * y_stride + o] = sum_lanes(sums[r * Outputs + o]);
+    for (int o = 0; o < Outputs; ++o) y[r * y_stride + o] = llama_tp::lanes::sum(sums[r * Outputs + o]);
 }
 
 // A pass of `outputs` outputs and `rows` rows: kDirectOutputs converted in registers for up to
