@@ -209,8 +209,12 @@ class Attention(nn.Module):
         return qkv
 
     def forward(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
-        bsz, seqlen, _ = x.shape
-        qkv = self.project(x)
+        return self.wo(self.attend_projected(self.project(x), rows))
+
+    def attend_projected(self, qkv: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+        """The attention of projected queries, keys and values [bsz, seqlen, sum(local_widths)]
+        placed in the cache as rows says, before wo: [bsz, seqlen, local heads x head_dim]."""
+        bsz, seqlen, _ = qkv.shape
         one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
         # Queries and keys rotate alike: one rotation for both heads' worth.
@@ -228,8 +232,7 @@ class Attention(nn.Module):
             # masked half), and a single new token sees everything cached up to end.
             keys, values = self.cache.read(rows)
             out = attend(q, keys, values, rows.mask)
-        out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
-        return self.wo(out)
+        return out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -288,6 +291,26 @@ class TransformerBlock(nn.Module):
         if rows.kernel_starts is not None and not torch.compiler.is_compiling():
             return self._step_through_kernels(x, rows)
         h = x + self.attention(self.attention_norm(x), rows)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward_segments(self, x: torch.Tensor, segments: list[tuple[int, int, CacheRows]]) -> torch.Tensor:
+        """x [1, tokens, dim]: several batches' tokens one after another (Transformer.forward_segments),
+        each segment's (bsz, seqlen, rows) saying how many are its and where they sit. Every product
+        takes all the tokens at once; each segment attends on its own."""
+        attention = self.attention
+        qkv = attention.project(self.attention_norm(x))[0]  # tokens, sum(local_widths)
+        outs, first = [], 0
+        for bsz, seqlen, rows in segments:
+            part = qkv[first : first + bsz * seqlen].view(bsz, seqlen, -1)
+            first += bsz * seqlen
+            if rows.kernel_starts is not None:
+                out = cpu_kernels.decode_step_attention(part.contiguous(), rows.rotary, attention.cache.k,
+                                                        attention.cache.v, rows.slots, rows.kernel_starts,
+                                                        attention.n_local_heads)
+            else:
+                out = attention.attend_projected(part, rows)
+            outs.append(out.flatten(0, 1))
+        h = x + attention.wo(torch.cat(outs)[None])
         return h + self.feed_forward(self.ffn_norm(h))
 
     def _step_through_kernels(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
@@ -444,6 +467,36 @@ class Transformer(nn.Module):
             except torch._dynamo.exc.TorchDynamoException as error:  # compiling failed, not the step itself
                 self._fall_back(error)
         return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice, last=last)
+
+    @torch.inference_mode()
+    def forward_segments(self, batches: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
+                         vocab_slice: bool = False) -> torch.Tensor:
+        """One pass over several batches, each (tokens [bsz, seqlen], start positions, cache rows)
+        as forward takes them (a step's generating rows, and each prompt chunk on its own): the
+        logits of every row's last token, [rows, 1, vocab] in the batches' order.
+
+        Every product reads the weights once for all their tokens, where a pass a batch would read
+        them once a batch: a continuous batch that takes in a prompt does it in the pass that
+        decodes the others. Eager only (can_mix_batches)."""
+        segments, last, first = [], [], 0
+        for tokens, starts, slots in batches:
+            bsz, seqlen = tokens.shape
+            segments.append((bsz, seqlen, self.cache_rows(bsz, seqlen, starts, slots)))
+            for slot, start in zip(slots, starts):
+                self.prefix_cache.keep(slot, start)  # from start on, the row is overwritten
+            last += range(first + seqlen - 1, first + bsz * seqlen, seqlen)
+            first += bsz * seqlen
+        h = self.tok_embeddings(torch.cat([tokens.flatten() for tokens, _, _ in batches]))[None]  # 1, tokens, dim
+        for layer in self.layers:
+            h = layer.forward_segments(h, segments)
+        h = h[0, torch.tensor(last, device=h.device)][:, None]  # rows, 1, dim
+        return run_head(self.norm, self.output, h, gather=not vocab_slice)
+
+    @property
+    def can_mix_batches(self) -> bool:
+        """Whether forward_segments serves one-token steps as forward would: where they run
+        eagerly, not through compile_decoding's graphs."""
+        return self.run_decode_layers is run_layers
 
     def every_row_step(self, tokens: torch.Tensor, rows: CacheRows, last_only: bool, vocab_slice: bool) -> torch.Tensor:
         """A compiled one-token step for CUDA graphs, which replay only the shapes they were

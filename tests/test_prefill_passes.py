@@ -1,5 +1,6 @@
 """Several prompts' chunks prefilled in one pass: which chunks share a pass, the padded pass's
-logits and cache equal to each chunk's own pass, and generate's prompts prefilled together."""
+logits and cache equal to each chunk's own pass, and generate's prompts prefilled together (in
+one unpadded pass beside the generating rows where steps run eagerly: test_mixed_passes.py)."""
 
 import pytest
 import torch
@@ -73,11 +74,28 @@ def test_a_padded_pass_gives_each_row_its_own_passs_logits_and_cache(llama):
             torch.testing.assert_close(layer.attention.cache.k[slot, :, :end], keys[slot, :, :end], rtol=1e-5, atol=1e-5)
 
 
-def test_generate_prefills_its_prompts_together_and_answers_each_as_alone(llama, monkeypatch):
+def test_generate_prefills_its_prompts_in_one_pass_and_answers_each_as_alone(llama, monkeypatch):
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 32000, (length,), generator=generator).tolist() for length in (6, 6, 5, 6)]
     alone = [llama.generate([prompt], max_gen_len=6, temperature=0)[0][0] for prompt in prompts]
     llama.model.prefix_cache.forget()  # every prompt prefilled afresh
+    passes = []
+    forward_segments = llama.model.forward_segments
+    monkeypatch.setattr(llama.model, "forward_segments", lambda batches, **kwargs: (
+        passes.append([tuple(tokens.shape) for tokens, _, _ in batches]), forward_segments(batches, **kwargs))[1])
+    together, _ = llama.generate(prompts, max_gen_len=6, temperature=0)
+    assert passes == [[(1, 6), (1, 6), (1, 5), (1, 6)]]  # one pass for the four prompts, none padded
+    assert together == alone
+
+
+def test_without_mixed_passes_generate_prefills_its_prompts_padded_together(llama, monkeypatch):
+    """Where one-token steps are compiled (Transformer.can_mix_batches is False), prompts share
+    padded passes of their own (prefill_passes)."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 32000, (length,), generator=generator).tolist() for length in (6, 6, 5, 6)]
+    alone = [llama.generate([prompt], max_gen_len=6, temperature=0)[0][0] for prompt in prompts]
+    llama.model.prefix_cache.forget()
+    monkeypatch.setattr(type(llama.model), "can_mix_batches", property(lambda model: False))
     passes = []
     forward = llama.model.forward
     monkeypatch.setattr(llama.model, "forward", lambda tokens, *args, **kwargs: (

@@ -202,6 +202,13 @@ class Engine:
         plan = self.scheduler.plan()
         for copy in plan.copies:  # a prompt prefilled once for several choices
             self.model.copy_cache_positions(copy.source, copy.dest, copy.start, copy.end)
+        if self.speculator is None and self.model.can_mix_batches:
+            # One pass for all: every prompt chunk (unpadded) and the generating rows read the
+            # weights once together, instead of once in a prompt pass and again in a decoding pass.
+            batches = [[chunk] for chunk in plan.prefill] + ([plan.decode] if plan.decode else [])
+            if batches:
+                self._feed(*batches)
+            return
         # Prompt chunks first: a new request's first token then waits for its own prefill only,
         # not also for a decoding pass of the whole batch. The generating requests wait for the
         # chunk once per admission (chunks are at most max_prefill_tokens long).
@@ -247,17 +254,21 @@ class Engine:
             logger.debug(f"speculation ({self.speculator.mode}) so far: {stats.describe()}")
             self.next_report = stats.verified_rows + SPECULATION_REPORT_ROWS
 
-    def _feed(self, chunks: list[Chunk]) -> None:
-        """One pass over chunks (prompt chunks, the shorter padded to the longest; or one token of
-        each generating request), then the next token of each sequence whose pending tokens it fed."""
-        width = max(len(chunk.tokens) for chunk in chunks)
+    def _feed(self, *batches: list[Chunk]) -> None:
+        """One pass over batches of chunks (prompt chunks, the shorter padded to the longest; or one
+        token of each generating request), then the next token of each sequence whose pending tokens
+        it fed. Several batches share the pass (Transformer.forward_segments)."""
+        chunks = [chunk for batch in batches for chunk in batch]
         plain_greedy = all(c.sequence.request.options.takes_best_logit and not c.sequence.request.logprobs
                            for c in chunks if c.completes)
-        tokens = torch.tensor([chunk.tokens + [0] * (width - len(chunk.tokens)) for chunk in chunks], device=self.device)
-        lengths = [len(chunk.tokens) for chunk in chunks]
-        logits = self.model.forward(tokens, [chunk.start for chunk in chunks], last_only=True, vocab_slice=plain_greedy,
-                                    slots=[c.sequence.slot.index for c in chunks],
-                                    lengths=None if min(lengths) == width else lengths)
+        if len(batches) == 1:
+            tokens, starts, slots, lengths = self._batch_tensors(chunks)
+            width = tokens.shape[1]
+            logits = self.model.forward(tokens, starts, last_only=True, vocab_slice=plain_greedy, slots=slots,
+                                        lengths=None if min(lengths) == width else lengths)
+        else:
+            logits = self.model.forward_segments([self._batch_tensors(batch)[:3] for batch in batches],
+                                                 vocab_slice=plain_greedy)
         for chunk in chunks:
             self.scheduler.fed(chunk)
         completing = [row for row, chunk in enumerate(chunks) if chunk.completes]
@@ -276,6 +287,14 @@ class Engine:
             picks = self._choose(sequences, logits)
         for sequence, (token, logprob) in zip(sequences, picks):
             self._advance(sequence, token, logprob)
+
+    def _batch_tensors(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+        """chunks' tokens as one batch [rows, longest], the shorter padded on the right; their start
+        positions, cache rows and lengths."""
+        lengths = [len(chunk.tokens) for chunk in chunks]
+        width = max(lengths)
+        tokens = torch.tensor([chunk.tokens + [0] * (width - len(chunk.tokens)) for chunk in chunks], device=self.device)
+        return tokens, [chunk.start for chunk in chunks], [c.sequence.slot.index for c in chunks], lengths
 
     def _choose(self, sequences: list[Sequence], logits: torch.Tensor) -> list[tuple[int, Optional[TokenLogprob]]]:
         """The next token of every sequence from its logits [rows, vocab], each with its own options
