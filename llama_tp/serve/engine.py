@@ -209,9 +209,9 @@ class Engine:
             if batches:
                 self._feed(*batches)
             return
-        # Prompt chunks first: a new request's first token then waits for its own prefill only,
-        # not also for a decoding pass of the whole batch. The generating requests wait for the
-        # chunk once per admission (chunks are at most max_prefill_tokens long).
+        # Compiled steps (fixed shapes) and speculation's rounds: prompt chunks first, in passes of
+        # their own, so that a new request's first token waits for its own prefill only, not also
+        # for the batch's decoding pass (chunks are at most max_prefill_tokens long).
         for chunks in prefill_passes(plan.prefill, self.model.max_seq_len):
             self._feed(chunks)
             if self.speculator is not None and self.speculator.draft is not None:
