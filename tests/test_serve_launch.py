@@ -261,7 +261,10 @@ def _soak_request(url: str, index: int, max_tokens: int, stream: bool, leave_aft
 def test_a_soak_of_mixed_requests_leaves_every_answer_right_and_the_server_idle(checkpoints, tmp_path):
     """300 requests, 12 at a time over 4 cache rows, prefix reuse on: every request that was not
     abandoned gets exactly its answer alone; the abandoned ones are cancelled; then nothing runs
-    or waits, every request is counted once, and the rank's memory is back where it was."""
+    or waits, every request is counted once, and the same 300 again leave the rank's memory where
+    the first 300 did. (Not where it was before them: oneDNN keeps a primitive for each product
+    shape it meets, up to 1024, and a step's rows and prompt tokens share one pass, so the first
+    soak meets shapes the warm-up round did not. A leak grows with every request.)"""
     expected = _soak_answers(checkpoints[1])
     server = Server(checkpoints[1], 1, "--max_waiting", "16", log=tmp_path / "stderr.txt", prefix_cache=True)
     try:
@@ -272,10 +275,13 @@ def test_a_soak_of_mixed_requests_leaves_every_answer_right_and_the_server_idle(
         with ThreadPoolExecutor(12) as pool:  # a first round, for the memory's starting point
             results = list(pool.map(lambda plan: _soak_request(server.url, *plan), plans[:24]))
         assert_idle(server.url)
-        idle_memory = _resident_mb(rank)
         with ThreadPoolExecutor(12) as pool:
             results += pool.map(lambda plan: _soak_request(server.url, *plan), plans)
-        for (index, max_tokens, _, _), text in zip(plans[:24] + plans, results):
+        assert_idle(server.url)
+        soaked_memory = _resident_mb(rank)
+        with ThreadPoolExecutor(12) as pool:
+            results += pool.map(lambda plan: _soak_request(server.url, *plan), plans)
+        for (index, max_tokens, _, _), text in zip(plans[:24] + plans + plans, results):
             assert text is None or text == expected[index, max_tokens], (index, max_tokens)
         assert_idle(server.url)
         ended = {state: metric(server.url, "llama_tp_requests_total", state=state)
@@ -284,7 +290,7 @@ def test_a_soak_of_mixed_requests_leaves_every_answer_right_and_the_server_idle(
         # Some abandoned requests were still running when their client left; others had just ended.
         assert 0 < ended["cancelled"] <= sum(text is None for text in results), ended
         assert metric(server.url, "llama_tp_prompt_tokens_cached_total") > 0  # rows were reused under churn
-        assert _resident_mb(rank) < idle_memory + 64
+        assert _resident_mb(rank) < soaked_memory + 48  # 17 and 23 MB more here, 81 over the first soak
         assert _soak_request(server.url, 0, 12, False, None) == expected[0, 12]  # and it serves on
     finally:
         server.stop()
