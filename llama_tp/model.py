@@ -6,7 +6,7 @@ to other processes itself.
 
 import math
 import time
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .kernels import cpu_kernels
+from .kv_cache import CacheRows, KVCache, step_through_kernel
 from .logs import logger
 from .prefix_cache import PrefixCache
 from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, parallel_embedding,
@@ -25,11 +26,6 @@ LINEAR_LAYERS = ("wqkv", "wo", "w13", "w2", "output")
 
 # The most layers one compiled decoding call runs (see Transformer.compile_decoding).
 MAX_LAYERS_PER_CALL = 10
-
-# Eagerly, a step of up to this many tokens a row attends through our CPU kernel, token after
-# token as in steps of their own (guesses to verify, a short chunk of prompt); longer prompts
-# through torch's flash attention, which takes many queries at a time.
-MAX_KERNEL_STEP_TOKENS = 16
 
 
 class RMSNorm(nn.Module):
@@ -90,82 +86,6 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(torch.view_as_complex(pairs) * turns).flatten(-2).type_as(x)
 
 
-class CacheRows(NamedTuple):
-    """Where a forward pass's tokens sit in the KV caches, and which cached positions each one sees.
-
-    Meta's schedule runs a batch as cache rows 0, 1, ... all at one position; a server's batch
-    (continuous batching) holds rows anywhere in the cache, each at its own position.
-    """
-
-    slots: torch.Tensor  # [bsz] int64: each row's cache row
-    positions: torch.Tensor  # [1 or bsz, seqlen] int64: each token's position (1: the same in every row)
-    rotary: torch.Tensor  # [1 or bsz, seqlen, head_dim // 2, 2]: the cos and sin of each token's angles
-    end: int  # keys and values below this position are read (the farthest row's end)
-    # [1 or bsz, 1, seqlen, end] which of them each query sees; None: a prompt from position 0
-    # (causal), or one token a row with every row at the same position (all below end).
-    mask: Optional[torch.Tensor]
-    first_slot: Optional[int]  # the rows are cache rows first_slot, first_slot + 1, ...: a view
-    # [bsz] each row's first position, where an eager step attends through our kernel
-    # (step_through_kernel; rotary is contiguous then); else None.
-    kernel_starts: Optional[torch.Tensor]
-    # [max_batch_size] which cache rows take part, where a step runs every cache row (CUDA graphs:
-    # Transformer.every_row_step); the others keep what their caches hold. None: every row here does.
-    active: Optional[torch.Tensor] = None
-
-
-class KVCache(nn.Module):
-    """Preallocated keys and values of one layer: [max_batch_size, local kv heads, max_seq_len, head_dim]."""
-
-    def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype, windowed: bool = False):
-        super().__init__()
-        shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        for buffer in (self.k, self.v):
-            # A compiled step (CUDA graphs above all) then writes the cache in place, never a copy.
-            torch._dynamo.mark_static_address(buffer)
-        # Whether one new token attends through our CPU kernel (attention_kernel.cpp): fp32, and
-        # heads a whole number of its registers wide, and no sliding window (it reads each row
-        # from position 0). Decided here, not at every layer's step.
-        self.kernel_attends = (cpu_kernels.decoding_kernels_run_on(device) and dtype == torch.float32
-                               and head_dim % cpu_kernels.ATTENTION_LANES == 0 and not windowed)
-        self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
-
-    def write(self, rows: CacheRows, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [bsz, heads, seqlen, head_dim] at the rows' cache rows and positions."""
-        if rows.first_slot is not None and len(rows.positions) == 1 and not torch.compiler.is_compiling():
-            # Eagerly the cheapest write (6 us against index_put_'s 21 for one token).
-            block = slice(rows.first_slot, rows.first_slot + len(k))
-            self.k[block].index_copy_(2, rows.positions[0], k)
-            self.v[block].index_copy_(2, rows.positions[0], v)
-            return
-        # Indexing the whole buffer: compiled, a write into a slice of it copies the whole cache.
-        where = (rows.slots[:, None, None], self.heads[None, :, None], rows.positions[:, None, :])
-        if rows.active is not None:  # rows outside the step write back what they hold
-            keep = ~rows.active[:, None, None, None]
-            k, v = torch.where(keep, self.k[where], k), torch.where(keep, self.v[where], v)
-        self.k.index_put_(where, k)
-        self.v.index_put_(where, v)
-
-    def copy_positions(self, source: int, dest: int, start: int, end: int) -> None:
-        """Row dest takes row source's keys and values at positions [start, end)."""
-        self.k[dest, :, start:end] = self.k[source, :, start:end]
-        self.v[dest, :, start:end] = self.v[source, :, start:end]
-
-    def read(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's keys and values at positions [0, rows.end): [bsz, heads, end, head_dim]."""
-        if rows.first_slot is not None:
-            block = slice(rows.first_slot, rows.first_slot + len(rows.slots))
-            return self.k[block, :, : rows.end], self.v[block, :, : rows.end]
-        return self.k[rows.slots, :, : rows.end], self.v[rows.slots, :, : rows.end]  # gathered: a copy
-
-
-def step_through_kernel(seqlen: int, cache: KVCache) -> bool:
-    """Whether an eager step of seqlen tokens a row attends through our CPU kernel."""
-    return seqlen <= MAX_KERNEL_STEP_TOKENS and cache.kernel_attends
-
-
 def local_kv_heads(args: ModelArgs, model_parallel_size: int) -> int:
     """KV heads per rank; with more ranks than KV heads each rank keeps a copy of the one it needs."""
     return max(1, args.kv_heads // model_parallel_size)
@@ -213,7 +133,14 @@ class Attention(nn.Module):
 
     def attend_projected(self, qkv: torch.Tensor, rows: CacheRows) -> torch.Tensor:
         """The attention of projected queries, keys and values [bsz, seqlen, sum(local_widths)]
-        placed in the cache as rows says, before wo: [bsz, seqlen, local heads x head_dim]."""
+        placed in the cache as rows says, before wo: [bsz, seqlen, local heads x head_dim].
+
+        Eagerly, where our CPU kernel attends (rows.kernel_starts), all of it is one call of that
+        kernel: 12 us a layer at batch 1, 36 at batch 8, against 59 and 103 for the some 20 small
+        operations below (compiled, they are fused)."""
+        if rows.kernel_starts is not None and not torch.compiler.is_compiling():
+            return cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary, self.cache.k, self.cache.v,
+                                                     rows.slots, rows.kernel_starts, self.n_local_heads)
         bsz, seqlen, _ = qkv.shape
         one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
@@ -303,31 +230,21 @@ class TransformerBlock(nn.Module):
         for bsz, seqlen, rows in segments:
             part = qkv[first : first + bsz * seqlen].view(bsz, seqlen, -1)
             first += bsz * seqlen
-            if rows.kernel_starts is not None:
-                out = cpu_kernels.decode_step_attention(part.contiguous(), rows.rotary, attention.cache.k,
-                                                        attention.cache.v, rows.slots, rows.kernel_starts,
-                                                        attention.n_local_heads)
-            else:
-                out = attention.attend_projected(part, rows)
-            outs.append(out.flatten(0, 1))
+            outs.append(attention.attend_projected(part, rows).flatten(0, 1))
         h = x + attention.wo(torch.cat(outs)[None])
         return h + self.feed_forward(self.ffn_norm(h))
 
     def _step_through_kernels(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
         """Eagerly, a step of a few tokens a row where our CPU kernels attend (fp32): the same
-        operations, with all that follows the wqkv product in one call of our attention kernel
-        (12 us a layer at batch 1, 36 at batch 8, against 59 and 103 for some 20 small
-        operations; compiled, they are fused), and the layer's parts called as functions rather
-        than through their modules: 0.8-1.0 ms less Python in a 6 ms step of the demo model in
-        int4. Forward hooks on the parts do not run here."""
-        attention, feed_forward, cache = self.attention, self.feed_forward, self.attention.cache
+        operations, with our kernels' norms and attention (Attention.attend_projected), and the
+        layer's parts called as functions rather than through their modules: 0.8-1.0 ms less
+        Python in a 6 ms step of the demo model in int4. Forward hooks on the parts do not run here."""
+        attention, feed_forward = self.attention, self.feed_forward
         norm = self.attention_norm
         x_normed = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
         plain = attention.qkv_bias is None and attention.q_norm is None
         qkv = attention.wqkv.forward(x_normed) if plain else attention.project(x_normed)
-        out = cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary, cache.k, cache.v, rows.slots,
-                                                rows.kernel_starts, attention.n_local_heads)
-        h = x + attention.wo.forward(out)
+        h = x + attention.wo.forward(attention.attend_projected(qkv, rows))
         norm = self.ffn_norm
         gate, up = feed_forward.w13.forward(cpu_kernels.rms_norm(h, norm.weight, norm.eps)).split(
             feed_forward.local_widths, dim=-1)
@@ -452,8 +369,7 @@ class Transformer(nn.Module):
         bsz, seqlen = tokens.shape
         rows = self.cache_rows(bsz, seqlen, start_pos, slots)
         last = None if lengths is None else torch.tensor(lengths, device=tokens.device) - 1
-        for slot, start in zip(slots or range(bsz), [start_pos] * bsz if isinstance(start_pos, int) else start_pos):
-            self.prefix_cache.keep(slot, start)  # from start on, the row is overwritten
+        self._overwrite(slots or range(bsz), [start_pos] * bsz if isinstance(start_pos, int) else start_pos)
         if seqlen == 1 and self.static_decode_shapes:
             try:
                 return self.every_row_step(tokens, rows, last_only, vocab_slice)
@@ -482,8 +398,7 @@ class Transformer(nn.Module):
         for tokens, starts, slots in batches:
             bsz, seqlen = tokens.shape
             segments.append((bsz, seqlen, self.cache_rows(bsz, seqlen, starts, slots)))
-            for slot, start in zip(slots, starts):
-                self.prefix_cache.keep(slot, start)  # from start on, the row is overwritten
+            self._overwrite(slots, starts)
             last += range(first + seqlen - 1, first + bsz * seqlen, seqlen)
             first += bsz * seqlen
         h = self.tok_embeddings(torch.cat([tokens.flatten() for tokens, _, _ in batches]))[None]  # 1, tokens, dim
@@ -491,6 +406,11 @@ class Transformer(nn.Module):
             h = layer.forward_segments(h, segments)
         h = h[0, torch.tensor(last, device=h.device)][:, None]  # rows, 1, dim
         return run_head(self.norm, self.output, h, gather=not vocab_slice)
+
+    def _overwrite(self, slots: Sequence[int], starts: Sequence[int]) -> None:
+        """Tell the prefix cache that each cache row in slots is written from its start on."""
+        for slot, start in zip(slots, starts):
+            self.prefix_cache.keep(slot, start)
 
     @property
     def can_mix_batches(self) -> bool:

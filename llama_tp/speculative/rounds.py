@@ -2,7 +2,7 @@
 of the target, keep the guesses it agrees with and its own next token.
 
 Where our CPU kernels run, that pass gives every position exactly the logits of a one-token step
-(model.MAX_KERNEL_STEP_TOKENS), so greedy rounds choose exactly the tokens that decoding without
+(kv_cache.MAX_KERNEL_STEP_TOKENS), so greedy rounds choose exactly the tokens that decoding without
 guesses chooses, and sampled ones follow the target's distribution (acceptance.py). What the
 target's caches hold past the accepted tokens (the rejected guesses, padding) is never read:
 attention reads a row only up to its own position, and the next round writes those positions

@@ -10,7 +10,7 @@ from ..checkpoint import load_model, open_checkpoint
 from ..kernels import matmul
 from ..logs import logger
 from ..memory import GIB, plan
-from ..model import MAX_KERNEL_STEP_TOKENS
+from ..kv_cache import MAX_KERNEL_STEP_TOKENS
 from .. import parallel
 from ..parallel import Placement
 from ..quantize import QUANTIZATIONS
