@@ -311,8 +311,12 @@ class Transformer(nn.Module):
     def exact_steps(self) -> bool:
         """Whether a step of up to MAX_KERNEL_STEP_TOKENS tokens a row gives each token the bits of a
         one-token step of its row alone, whatever shares the batch: where our kernels take every
-        product (AVX-512) and the attention."""
-        return cpu_kernels.runs_on(self.positions.device) and self.layers[0].attention.cache.kernel_attends
+        product and the attention. With AVX2 alone, fp32 weights only: its int4 passes of one or
+        two rows split their sums (avx2_kernels.cpp)."""
+        if not self.layers[0].attention.cache.kernel_attends:
+            return False
+        weights = (self.layers[0].attention.wqkv.weight, self.output.weight)
+        return cpu_kernels.runs_on(self.positions.device) or all(weight.dtype == torch.float32 for weight in weights)
 
     def compile_decoding(self, static_shapes: bool, **compile_options) -> None:
         """Run one-token steps through torch.compile, in equal groups of consecutive layers, then

@@ -14,7 +14,8 @@ from llama_tp.kernels import cpu_kernels, matmul
 from llama_tp.model import LINEAR_LAYERS
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
-needs_kernel = pytest.mark.skipif(not cpu_kernels.runs_on(torch.device("cpu")), reason="our kernel needs AVX-512")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
+                                  reason="our kernel needs AVX-512 or AVX2")
 
 
 @pytest.fixture
@@ -23,13 +24,17 @@ def without_our_kernel(monkeypatch):
     monkeypatch.setattr(matmul, "FLOAT_KERNEL", False)
 
 
-# 37 inputs: two registers and a tail of 5; 7 outputs: a group of 4, then 2, then 1 (for one row,
-# one at a time). 40 rows are a prompt's, beside our kernel: MKL's product on Intel CPUs, oneDNN's
-# on the plain weight elsewhere.
+# 37 inputs: two AVX-512 registers (four AVX2 ones) and a tail of 5; 7 outputs: a group of 4, then
+# 2, then 1 (AVX2: one at a time; for one row with AVX-512, one at a time). Past KERNEL_MAX_ROWS
+# rows are a prompt's, beside our kernel: MKL's product on Intel CPUs, oneDNN's on the plain weight
+# elsewhere.
+PROMPT_ROWS = matmul.KERNEL_MAX_ROWS + 8
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows, intel", [((1, 1), False), ((2, 1), False), ((3, 1), False), ((8, 1), False),
-                                         ((3, 3), False), ((16, 1), False), ((17, 1), False),
-                                         ((40, 1), False), ((40, 1), True)])
+                                         ((3, 3), False), ((16, 1), False), ((17, 1), False), ((33, 1), False),
+                                         ((PROMPT_ROWS, 1), False), ((PROMPT_ROWS, 1), True)])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_our_kernel_product_is_the_plain_product(rows, intel, compiled, monkeypatch):
     monkeypatch.setattr(matmul, "FLOAT_KERNEL", True)
@@ -37,7 +42,7 @@ def test_our_kernel_product_is_the_plain_product(rows, intel, compiled, monkeypa
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(7, 37, generator=generator)
     x = torch.randn(*rows, 37, generator=generator)
-    cpu_kernels.load()
+    cpu_kernels.load_decoding_kernels()
     torch._dynamo.reset()
     linear = torch.compile(matmul.linear, dynamic=True, fullgraph=True) if compiled else matmul.linear
     got = linear(x, weight)
@@ -55,12 +60,13 @@ def test_a_transposed_weight_view_is_multiplied_too(monkeypatch):
 
 
 @needs_kernel
-def test_our_kernel_sums_each_output_alike_whatever_the_rows_and_threads():
+@pytest.mark.parametrize("width", [576, 37])
+def test_our_kernel_sums_each_output_alike_whatever_the_rows_and_threads(width):
     """Each output is one thread's sum in a fixed order: a row's result does not depend on the
     rows beside it or on how the outputs are split between threads."""
     generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(100, 576, generator=generator)
-    x = torch.randn(9, 576, generator=generator)
+    weight = torch.randn(102, width, generator=generator)
+    x = torch.randn(9, width, generator=generator)
     alone = torch.cat([cpu_kernels.float_product(row[None], weight) for row in x])
     threads = torch.get_num_threads()
     try:

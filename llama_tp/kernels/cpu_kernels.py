@@ -6,8 +6,9 @@ decode_attention), and eagerly the whole step of a few tokens, rotation and cach
 (decode_step_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
 in ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
 (parallel/shared_memory.cpp). CPUs with AVX2 but not AVX-512 build the decoding kernels alone:
-the quantized products (avx2_kernels.cpp: the same operators on the same layouts), the norm and
-the attention (built for 8-float registers, float_lanes.h); load_decoding_kernels.
+the fp32 and quantized products (avx2_float_product.cpp, avx2_kernels.cpp: the same operators on
+the same layouts), the norm and the attention (built for 8-float registers, float_lanes.h);
+load_decoding_kernels.
 
 All are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
 torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
@@ -50,7 +51,7 @@ def runs_on(device: torch.device) -> bool:
 
 
 def decoding_kernels_run_on(device: torch.device) -> bool:
-    """Whether our int4 and int8 products, norm and attention run on this device: with AVX-512 or AVX2."""
+    """Whether our fp32, int4 and int8 products, norm and attention run on this device: with AVX-512 or AVX2."""
     return (ON_THIS_CPU or AVX2_KERNELS) and device.type == "cpu"
 
 
@@ -65,10 +66,6 @@ def load() -> None:
            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"])
     _register_decoding_shapes()
 
-    @torch.library.register_fake("llama_tp::float_product")
-    def _(x, w):
-        return x.new_empty(*x.shape[:-1], w.shape[0])
-
     @torch.library.register_fake("llama_tp::shared_sum")
     def _(x, buffer, rank, world_size, capacity, timeout_seconds):
         return x.new_empty(x.shape)
@@ -80,12 +77,13 @@ def load() -> None:
 
 @functools.cache
 def load_decoding_kernels() -> None:
-    """Load the quantized products, norm and attention: with all the kernels (AVX-512), or built
-    alone for AVX2."""
+    """Load the fp32 and quantized products, norm and attention: with all the kernels (AVX-512),
+    or built alone for AVX2."""
     if ON_THIS_CPU:
         load()
         return
-    _build("llama_tp_avx2_kernels", [Path(__file__).with_name(name) for name in ("avx2_kernels.cpp", *DECODING_SOURCES)],
+    _build("llama_tp_avx2_kernels", [Path(__file__).with_name(name)
+                                     for name in ("avx2_kernels.cpp", "avx2_float_product.cpp", *DECODING_SOURCES)],
            ["-mavx2", "-mfma", "-mf16c"])
     _register_decoding_shapes()
 
@@ -115,7 +113,11 @@ def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
 
 
 def _register_decoding_shapes() -> None:
-    """The quantized products', norm's and attention's output shapes, for torch.compile."""
+    """The products', norm's and attention's output shapes, for torch.compile."""
+
+    @torch.library.register_fake("llama_tp::float_product")
+    def _(x, w):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
 
     @torch.library.register_fake("llama_tp::rms_norm")
     def _(x, weight, eps):
@@ -145,7 +147,7 @@ def _register_decoding_shapes() -> None:
 def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] times an fp32 weight [out, in] transposed, both fp32."""
     if not torch.compiler.is_compiling():  # compiled code is traced after load_model's load()
-        load()
+        load_decoding_kernels()
     return torch.ops.llama_tp.float_product(x.contiguous(), weight)
 
 

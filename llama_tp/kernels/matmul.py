@@ -4,7 +4,7 @@ Decoding multiplies a few rows at a time, so reading the weight is the cost. On 
 our own kernel (cpu_kernels.cpp) reads fp32 weights at about the speed of a plain copy: streamed
 through the demo model's layers it took 19.4 ms for one row on this project's Intel Xeon machine
 (MKL 21.2) and 20.5 on its AMD EPYC (Zen 4) machine (oneDNN on packed weights 27.7, MKL 49.6).
-So there products of up to KERNEL_MAX_ROWS rows by an fp32 weight go to our kernel, and weights
+CPUs with AVX2 alone have its counterpart (avx2_float_product.cpp). So there products of up to KERNEL_MAX_ROWS rows by an fp32 weight go to our kernel, and weights
 stay plain, which also makes loading twice as fast. Prompts go to MKL on Intel CPUs (within about
 10% of oneDNN's packed kernel there, and as transformers does) and to oneDNN on the plain weight
 elsewhere (on the AMD machine 15-20% faster than MKL for 128-512 rows, and 2-16% slower than on
@@ -58,12 +58,15 @@ _INTEL = _intel_cpu()
 # Products of up to this many rows go to MKL (F.linear on plain weights), eager and compiled alike.
 MKL_MAX_ROWS = 3 if _INTEL else 0
 
-# Whether fp32 products of few rows go to our kernel here: wherever it runs. On the Intel machine
-# it took 24.3 ms for 8 rows (oneDNN on packed weights 33.1, MKL 49), 36 for 16 (MKL 51,
-# oneDNN packed 41) and 55 for 32 (MKL 60); on the AMD one 20.9 for 8 (oneDNN packed 31.8), 31.2
-# for 16 (35.4) and 55.8 for 32 (56.9). At 48 rows MKL is faster (69 against 76 on Intel).
-FLOAT_KERNEL = cpu_kernels.runs_on(torch.device("cpu"))
-KERNEL_MAX_ROWS = 32
+# Whether fp32 products of few rows go to our kernel here: wherever it runs. With AVX-512 on the
+# Intel machine it took 24.3 ms for 8 rows (oneDNN on packed weights 33.1, MKL 49), 36 for 16
+# (MKL 51, oneDNN packed 41) and 55 for 32 (MKL 60); on the AMD one 20.9 for 8 (oneDNN packed
+# 31.8), 31.2 for 16 (35.4) and 55.8 for 32 (56.9). At 48 rows MKL is faster (69 against 76 on
+# Intel). With AVX2 alone (avx2_float_product.cpp; AMD EPYC, 2 threads) 26 ms for one row (oneDNN
+# packed 34-38), 44-50 for 16 (65-69), 116 for 48 (122) and 157 for 64 (oneDNN on the plain weight,
+# which prompts then take, 180; at 96 rows it is faster, 207 against 240).
+FLOAT_KERNEL = cpu_kernels.decoding_kernels_run_on(torch.device("cpu"))
+KERNEL_MAX_ROWS = 32 if cpu_kernels.ON_THIS_CPU else 64
 
 
 def kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:

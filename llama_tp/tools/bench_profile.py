@@ -33,7 +33,8 @@ def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int
     calls: dict[str, int] = defaultdict(int)
     _time(engine, "_choose", "choosing tokens", seconds, calls)
     _time(engine, "_advance", "host work per token", seconds, calls)
-    forward = engine.model.forward
+    model = engine.model
+    forward, forward_segments = model.forward, model.forward_segments
 
     @wraps(forward)
     def timed_forward(tokens, *args, **kwargs):
@@ -44,7 +45,15 @@ def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int
             part = "model: decoding" if tokens.shape[1] == 1 else "model: prefill"
             seconds[part] += time.perf_counter() - start
 
-    engine.model.forward = timed_forward
+    @wraps(forward_segments)
+    def timed_forward_segments(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward_segments(*args, **kwargs)
+        finally:
+            seconds["model: decoding and prompts in one pass"] += time.perf_counter() - start
+
+    model.forward, model.forward_segments = timed_forward, timed_forward_segments
     options = llama.sampling_options(**SAMPLINGS[sampling])
     pending = deque(
         GenerationRequest(f"profile-{index}", tuple(llama.formatter.encode_dialog_prompt(
@@ -64,7 +73,7 @@ def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int
             if steps == WARMUP_STEPS + PROFILED_STEPS:
                 profiler.stop()
     finally:
-        engine.model.forward = forward  # the model is shared with nothing else, but leave it whole
+        model.forward, model.forward_segments = forward, forward_segments  # shared with nothing else, but left whole
     wall = time.perf_counter() - start
     generated = calls["host work per token"]  # one call a token
     seconds["other (scheduler, feeding, Python)"] = wall - sum(seconds.values())
