@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "float_lanes.h"
+#include "float_product.h"
 
 namespace {
 
@@ -125,14 +126,8 @@ void one_output(const float* w, const float* x, int64_t rows, int64_t width, flo
 
 // x [..., width] fp32 times w [out_features, width] fp32, transposed: y [..., out_features].
 at::Tensor float_product(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be contiguous fp32 [..., width]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(-1),
-              "w must be contiguous fp32 [out_features, width]");
+  at::Tensor y = llama_tp::float_product_output(x, w);
   const int64_t width = x.size(-1), rows = x.numel() / width, out_features = w.size(0);
-  std::vector<int64_t> y_shape(x.sizes().begin(), x.sizes().end());
-  y_shape.back() = out_features;
-  at::Tensor y = at::empty(y_shape, x.options());
   const float *w_data = w.data_ptr<float>(), *x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   const int64_t tasks = (out_features + kOutputsPerTask - 1) / kOutputsPerTask;
