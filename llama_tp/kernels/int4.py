@@ -34,9 +34,10 @@ QUANTIZE_ROWS = 4096
 
 # Products of up to this many rows go to the kernel: at 32 rows it multiplies as fast as oneDNN
 # on the weight converted back, without the conversion. On AVX2 CPUs (avx2_kernels.cpp, in passes
-# of 32 rows) up to 64: the demo's products of 48-64 rows took 270 ms there against 449 through
-# oneDNN, and a decoding step that takes in a prompt (Transformer.forward_segments) has 17-64 rows.
-MAX_ROWS = 64 if cpu_kernels.AVX2_KERNELS else 32
+# of 32 rows) up to 128: the demo's 30 layers' products of 64 rows took 139 ms there against 181
+# through oneDNN, of 80 rows 181 against 227, of 128 294 against 299 (of 256, 636 against 509); a
+# decoding step that takes in a prompt (Transformer.forward_segments) has its rows and the prompt's.
+MAX_ROWS = 128 if cpu_kernels.AVX2_KERNELS else 32
 
 # The largest finite fp16: scales and mins are stored in fp16, as GGUF stores them.
 FP16_MAX = torch.finfo(torch.float16).max
