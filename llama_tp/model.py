@@ -136,7 +136,7 @@ class Attention(nn.Module):
         placed in the cache as rows says, before wo: [bsz, seqlen, local heads x head_dim].
 
         Eagerly, where our CPU kernel attends (rows.kernel_starts), all of it is one call of that
-        kernel: 12 us a layer at batch 1, 36 at batch 8, against 59 and 103 for the some 20 small
+        kernel: 12 us a layer at batch 1, 36 at batch 8, against 59 and 103 for the 20 or so small
         operations below (compiled, they are fused)."""
         if rows.kernel_starts is not None and not torch.compiler.is_compiling():
             return cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary, self.cache.k, self.cache.v,
