@@ -24,10 +24,10 @@ def without_our_kernel(monkeypatch):
     monkeypatch.setattr(matmul, "FLOAT_KERNEL", False)
 
 
-# 37 inputs: two AVX-512 registers (four AVX2 ones) and a tail of 5; 7 outputs: a group of 4, then
-# 2, then 1 (AVX2: one at a time; for one row with AVX-512, one at a time). Past KERNEL_MAX_ROWS
-# rows are a prompt's, beside our kernel: MKL's product on Intel CPUs, oneDNN's on the plain weight
-# elsewhere.
+# 37 inputs: two AVX-512 registers (four AVX2 ones) and a tail of 5; 7 outputs: with AVX-512 a
+# group of 4, then 2, then 1 (for one row, one at a time), with AVX2 a block of 4, then 3 one at a
+# time. Past KERNEL_MAX_ROWS rows are a prompt's, beside our kernel: MKL's product on Intel CPUs,
+# oneDNN's on the plain weight elsewhere.
 PROMPT_ROWS = matmul.KERNEL_MAX_ROWS + 8
 
 

@@ -146,7 +146,7 @@ def _register_decoding_shapes() -> None:
 
 def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] times an fp32 weight [out, in] transposed, both fp32."""
-    if not torch.compiler.is_compiling():  # compiled code is traced after load_model's load()
+    if not torch.compiler.is_compiling():  # compiled code is traced after the loader's load_decoding_kernels()
         load_decoding_kernels()
     return torch.ops.llama_tp.float_product(x.contiguous(), weight)
 
