@@ -4,19 +4,17 @@
 // Through oneDNN on its packed weights, a decoding step's products of the demo model's 30 layers
 // took 72 ms for 16 rows on this project's AMD EPYC (AVX2, 2 threads): 47 GFLOP/s, neither the
 // memory's speed (1 row: 38 ms) nor the multiply-adds' (2 a cycle a core). Here each pass takes 4
-// consecutive outputs: up to 2 rows read them straight from memory; more rows take them a chunk
-// of 512 inputs (8 KB) at a time, which stays in L1 while every pair of rows reads it, 2 inputs
-// and 4 weights loaded for 8 multiply-adds (avx2_kernels.cpp's int4 passes, without converting).
-// The first pair of rows asks for the next 4 outputs' weights as it reads these: they follow in
-// memory, 4 x width floats on.
+// consecutive outputs and up to 32 rows: up to 2 rows read them straight from memory; more take
+// them a chunk of 512 inputs (8 KB) at a time, which stays in L1 while every pair of rows reads
+// it, 2 inputs and 4 weights loaded for 8 multiply-adds (avx2_kernels.cpp's int4 passes, without
+// converting). The first pair of rows asks for the next 4 outputs' weights as it reads these:
+// they follow in memory, 4 x width floats on.
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "float_lanes.h"
 #include "float_product.h"
@@ -30,7 +28,7 @@ constexpr int64_t kLineFloats = 16;       // a 64-byte cache line
 constexpr int64_t kBlockOutputs = 4;      // outputs a pass takes
 constexpr int64_t kChunkInputs = 512;     // inputs of a block all rows read while they are in L1
 constexpr int64_t kOutputsPerTask = 16;   // outputs a thread takes at a time
-constexpr int kDirectRows = 2;            // up to these rows, a pass reads the weights straight from memory
+constexpr int64_t kPassRows = 32;         // rows a pass takes: its sums stay on the stack
 constexpr int kStepRows = 2;              // 2 rows x 4 outputs: 8 sums, 2 inputs and a weight in registers
 constexpr int64_t kAheadFloats = 8192;    // the direct passes ask for the weight this far ahead (32 KB)
 
@@ -96,20 +94,31 @@ void add_chunk(const float* w, const float* x, int64_t width, int64_t begin, int
     for (int o = 0; o < kBlockOutputs; ++o) sums[r * kBlockOutputs + o] = sum[r][o];
 }
 
-// y[r][o] = x[r] . w[o] for all `rows` rows and kBlockOutputs outputs, a chunk of inputs at a time.
-void chunked_pass(const float* w, const float* x, int64_t rows, int64_t width, float* y, int64_t y_stride,
-                  std::vector<__m256>& sums) {
-  std::fill(sums.begin(), sums.end(), _mm256_setzero_ps());
+// y[r][o] = x[r] . w[o] for `rows` rows (3 to kPassRows) and kBlockOutputs outputs, a chunk of
+// inputs at a time.
+void chunked_pass(const float* w, const float* x, int64_t rows, int64_t width, float* y, int64_t y_stride) {
+  __m256 sums[kPassRows * kBlockOutputs];
+  std::fill(sums, sums + rows * kBlockOutputs, _mm256_setzero_ps());
   for (int64_t begin = 0; begin < width; begin += kChunkInputs) {
     const int64_t end = std::min(width, begin + kChunkInputs);
-    add_chunk<kStepRows, true>(w, x, width, begin, end, sums.data());  // rows > kDirectRows
+    add_chunk<kStepRows, true>(w, x, width, begin, end, sums);
     int64_t r = kStepRows;
     for (; r + kStepRows <= rows; r += kStepRows)
-      add_chunk<kStepRows, false>(w, x + r * width, width, begin, end, sums.data() + r * kBlockOutputs);
-    if (r < rows) add_chunk<1, false>(w, x + r * width, width, begin, end, sums.data() + r * kBlockOutputs);
+      add_chunk<kStepRows, false>(w, x + r * width, width, begin, end, sums + r * kBlockOutputs);
+    if (r < rows) add_chunk<1, false>(w, x + r * width, width, begin, end, sums + r * kBlockOutputs);
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t o = 0; o < kBlockOutputs; ++o) y[r * y_stride + o] = lanes::sum(sums[r * kBlockOutputs + o]);
+}
+
+// y[r][o] = x[r] . w[o] for `rows` rows (up to kPassRows) and kBlockOutputs outputs.
+void block_pass(const float* w, const float* x, int64_t rows, int64_t width, float* y, int64_t y_stride) {
+  if (rows == 1)
+    direct_pass<1>(w, x, width, y, y_stride);
+  else if (rows == 2)
+    direct_pass<2>(w, x, width, y, y_stride);
+  else
+    chunked_pass(w, x, rows, width, y, y_stride);
 }
 
 // One output alone (a weight whose outputs are not a multiple of kBlockOutputs): y[r] = x[r] . w.
@@ -130,21 +139,12 @@ at::Tensor float_product(const at::Tensor& x, const at::Tensor& w) {
   const int64_t width = x.size(-1), rows = x.numel() / width, out_features = w.size(0);
   const float *w_data = w.data_ptr<float>(), *x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
-  const int64_t tasks = (out_features + kOutputsPerTask - 1) / kOutputsPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m256> sums(rows <= kDirectRows ? 0 : rows * kBlockOutputs);
-    const int64_t last = std::min(end * kOutputsPerTask, out_features);
-    int64_t o = begin * kOutputsPerTask;
-    for (; o + kBlockOutputs <= last; o += kBlockOutputs) {
-      const float* block = w_data + o * width;
-      float* y_block = y_data + o;
-      if (rows == 1)
-        direct_pass<1>(block, x_data, width, y_block, out_features);
-      else if (rows == 2)
-        direct_pass<2>(block, x_data, width, y_block, out_features);
-      else
-        chunked_pass(block, x_data, rows, width, y_block, out_features, sums);
-    }
+  llama_tp::parallel_over_outputs(out_features, kOutputsPerTask, [&](int64_t first, int64_t last) {
+    int64_t o = first;
+    for (; o + kBlockOutputs <= last; o += kBlockOutputs)
+      for (int64_t row = 0; row < rows; row += kPassRows)  // the block's weights stay in cache between passes
+        block_pass(w_data + o * width, x_data + row * width, std::min(kPassRows, rows - row), width,
+                   y_data + row * out_features + o, out_features);
     for (; o < last; ++o) one_output(w_data + o * width, x_data, rows, width, y_data + o, out_features);
   });
   return y;

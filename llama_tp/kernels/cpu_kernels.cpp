@@ -12,13 +12,11 @@
 //   y = sum over groups of scale * (q . x over the group) + zero * (sum of x over the group),
 // so the inner loop is one widening and one multiply-add per 16 weights and row.
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "float_product.h"
 #include "quantized_products.h"
@@ -96,11 +94,9 @@ at::Tensor float_product(const at::Tensor& x, const at::Tensor& w) {
   const int64_t width = x.size(-1), rows = x.numel() / width, out_features = w.size(0);
   const float *w_data = w.data_ptr<float>(), *x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
-  const int64_t tasks = (out_features + kOutputsPerTask - 1) / kOutputsPerTask;
   const int64_t per_pass = rows == 1 ? kOutputsPerPassOfOneRow : kOutputsPerPass;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t last = std::min(end * kOutputsPerTask, out_features);
-    for (int64_t o = begin * kOutputsPerTask; o < last; o += per_pass) {
+  llama_tp::parallel_over_outputs(out_features, kOutputsPerTask, [&](int64_t first, int64_t last) {
+    for (int64_t o = first; o < last; o += per_pass) {
       const int64_t outputs = std::min(per_pass, last - o);
       for (int64_t row = 0; row < rows; row += kFloatRowsPerPass) {
         const int pass_rows = static_cast<int>(std::min<int64_t>(kFloatRowsPerPass, rows - row));

@@ -6,10 +6,9 @@ through the demo model's layers it took 19.4 ms for one row on this project's In
 (MKL 21.2) and 20.5 on its AMD EPYC (Zen 4) machine (oneDNN on packed weights 27.7, MKL 49.6).
 CPUs with AVX2 alone have its counterpart (avx2_float_product.cpp). So there products of up to
 KERNEL_MAX_ROWS rows by an fp32 weight go to our kernel, and weights stay plain, which also makes
-loading twice as fast. Prompts go to MKL on Intel CPUs (within about
-10% of oneDNN's packed kernel there, and as transformers does) and to oneDNN on the plain weight
-elsewhere (on the AMD machine 15-20% faster than MKL for 128-512 rows, and 2-16% slower than on
-a packed weight).
+loading twice as fast. Prompts go to MKL on Intel CPUs (within about 10% of oneDNN's packed kernel
+there, and as transformers does) and to oneDNN on the plain weight elsewhere (on the AMD machine
+15-20% faster than MKL for 128-512 rows, and 2-16% slower than on a packed weight).
 
 Without our kernel, on CPU the loader packs each linear layer's weight once into oneDNN's blocked
 layout, and `linear` sends CPU products there: on the AMD EPYC machine of this project until

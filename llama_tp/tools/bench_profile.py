@@ -8,6 +8,7 @@ busiest operators over a window of decoding steps. `python -m llama_tp.bench_ser
 import time
 from collections import defaultdict, deque
 from functools import wraps
+from typing import Callable
 
 import torch
 
@@ -34,26 +35,9 @@ def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int
     _time(engine, "_choose", "choosing tokens", seconds, calls)
     _time(engine, "_advance", "host work per token", seconds, calls)
     model = engine.model
-    forward, forward_segments = model.forward, model.forward_segments
-
-    @wraps(forward)
-    def timed_forward(tokens, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return forward(tokens, *args, **kwargs)
-        finally:
-            part = "model: decoding" if tokens.shape[1] == 1 else "model: prefill"
-            seconds[part] += time.perf_counter() - start
-
-    @wraps(forward_segments)
-    def timed_forward_segments(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return forward_segments(*args, **kwargs)
-        finally:
-            seconds["model: decoding and prompts in one pass"] += time.perf_counter() - start
-
-    model.forward, model.forward_segments = timed_forward, timed_forward_segments
+    _time(model, "forward", lambda tokens, *_, **__: "model: decoding" if tokens.shape[1] == 1 else "model: prefill",
+          seconds, calls)
+    _time(model, "forward_segments", "model: decoding and prompts in one pass", seconds, calls)
     options = llama.sampling_options(**SAMPLINGS[sampling])
     pending = deque(
         GenerationRequest(f"profile-{index}", tuple(llama.formatter.encode_dialog_prompt(
@@ -72,8 +56,8 @@ def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int
             steps += 1
             if steps == WARMUP_STEPS + PROFILED_STEPS:
                 profiler.stop()
-    finally:
-        model.forward, model.forward_segments = forward, forward_segments  # shared with nothing else, but left whole
+    finally:  # the model is shared with nothing else, but left whole: its own methods again
+        del model.forward, model.forward_segments
     wall = time.perf_counter() - start
     generated = calls["host work per token"]  # one call a token
     seconds["other (scheduler, feeding, Python)"] = wall - sum(seconds.values())
@@ -99,17 +83,20 @@ def _admissions(engine: Engine, pending: deque, concurrency: int) -> tuple[Admis
     return tuple(admitted)
 
 
-def _time(engine: Engine, method: str, part: str, seconds: dict[str, float], calls: dict[str, int]) -> None:
-    """Time every call of engine's method into seconds[part], and count them in calls[part]."""
-    original = getattr(engine, method)
+def _time(owner, method: str, part: "str | Callable[..., str]", seconds: dict[str, float],
+          calls: dict[str, int]) -> None:
+    """Time every call of owner's method into seconds[part] (or the part that part(*args, **kwargs)
+    names), and count them in calls[part]."""
+    original = getattr(owner, method)
 
     @wraps(original)
     def timed(*args, **kwargs):
+        name = part(*args, **kwargs) if callable(part) else part
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            seconds[part] += time.perf_counter() - start
-            calls[part] += 1
+            seconds[name] += time.perf_counter() - start
+            calls[name] += 1
 
-    setattr(engine, method, timed)
+    setattr(owner, method, timed)
