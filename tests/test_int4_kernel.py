@@ -61,7 +61,7 @@ def test_quantize_int4_refuses_what_it_cannot_hold():
 @needs_kernel
 # 1, 7 and 17 outputs: odd counts; 2080 inputs: 65 groups, past the kernel's chunks of 64.
 @pytest.mark.parametrize("out_features, width", [(1, 32), (7, 96), (17, 576), (40, 2080)])
-def test_product_equals_the_converted_back_weights_product_for_1_to_32_rows(out_features, width):
+def test_product_equals_the_converted_back_weights_product_for_every_row_count_it_takes(out_features, width):
     codes, scales, mins = _weight(out_features, width, seed=width)
     cpu_kernels.load_decoding_kernels()
     x = torch.randn(int4.MAX_ROWS, width, generator=torch.Generator().manual_seed(3))
@@ -71,6 +71,25 @@ def test_product_equals_the_converted_back_weights_product_for_1_to_32_rows(out_
         assert got.shape == (rows, out_features) and got.dtype == torch.float32
         # fp32 sums of `width` terms, in another order than float64's
         torch.testing.assert_close(got.double(), x[:rows].double() @ weight.t(), rtol=1e-5, atol=2e-6 * width ** 0.5)
+
+
+@pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="the AVX-512 kernel's sums are fixed; the AVX2 one splits 1-2 rows' sums")
+def test_avx512_product_of_a_row_is_the_same_alone_and_among_many_rows_and_threads():
+    """The direct passes (up to 4 rows) and those through the buffer (more rows) sum each output
+    in the same order: a row's result does not depend on the rows beside it or on the threads."""
+    codes, scales, mins = _weight(70, 1600, seed=5)  # 50 groups: chunks of 16 and a last of 2
+    cpu_kernels.load_decoding_kernels()
+    x = torch.randn(int4.MAX_ROWS, 1600, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([int4.product(row[None], codes, scales, mins) for row in x])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = int4.product(x, codes, scales, mins)
+    finally:
+        torch.set_num_threads(threads)
+    for rows in (3, 4, 5, 7, 32, 33, int4.MAX_ROWS):
+        assert torch.equal(int4.product(x[:rows], codes, scales, mins), alone[:rows]), rows
+    assert torch.equal(one_thread, alone)
 
 
 @needs_kernel

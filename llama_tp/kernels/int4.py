@@ -32,12 +32,13 @@ SYMMETRIC_STEPS = -8
 # Rows quantized at a time: bounds the fp32 temporaries of a large matrix (an output head).
 QUANTIZE_ROWS = 4096
 
-# Products of up to this many rows go to the kernel: at 32 rows it multiplies as fast as oneDNN
-# on the weight converted back, without the conversion. On AVX2 CPUs (avx2_kernels.cpp, in passes
-# of 32 rows) up to 128: the demo's 30 layers' products of 64 rows took 139 ms there against 181
-# through oneDNN, of 80 rows 181 against 227, of 128 294 against 299 (of 256, 636 against 509); a
-# decoding step that takes in a prompt (Transformer.forward_segments) has its rows and the prompt's.
-MAX_ROWS = 128 if cpu_kernels.AVX2_KERNELS else 32
+# Products of up to this many rows go to the kernel, which from 5 rows on converts each weight
+# once for a pass of up to 32 rows. On an Intel Xeon with AVX-512 (2 threads, the demo's 30
+# layers) products of 64 rows took 73 ms against 77 through oneDNN on the weight converted back,
+# of 80 rows 91 against 86. On AVX2 CPUs (avx2_kernels.cpp) up to 128: there products of 64
+# rows took 139 ms against 181, of 128 294 against 299 (of 256, 636 against 509). A decoding
+# step that takes in a prompt (Transformer.forward_segments) has its rows and the prompt's.
+MAX_ROWS = 128 if cpu_kernels.AVX2_KERNELS else 64
 
 # The largest finite fp16: scales and mins are stored in fp16, as GGUF stores them.
 FP16_MAX = torch.finfo(torch.float16).max

@@ -33,11 +33,21 @@ using llama_tp::kLanes;
 constexpr int64_t kChunkGroups = 64;  // groups whose scales and mins are turned into fp32 at a time
 constexpr int64_t kAheadBytes = 4096;
 
-// Rows x outputs in one pass over the outputs' codes: 4 x 2 make 16 sums of two registers each,
-// which with the tables and weights fit the 32 registers; more rows take further passes over
-// codes that are still in cache. One row takes 4 outputs a pass, for more sums in flight.
-constexpr int kRowsPerPass = 4;
-constexpr int64_t kOutputsPerPass = 2, kOutputsPerPassOfOneRow = 2;
+// Up to kDirectRows rows, a pass converts each group of kDirectOutputs outputs into registers
+// (4 x 2 make 16 sums of two registers each, which with the tables and weights fit the 32
+// registers) and multiplies it by every row. From 5 rows on, converting again for every 4 rows
+// cost as many instructions as the products, so a pass of kBlockOutputs outputs converts
+// kBufferGroups groups of them at a time once into an fp32 buffer in L1, and all its rows (up to
+// kMaxPassRows) read it kStepRows rows x kBlockOutputs outputs at a time. Each output still sums
+// its groups' low and high halves in two sums, group after group, added at the end: the same
+// operations in the same order as the direct pass, so a row's result does not depend on how many
+// rows share its product.
+constexpr int kDirectRows = 4;
+constexpr int64_t kDirectOutputs = 2;
+constexpr int64_t kBlockOutputs = 4;
+constexpr int64_t kBufferGroups = 16;  // kBlockOutputs x 512 inputs: 8 KB of fp32 weights
+constexpr int kStepRows = 3;           // 3 rows x kBlockOutputs x 2 halves of sums, their inputs and a weight: 31 registers
+constexpr int kMaxPassRows = 32;       // rows a pass through the buffer takes
 
 // One output's scales and mins of a chunk of groups, in fp32.
 struct Grid {
@@ -100,22 +110,98 @@ void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* min
 }
 
 template <int Outputs>
-constexpr llama_tp::Int4Pass kInt4Rows[kRowsPerPass] = {int4_rows<1, Outputs>, int4_rows<2, Outputs>,
-                                                        int4_rows<3, Outputs>, int4_rows<4, Outputs>};
+constexpr llama_tp::Int4Pass kInt4Direct[kDirectRows] = {int4_rows<1, Outputs>, int4_rows<2, Outputs>,
+                                                          int4_rows<3, Outputs>, int4_rows<4, Outputs>};
 
-// The kernels for `outputs` outputs a pass (kOutputsPerPassOfOneRow, kOutputsPerPass or 1).
-const llama_tp::Int4Pass* int4_kernels(int64_t outputs) {
-  return outputs == kOutputsPerPassOfOneRow ? kInt4Rows<kOutputsPerPassOfOneRow>
-         : outputs == kOutputsPerPass       ? kInt4Rows<kOutputsPerPass>
-                                            : kInt4Rows<1>;
+// sums[r][o][half] += the products of `groups` groups' low and high halves: w[o] (stride
+// kBufferGroups groups) and x[r] (stride width) both start at the first group.
+template <int Rows, int Outputs>
+void add_buffered_products(const float* w, int64_t groups, const float* x, int64_t width, __m512* sums) {
+  __m512 sum[Rows][Outputs][2];
+  for (int r = 0; r < Rows; ++r)
+    for (int o = 0; o < Outputs; ++o)
+      for (int half = 0; half < 2; ++half) sum[r][o][half] = sums[(r * Outputs + o) * 2 + half];
+  for (int64_t input = 0; input < groups * kInt4Group; input += kInt4Group) {
+    __m512 x_group[Rows][2];
+    for (int r = 0; r < Rows; ++r)
+      for (int half = 0; half < 2; ++half) {
+        x_group[r][half] = _mm512_loadu_ps(x + r * width + input + half * kLanes);
+        asm("" : "+v"(x_group[r][half]));  // held in a register: gcc folds a load into each multiply-add that uses it
+      }
+    for (int o = 0; o < Outputs; ++o)
+      for (int half = 0; half < 2; ++half) {
+        __m512 weight = _mm512_load_ps(w + o * kBufferGroups * kInt4Group + input + half * kLanes);
+        asm("" : "+v"(weight));
+        for (int r = 0; r < Rows; ++r) sum[r][o][half] = _mm512_fmadd_ps(weight, x_group[r][half], sum[r][o][half]);
+      }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int o = 0; o < Outputs; ++o)
+      for (int half = 0; half < 2; ++half) sums[(r * Outputs + o) * 2 + half] = sum[r][o][half];
 }
+
+// y[r][o] = x[r] . w[o] for `rows` rows of x (up to kMaxPassRows, stride width) and Outputs
+// consecutive outputs, their weights converted a chunk at a time into a buffer all rows read.
+template <int Outputs>
+void int4_buffered(int rows, const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t width,
+                   const float* x, float* y, int64_t y_stride) {
+  const int64_t groups = width / kInt4Group, row_bytes = width / 2;
+  alignas(64) float weights[Outputs][kBufferGroups * kInt4Group];
+  __m512 sums[kMaxPassRows * Outputs * 2];  // [row][output][low or high half]
+  std::fill(sums, sums + rows * Outputs * 2, _mm512_setzero_ps());
+  for (int64_t line = 0; line < Outputs * row_bytes; line += 64) { _mm_prefetch(reinterpret_cast<const char*>(codes) + line + kAheadBytes, _MM_HINT_T0); }
+  Grid grid[Outputs];
+  for (int64_t first = 0; first < groups; first += kBufferGroups) {
+    const int64_t chunk = std::min(kBufferGroups, groups - first);
+    for (int o = 0; o < Outputs; ++o) {
+      to_fp32(scales + o * groups + first, chunk, grid[o].scale);
+      to_fp32(mins + o * groups + first, chunk, grid[o].min);
+      for (int64_t g = 0; g < chunk; ++g) {
+        __m512 low, high;
+        group_weights(codes + o * row_bytes + (first + g) * kInt4Group / 2, values(grid[o].scale[g], grid[o].min[g]),
+                      low, high);
+        _mm512_store_ps(weights[o] + g * kInt4Group, low);
+        _mm512_store_ps(weights[o] + g * kInt4Group + kLanes, high);
+      }
+    }
+    const float* x_chunk = x + first * kInt4Group;
+    int r = 0;
+    for (; r + kStepRows <= rows; r += kStepRows)
+      add_buffered_products<kStepRows, Outputs>(weights[0], chunk, x_chunk + r * width, width, sums + r * Outputs * 2);
+    for (; r < rows; ++r)
+      add_buffered_products<1, Outputs>(weights[0], chunk, x_chunk + r * width, width, sums + r * Outputs * 2);
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int o = 0; o < Outputs; ++o) {
+      const __m512* halves = sums + (r * Outputs + o) * 2;
+      y[r * y_stride + o] = _mm512_reduce_add_ps(_mm512_add_ps(halves[0], halves[1]));
+    }
+}
+
+// A pass of `outputs` outputs and `rows` rows: kDirectOutputs converted in registers for up to
+// kDirectRows rows, kBlockOutputs through the buffer, and a task's last outputs one at a time.
+struct Int4Pass {
+  int64_t outputs;
+  int rows;
+  void operator()(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t width,
+                  const float* x, float* y, int64_t y_stride) const {
+    if (outputs == kBlockOutputs)
+      int4_buffered<kBlockOutputs>(rows, codes, scales, mins, width, x, y, y_stride);
+    else if (outputs == kDirectOutputs)
+      kInt4Direct<kDirectOutputs>[rows - 1](codes, scales, mins, width, x, y, y_stride);
+    else if (rows <= kDirectRows)
+      kInt4Direct<1>[rows - 1](codes, scales, mins, width, x, y, y_stride);
+    else
+      int4_buffered<1>(rows, codes, scales, mins, width, x, y, y_stride);
+  }
+};
 
 // x [..., width] fp32 times the int4 weight, transposed: y [..., out_features] fp32.
 at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
-  const bool one_row = x.dim() >= 1 && x.size(-1) > 0 && x.numel() == x.size(-1);
-  return llama_tp::int4_product_in_passes(x, codes, scales, mins, one_row ? kOutputsPerPassOfOneRow : kOutputsPerPass,
-                                          kRowsPerPass, kAheadBytes,
-                                          [](int64_t outputs, int rows) { return int4_kernels(outputs)[rows - 1]; });
+  const bool direct = x.numel() <= kDirectRows * x.size(-1);
+  return llama_tp::int4_product_in_passes(x, codes, scales, mins, direct ? kDirectOutputs : kBlockOutputs,
+                                          direct ? kDirectRows : kMaxPassRows, kAheadBytes,
+                                          [](int64_t outputs, int rows) { return Int4Pass{outputs, rows}; });
 }
 
 // One output's weights converted back, width of them into out.
