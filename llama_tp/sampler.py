@@ -15,6 +15,13 @@ probabilities, best first, passes u: the same token whichever way its nucleus wa
 full sort is needed only for the rows it concerns, and the caller learns which with the tokens
 (Draw.unsettled), in the step's one read-back.
 
+On a CPU where our kernels run (AVX-512 or AVX2), the whole rule for every row is one call of
+kernels/sampler_kernel.cpp (cpu_kernels.sample_rows): a few passes over each row's logits, which
+stay in L2, where torch's ops take a dozen over the whole step's, and no row is left to settle.
+It draws from the same distribution with the same uniform number a row, its probabilities in
+float64 from the fp32 scaled logits; only a draw that lands within rounding of the boundary
+between two tokens can take the other one.
+
 Speculative sampling needs the distributions themselves (distributions: every row's in one
 call, exactly sampling.distribution's), and draws from them the same way (draw: one uniform
 number a row from its own generator, and the inverse CDF in vocabulary order).
@@ -26,12 +33,17 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
+from .kernels import cpu_kernels
+
 if TYPE_CHECKING:  # sampling.py builds on this module
     from .sampling import SamplingOptions
 
 # Candidates taken before any sort: enough for top_p 0.9 on a sharp distribution (a chat model at
 # temperature 0.7), a topk of them costs a fraction of a full sort of 49,152 or 128,256 logits.
 NUCLEUS_CANDIDATES = 256
+# Whether a step on a CPU where our kernels run samples through sampler_kernel.cpp (the tests
+# compare it with torch's ops, which every other device runs).
+USE_KERNEL = True
 
 Generators = Union[Optional[torch.Generator], Sequence[Optional[torch.Generator]]]
 
@@ -55,6 +67,10 @@ class StepOptions:
     # the others (distributions sorts the whole vocabulary only for these).
     nucleus_among_candidates: "Subset"
     nucleus_anywhere: "Subset"
+    # Every row's options for sampler_kernel.cpp: [rows, 4] fp32 (1 / temperature, 0 for greedy;
+    # top_p; min_p; repetition penalty) and top_k [rows] int64 (0: none).
+    row_settings: torch.Tensor
+    row_top_k: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,9 @@ def step_options(options: "tuple[SamplingOptions, ...]", vocab: int, device: tor
         column(penalties) if any(p != 1.0 for p in penalties) else None,
         subset([i for i, o in enumerate(chosen) if o.top_p < 1 and among_candidates[i]]),
         subset([i for i, o in enumerate(chosen) if o.top_p < 1 and not among_candidates[i]]),
+        torch.tensor([[0.0 if o.greedy else 1 / o.temperature, o.top_p, o.min_p, o.repetition_penalty]
+                      for o in options], dtype=torch.float32, device=device).reshape(-1, 4),
+        torch.tensor([0 if o.greedy else min(o.top_k or 0, vocab) for o in options], dtype=torch.long, device=device),
     )
 
 
@@ -159,6 +178,8 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
     ban [rows, vocab] bool: tokens that must not be chosen (stop tokens before min_gen_len).
     """
     step = step_options(tuple(options), logits.shape[-1], logits.device)
+    if USE_KERNEL and cpu_kernels.decoding_kernels_run_on(logits.device):
+        return Draw(_sample_in_kernel(logits, step, generators, history, ban))
     logits = adjusted(logits, step, history, ban)
     if not step.sampled:  # the first of equal best, as argmax picks, in a third of argmax's time on CPU
         return Draw(logits.max(dim=-1).indices)
@@ -184,6 +205,21 @@ def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generator
     unsettled = torch.zeros(len(options), dtype=torch.bool, device=logits.device)
     unsettled = unsettled.index_put((step.sampled_index,), ~held)
     return Draw(tokens, unsettled, scaled, uniform, step)
+
+
+def _sample_in_kernel(logits: torch.Tensor, step: StepOptions, generators: Generators,
+                      history: Optional[torch.Tensor], ban: Optional[torch.Tensor]) -> torch.Tensor:
+    """sample's tokens [rows] from sampler_kernel.cpp, with the same uniform numbers."""
+    rows = len(logits)
+    logits = logits.float()
+    if ban is not None:
+        logits = logits.masked_fill(ban, float("-inf"))
+    if history is None or step.penalty is None:
+        history = torch.empty(rows, 0, dtype=torch.long)
+    uniform = torch.zeros(rows, dtype=torch.float64)
+    if step.sampled:
+        uniform.index_copy_(0, step.sampled_index, _uniforms(step.sampled, generators, logits.device))
+    return cpu_kernels.sample_rows(logits, history, step.row_settings, step.row_top_k, uniform, step.candidates)
 
 
 def distributions(logits: torch.Tensor, options: "Sequence[SamplingOptions]", history: Optional[torch.Tensor] = None,

@@ -65,3 +65,17 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, int], Path]:
                 root / f"{family}-mp{n_shards}", params, weights, n_shards, layout
             )
     return folders
+
+
+@pytest.fixture(params=["torch's ops", "our kernel"])
+def sampler_path(request, monkeypatch):
+    """A sampler test twice: through torch's ops (what every device but a CPU with our kernels
+    runs) and through sampler_kernel.cpp (CPUs with AVX-512 or AVX2)."""
+    from llama_tp import sampler
+    from llama_tp.kernels import cpu_kernels
+
+    if request.param == "our kernel" and not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")):
+        pytest.skip("the sampler kernel needs AVX-512 or AVX2")
+    monkeypatch.setattr(sampler, "USE_KERNEL", request.param == "our kernel")
+    return request.param
+

@@ -2,11 +2,14 @@
 defined distribution): the uniform number each row draws, the inverse CDF, top-k's k-th token,
 min-p alone, the full sort's cut, which rows are settled, the history, and the device."""
 
+import pytest
 import torch
 
 from llama_tp import sampler
 from llama_tp.sampler import TokenHistory, choose, sample
 from llama_tp.sampling import SamplingOptions
+
+pytestmark = pytest.mark.usefixtures("sampler_path")
 
 SAMPLED = SamplingOptions(temperature=1.0, top_p=1.0)
 GREEDY = SamplingOptions(temperature=0)
@@ -48,13 +51,13 @@ def test_the_full_sort_keeps_the_tokens_whose_mass_before_is_below_p():
     rows, vocab = 5000, 512  # equal tokens, 2**-9 each: the sums are exact, and 256 candidates do not hold 0.5
     draw = sample(torch.zeros(rows, vocab), [SamplingOptions(temperature=1.0, top_p=0.5)] * rows,
                   torch.Generator().manual_seed(0))
-    assert draw.unsettled.all()
+    assert draw.unsettled is None or draw.unsettled.all()  # None: our kernel settled them
     assert len(set(draw.settle().tolist())) == 256  # the 257th has 0.5 before it
 
 
 def test_a_row_whose_candidates_are_the_whole_vocabulary_is_settled():
     draw = sample(torch.zeros(3, 4), [SamplingOptions(temperature=1.0, top_p=0.99)] * 3, torch.Generator())
-    assert draw.unsettled.tolist() == [False] * 3
+    assert draw.unsettled is None or draw.unsettled.tolist() == [False] * 3
 
 
 def test_a_history_without_a_penalty_or_without_tokens_changes_nothing():

@@ -68,10 +68,13 @@ def test_a_greedy_step_reads_back_once(llama):
     assert decode_step_read_backs(llama, requests) == ["tolist"]
 
 
-def test_a_nucleus_wider_than_the_candidates_costs_a_second_read_back(llama):
-    """The tiny model's flat distribution puts 0.9 of the mass far beyond the 256 best tokens."""
+def test_a_nucleus_wider_than_the_candidates_costs_a_second_read_back_unless_our_kernel_samples(llama, sampler_path):
+    """The tiny model's flat distribution puts 0.9 of the mass far beyond the 256 best tokens:
+    torch's ops (every device but a CPU with our kernels) sort those rows in full after the
+    step's read-back; our kernel settles every row before it."""
     requests = [request(llama, prompt, 8, temperature=0.8, top_p=0.9) for prompt in PROMPTS]
-    assert decode_step_read_backs(llama, requests) == ["tolist", "tolist"]
+    expected = ["tolist"] if sampler_path == "our kernel" else ["tolist", "tolist"]
+    assert decode_step_read_backs(llama, requests) == expected
 
 
 @pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=0, logprobs=True),

@@ -3,12 +3,13 @@ rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py); pro
 4-bit weights and their conversion back for prompts (int4_kernel.cpp, int4.py); an RMS norm in one
 pass (norm_kernel.cpp, rms_norm); one new token's attention to the cache (attention_kernel.cpp,
 decode_attention), and eagerly the whole step of a few tokens, rotation and cache write included
-(decode_step_attention). torch.utils.cpp_extension compiles them on first use (10-25 s, then cached
-in ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
+(decode_step_attention); every row's next token (sampler_kernel.cpp, sample_rows).
+torch.utils.cpp_extension compiles them on first use (10-25 s, then cached in
+~/.cache/torch_extensions), together with the ranks' exchange through shared memory
 (parallel/shared_memory.cpp). CPUs with AVX2 but not AVX-512 build the decoding kernels alone:
 the fp32 and quantized products (avx2_float_product.cpp, avx2_kernels.cpp: the same operators on
-the same layouts), the norm and the attention (built for 8-float registers, float_lanes.h);
-load_decoding_kernels.
+the same layouts), the norm, the attention and the sampler (built for 8-float registers,
+float_lanes.h); load_decoding_kernels.
 
 All are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
 torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
@@ -39,8 +40,8 @@ ON_THIS_CPU = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX512"
 # them an int4 or int8 layer converts its weight back every step, and rows at different positions
 # attend through a gathered copy of their caches.
 AVX2_KERNELS = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX2"
-# The kernels both builds have: norm and attention written once for either register width.
-DECODING_SOURCES = ("norm_kernel.cpp", "attention_kernel.cpp")
+# The kernels both builds have: norm, attention and sampling written once for either register width.
+DECODING_SOURCES = ("norm_kernel.cpp", "attention_kernel.cpp", "sampler_kernel.cpp")
 # Floats in one of the attention kernel's registers: a head's width must be a multiple of it.
 ATTENTION_LANES = 16 if ON_THIS_CPU else 8
 
@@ -139,6 +140,10 @@ def _register_decoding_shapes() -> None:
     def _(x, codes, scales, mins):
         return x.new_empty(*x.shape[:-1], codes.shape[0])
 
+    @torch.library.register_fake("llama_tp::sample_rows")
+    def _(logits, history, settings, top_k, uniform, candidates):
+        return logits.new_empty(logits.shape[0], dtype=torch.long)
+
     @torch.library.register_fake("llama_tp::int4_weight")
     def _(codes, scales, mins):
         return codes.new_empty(codes.shape[0], 2 * codes.shape[1], dtype=torch.float32)
@@ -182,3 +187,14 @@ def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_cache: torch
     its own: fp32, head_dim a multiple of ATTENTION_LANES; slots, positions int64 [bsz]."""
     load_decoding_kernels()
     return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_cache, v_cache, slots, positions, heads)
+
+
+def sample_rows(logits: torch.Tensor, history: torch.Tensor, settings: torch.Tensor, top_k: torch.Tensor,
+                uniform: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Every row's next token by sampler.py's rule: logits [rows, vocab] fp32, history [rows, n]
+    int64 (negative ids: padding), settings [rows, 4] fp32 (1 / temperature, 0 for greedy; top_p;
+    min_p; repetition penalty), top_k [rows] int64 (0: none; at most candidates), uniform [rows]
+    float64 -> [rows] int64."""
+    load_decoding_kernels()
+    return torch.ops.llama_tp.sample_rows(logits.contiguous(), history.contiguous(), settings, top_k, uniform,
+                                          candidates)

@@ -1,6 +1,7 @@
 // Registers of floats for the kernels built for AVX-512 and for AVX2 alike (attention_kernel.cpp,
-// norm_kernel.cpp): 16 lanes where the build has AVX-512, else AVX2's 8. The kernels are written
-// once against these few operations; each extension compiles them for its instruction set.
+// norm_kernel.cpp, sampler_kernel.cpp): 16 lanes where the build has AVX-512, else AVX2's 8. The
+// kernels are written once against these few operations; each extension compiles them for its
+// instruction set.
 
 #pragma once
 
@@ -36,6 +37,12 @@ inline Floats fnmadd(Floats a, Floats b, Floats c) { return _mm512_fnmadd_ps(a, 
 inline Floats nearest_integer(Floats v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline float sum(Floats v) { return _mm512_reduce_add_ps(v); }
 inline float largest(Floats v) { return _mm512_reduce_max_ps(v); }
+// Bit i set where lane i of v is at least floor.
+inline uint32_t at_least(Floats v, Floats floor) { return _mm512_cmp_ps_mask(v, floor, _CMP_GE_OQ); }
+// v where lane i of values is at least floor, else 0.
+inline Floats where_at_least(Floats values, Floats floor, Floats v) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(values, floor, _CMP_GE_OQ), v);
+}
 // p * 2^n for integral n >= -126 (scalef takes any n; the AVX2 build's exponent bits need this range)
 inline Floats times_power_of_two(Floats p, Floats n) { return _mm512_scalef_ps(p, n); }
 
@@ -75,6 +82,10 @@ inline float largest(Floats v) {
   const __m128 four = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
   return _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+}
+inline uint32_t at_least(Floats v, Floats floor) { return _mm256_movemask_ps(_mm256_cmp_ps(v, floor, _CMP_GE_OQ)); }
+inline Floats where_at_least(Floats values, Floats floor, Floats v) {
+  return _mm256_and_ps(_mm256_cmp_ps(values, floor, _CMP_GE_OQ), v);
 }
 inline Floats times_power_of_two(Floats p, Floats n) {  // 2^n built in the exponent bits
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
