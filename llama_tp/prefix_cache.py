@@ -10,14 +10,20 @@ The model keeps the record true: a forward pass that writes a row from some posi
 the row's record there (keep). Those that know which tokens they fed, the generation API's static
 batches (rows 0, 1, ...) and the serving engine (a request per row, wherever it is free; also
 generate's continuous batching), add them (extend).
+
+The serving engine also copies: a request whose prompt begins as another row's tokens do (a
+system prompt shared with another conversation, running or ended; the same question asked
+again) takes those keys and values from that row (the scheduler's Copy, about a hundredth of
+a prompt pass's time), so that a free row holding a whole conversation is not given up for a
+few shared tokens (best_row) and conversations stay cached until their rows are the least
+recently used.
 """
 
 from typing import Sequence
 
-# A free row is taken for what it holds of a prompt only if that is at least this share of the
-# prompt (llama.cpp's server uses the same similarity bound): a few shared tokens (a chat
-# template's opening) are not worth evicting a row that holds a whole conversation.
-MIN_REUSED_SHARE = 0.5
+# A shared start shorter than this is prefilled rather than copied from another row: a copy in
+# every layer is not worth a few more tokens in a prompt pass.
+MIN_COPIED_TOKENS = 16
 
 
 class PrefixCache:
@@ -39,13 +45,27 @@ class PrefixCache:
         return max(0, min(common_length(self.rows[row], prompt), len(prompt) - 1))
 
     def best_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
-        """Of the free rows, the one that holds the longest start of prompt, if that is at least
-        MIN_REUSED_SHARE of it; else the least recently used (its cache is the least likely to be
-        asked for again)."""
-        longest = max(free, key=lambda row: (self.reusable(row, prompt), -self._last_used[row]))
-        if self.reusable(longest, prompt) >= MIN_REUSED_SHARE * len(prompt):
+        """Of the free rows, the one a request with this prompt should write: the one holding the
+        longest start of prompt, if that is no less than what the row holds beyond it, which is
+        lost (a conversation's next turn, the same prompt again); else an empty row, else the
+        least recently used (its cache is the least likely to be asked for again). A shared start
+        held elsewhere is copied (longest_start), not taken with the row that holds it."""
+
+        def lost(row: int) -> int:
+            return len(self.rows[row]) - self.reusable(row, prompt)
+
+        longest = max(free, key=lambda row: (self.reusable(row, prompt), -lost(row), -self._last_used[row]))
+        reused = self.reusable(longest, prompt)
+        if reused and lost(longest) <= reused:
             return longest
-        return min(free, key=lambda row: self._last_used[row])
+        return min(free, key=lambda row: (len(self.rows[row]) > 0, self._last_used[row]))
+
+    def longest_start(self, prompt: Sequence[int], rows: Sequence[int]) -> tuple[int, int]:
+        """Of these rows (free or not), the one holding the longest start of prompt, and how
+        many tokens of it (as reusable counts them)."""
+        held = {row: self.reusable(row, prompt) for row in rows}
+        row = max(rows, key=lambda row: (held[row], -row), default=0)
+        return row, held.get(row, 0)
 
     def keep(self, row: int, length: int) -> None:
         """Row's first length tokens stay valid; what follows is about to be overwritten."""

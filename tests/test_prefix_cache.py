@@ -29,31 +29,50 @@ def test_the_longest_held_start_short_of_the_last_token_is_reused():
     assert PrefixCache(1, enabled=False).reusable(0, [1, 2]) == 0
 
 
-def test_the_best_free_row_holds_the_longest_start_else_is_the_least_recently_used():
+def test_the_best_free_row_holds_the_longest_start_where_that_is_no_less_than_it_loses():
     cache = PrefixCache(4)
     for row, tokens in enumerate([[1, 2, 3], [1, 2], [7, 8], [9]]):
         cache.extend(row, 0, tokens)
-    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2, 3]) == 0
+    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2, 3]) == 0  # the next turn: nothing lost
     assert cache.best_row([1, 2, 3, 4], free=[1, 2, 3]) == 1
+    assert cache.best_row([1, 2, 3], free=[0, 2, 3]) == 0  # the same prompt again: its last token lost
     assert cache.best_row([5, 6], free=[1, 2, 3]) == 1  # none matches: row 1 was written longest ago
     cache.extend(1, 2, [4])
     assert cache.best_row([5, 6], free=[1, 2, 3]) == 2
-    # Two shared tokens of ten (a chat template's opening) do not earn row 0 (just used): the least recently used row
-    cache.extend(0, 3, [7])
+    # Two shared tokens do not earn a row holding four more (a conversation): the least recently used
+    cache.extend(0, 3, [7, 7, 7, 7])
     assert cache.best_row([1, 2, 5, 5, 5, 5, 5, 5, 5, 5], free=[0, 2, 3]) == 2
 
 
-def test_ties_and_the_bound_of_best_row():
-    """Rows holding as much of the prompt: the least recently used; a row holding exactly half of
-    the prompt is reused (MIN_REUSED_SHARE is inclusive)."""
+def test_an_empty_row_is_taken_before_any_row_holding_a_conversation():
+    cache = PrefixCache(3)
+    cache.extend(0, 0, [1, 2, 3, 4, 5, 6, 7, 8])  # a system prompt (1, 2, 3), then a conversation
+    cache.extend(2, 0, [9])
+    assert cache.best_row([1, 2, 3, 10, 11], free=[0, 1, 2]) == 1  # the shared start is copied instead
+    assert cache.best_row([1, 2, 3, 10, 11], free=[0, 2]) == 0  # 3 shared, 5 lost: but 2 was used last
+
+
+def test_ties_of_best_row():
+    """Rows holding as much of the prompt: the one that loses least, then the least recently used."""
     cache = PrefixCache(3)
     cache.extend(2, 0, [1, 2, 9])
     cache.extend(0, 0, [1, 2, 8])
-    cache.extend(1, 0, [5])
-    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2]) == 2  # rows 0 and 2 hold 2 tokens; 2 is older
+    cache.extend(1, 0, [1, 2, 8, 8])
+    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2]) == 2  # rows 0 and 2 lose 1 token; 2 is older
     cache.extend(2, 3, [7])
     assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2]) == 0
-    assert cache.best_row([1, 2, 3, 4], free=[1, 2]) == 2  # 2 of 4 tokens: half, reused over row 1
+    assert cache.best_row([1, 2, 3, 4], free=[1, 2]) == 1  # 2 shared, 2 lost
+
+
+def test_the_longest_start_is_looked_for_in_every_row_given():
+    cache = PrefixCache(4)
+    for row, tokens in enumerate([[1, 2], [1, 2, 3, 4, 9], [1, 2, 3], [5]]):
+        cache.extend(row, 0, tokens)
+    assert cache.longest_start([1, 2, 3, 4, 5], [0, 1, 2, 3]) == (1, 4)
+    assert cache.longest_start([1, 2, 3, 4, 5], [0, 2, 3]) == (2, 3)
+    assert cache.longest_start([1, 2, 3, 4], [0, 1, 2]) == (1, 3)  # short of the last token
+    assert cache.longest_start([6, 7], [0, 1, 2, 3]) == (0, 0)
+    assert PrefixCache(2, enabled=False).longest_start([1, 2], [0, 1]) == (0, 0)
 
 
 @pytest.mark.parametrize("a, b, shared", [([1, 2, 3], [4, 2, 3], 0), ([1, 2, 3], [1, 2, 4], 2),
@@ -138,6 +157,28 @@ def test_serving_reuses_a_shared_system_prompt_with_the_same_tokens(llama):
         assert [deltas[-1].cached_tokens for deltas in answers[reuse]] == ([0] + [61] * 4 if reuse else [0] * 5)
         assert cached == (4 * 61 if reuse else 0)
     assert [tokens_of(d) for d in answers[True]] == [tokens_of(d) for d in answers[False]]
+
+
+def test_a_request_copies_the_start_another_row_holds_with_the_same_tokens(llama):
+    """The second request takes the free row and a copy of the system prompt from the first's row
+    (running, or ended with a longer conversation than the prompt shares)."""
+    system = [1] + list(range(1000, 1060))
+    prompts = [system + [450, 4996, 17354], system + [306, 4658]]
+    answers = {}
+    for reuse in (True, False):
+        llama.model.prefix_cache.forget()
+        llama.model.prefix_cache.enabled = reuse
+        harness = Harness(llama, max_prefill_tokens=32)
+        try:
+            running = harness.submit(request(llama, prompts[0], 80, temperature=0))
+            first = harness.deltas(running, count=1)  # prefilled: its row holds the system prompt
+            second = harness.ask(request(llama, prompts[1], 8, temperature=0))
+            answers[reuse] = [tokens_of(first + harness.deltas(running)), tokens_of(second)]
+        finally:
+            harness.close()
+            llama.model.prefix_cache.enabled = True
+        assert second[-1].cached_tokens == (len(system) if reuse else 0)
+    assert answers[True] == answers[False]
 
 
 def _conversation_on_two_ranks(checkpoint: str) -> tuple[list[list[float]], list[int], list[int]]:

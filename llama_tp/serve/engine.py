@@ -200,7 +200,7 @@ class Engine:
 
     def _step(self) -> None:
         plan = self.scheduler.plan()
-        for copy in plan.copies:  # a prompt prefilled once for several choices
+        for copy in plan.copies:  # a shared start of a prompt, or a prompt prefilled once for several choices
             self.model.copy_cache_positions(copy.source, copy.dest, copy.start, copy.end)
         if self.speculator is None and self.model.can_mix_batches:
             # One pass for all: every prompt chunk (unpadded) and the generating rows read the

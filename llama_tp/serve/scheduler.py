@@ -10,7 +10,10 @@ one batch), a chunk of its prompt for a request being prefilled (within a per-st
 that a long prompt never stalls the generating rows for long; several prompts' chunks share a
 pass where padding them to one length costs little: prefill_passes).
 A request that ended leaves its tokens in its slot: a later request that begins with them (the
-next turn of a conversation, the same system prompt) takes that slot and skips their prefill.
+next turn of a conversation, the same question again) takes that slot and skips their prefill;
+one that shares a shorter start with another slot, ended or running (a system prompt), takes a
+free slot and a copy of that start (a Copy in the step's plan), so that conversations stay
+cached until their slots are the least recently used.
 A request's `n` choices run in n slots: the first prefills the prompt, the others wait for it,
 then copy what its slot holds of the prompt (a Copy in the step's plan) and feed only the rest.
 """
@@ -18,7 +21,7 @@ then copy what its slot holds of the prompt (a Copy in the step's plan) and feed
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..prefix_cache import PrefixCache
+from ..prefix_cache import MIN_COPIED_TOKENS, PrefixCache
 from .requests import GenerationRequest
 
 
@@ -34,6 +37,7 @@ class Sequence:
     generated: int = 0
     sampling: Any = None  # the engine's per-request state: random generator, text decoder
     follows: Optional["Sequence"] = None  # the choice whose prefill this one waits for, then copies
+    copy: Optional["Copy"] = None  # a start of its prompt held by another slot, copied before the next passes
 
     @property
     def pending(self) -> list[int]:
@@ -109,14 +113,22 @@ class Scheduler:
         return self.prefix_cache.best_row(prompt, free) if free else None
 
     def admit(self, request: GenerationRequest, slot_index: int, follows: Optional[Sequence] = None) -> Sequence:
-        """Start request in the given free slot, reusing what the slot holds of its prompt;
-        follows: a running sequence with the same prompt, whose prefill this one will copy."""
+        """Start request in the given free slot, reusing what the slot holds of its prompt, or a
+        longer start of it that another slot holds (copied); follows: a running sequence with the
+        same prompt, whose prefill this one will copy."""
         slot = self.slots[slot_index]
         assert slot.sequence is None, f"slot {slot_index} is taken"
-        reused = self.prefix_cache.reusable(slot_index, request.prompt_tokens)
+        prompt = request.prompt_tokens
+        reused = self.prefix_cache.reusable(slot_index, prompt)
         self.prefix_cache.keep(slot_index, reused)
+        source, held = self.prefix_cache.longest_start(prompt, [s.index for s in self.slots if s.index != slot_index])
+        copy = None
+        if held - reused >= MIN_COPIED_TOKENS:
+            # Planned now, done first in this step: before any pass writes the source slot again.
+            self.prefix_cache.copy(source, slot_index, held)
+            copy, reused = Copy(source, slot_index, reused, held), held
         self.admissions += 1
-        slot.sequence = Sequence(request, slot, list(request.prompt_tokens), self.admissions, reused, follows=follows)
+        slot.sequence = Sequence(request, slot, list(prompt), self.admissions, reused, follows=follows, copy=copy)
         return slot.sequence
 
     def find(self, request_id: str) -> Optional[Sequence]:
@@ -131,6 +143,9 @@ class Scheduler:
         max_prefill_tokens, oldest request first."""
         decode, prefill, copies, budget = [], [], [], self.max_prefill_tokens
         for sequence in sorted(self.running, key=lambda s: s.admitted):
+            if sequence.copy is not None:  # in the order of admission: a copy may read the one before
+                copies.append(sequence.copy)
+                sequence.copy = None
             if sequence.follows is not None:
                 if _prefilling(sequence.follows):
                     continue  # its prompt's keys and values are on their way
