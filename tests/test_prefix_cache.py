@@ -2,6 +2,9 @@
 the API, and requests sharing a system prompt through the serving engine, with the same results
 as without reuse."""
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import pytest
 import torch
 
@@ -140,20 +143,29 @@ def test_a_batch_reuses_what_every_row_shares(llama):
     assert reused == fresh
 
 
+@contextmanager
+def serving(llama: Llama, reuse: bool) -> Iterator[Harness]:
+    """An engine serving llama from an empty cache, reusing prompts or not."""
+    llama.model.prefix_cache.forget()
+    llama.model.prefix_cache.enabled = reuse
+    harness = Harness(llama, max_prefill_tokens=32)
+    try:
+        yield harness
+    finally:
+        harness.close()
+        llama.model.prefix_cache.enabled = True
+
+
+SYSTEM = [1] + list(range(1000, 1060))  # 61 tokens every request begins with
+
+
 def test_serving_reuses_a_shared_system_prompt_with_the_same_tokens(llama):
-    system = [1] + list(range(1000, 1060))  # 61 tokens every request begins with
-    prompts = [system + [450 + i, 4996, 17354 + i] for i in range(5)]
+    prompts = [SYSTEM + [450 + i, 4996, 17354 + i] for i in range(5)]
     answers = {}
     for reuse in (True, False):
-        llama.model.prefix_cache.forget()
-        llama.model.prefix_cache.enabled = reuse
-        harness = Harness(llama, max_prefill_tokens=32)
-        try:
+        with serving(llama, reuse) as harness:
             answers[reuse] = [harness.ask(request(llama, prompt, 8, temperature=0)) for prompt in prompts]
             cached = harness.mailbox.metrics.cached_prompt_tokens._value.get()
-        finally:
-            harness.close()
-            llama.model.prefix_cache.enabled = True
         assert [deltas[-1].cached_tokens for deltas in answers[reuse]] == ([0] + [61] * 4 if reuse else [0] * 5)
         assert cached == (4 * 61 if reuse else 0)
     assert [tokens_of(d) for d in answers[True]] == [tokens_of(d) for d in answers[False]]
@@ -162,22 +174,14 @@ def test_serving_reuses_a_shared_system_prompt_with_the_same_tokens(llama):
 def test_a_request_copies_the_start_another_row_holds_with_the_same_tokens(llama):
     """The second request takes the free row and a copy of the system prompt from the first's row
     (running, or ended with a longer conversation than the prompt shares)."""
-    system = [1] + list(range(1000, 1060))
-    prompts = [system + [450, 4996, 17354], system + [306, 4658]]
     answers = {}
     for reuse in (True, False):
-        llama.model.prefix_cache.forget()
-        llama.model.prefix_cache.enabled = reuse
-        harness = Harness(llama, max_prefill_tokens=32)
-        try:
-            running = harness.submit(request(llama, prompts[0], 80, temperature=0))
+        with serving(llama, reuse) as harness:
+            running = harness.submit(request(llama, SYSTEM + [450, 4996, 17354], 80, temperature=0))
             first = harness.deltas(running, count=1)  # prefilled: its row holds the system prompt
-            second = harness.ask(request(llama, prompts[1], 8, temperature=0))
+            second = harness.ask(request(llama, SYSTEM + [306, 4658], 8, temperature=0))
             answers[reuse] = [tokens_of(first + harness.deltas(running)), tokens_of(second)]
-        finally:
-            harness.close()
-            llama.model.prefix_cache.enabled = True
-        assert second[-1].cached_tokens == (len(system) if reuse else 0)
+        assert second[-1].cached_tokens == (len(SYSTEM) if reuse else 0)
     assert answers[True] == answers[False]
 
 
