@@ -75,17 +75,19 @@ def test_compiled_decode_attention_calls_the_kernel_as_it_is():
 
 # The demo model's grouping at one and three rows (a cache for five), one head per kv head, and
 # the first position (attending to itself alone) and the cache's last; rows at one position
-# (Meta's schedule) or each at its own (continuous batching).
+# (Meta's schedule) or each at its own (continuous batching); contexts attended in parts (longer
+# than kPartPositions, 64), with a part of one position, beside contexts of one part.
 @pytest.mark.parametrize("batch, heads, kv_heads, head_dim, positions", [
     (1, 9, 3, 64, [39]), (3, 9, 3, 64, [16, 16, 16]), (3, 9, 3, 64, [16, 0, 47]), (2, 4, 4, 16, [0, 0]),
-    (2, 8, 2, 32, [47, 30]),
+    (2, 8, 2, 32, [47, 30]), (1, 9, 3, 64, [299]), (3, 9, 3, 64, [64, 10, 200]), (2, 8, 2, 32, [128, 63]),
 ])
 def test_decode_step_rotates_caches_and_attends_as_the_model_does(batch, heads, kv_heads, head_dim, positions):
     generator = torch.Generator().manual_seed(2)
     qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, generator=generator)
     angles = torch.rand(batch, 1, head_dim // 2, generator=generator) * 6.3
     turns = torch.stack([angles.cos(), angles.sin()], dim=-1)  # batch, 1, head_dim // 2, 2
-    k_cache, v_cache = torch.randn(2, 5, kv_heads, 48, head_dim, generator=generator)
+    capacity = max(48, max(positions) + 1)
+    k_cache, v_cache = torch.randn(2, 5, kv_heads, capacity, head_dim, generator=generator)
     slots, positions = torch.tensor([4, 1, 2][:batch]), torch.tensor(positions)
 
     q, k, v = (part.unflatten(-1, (-1, head_dim)) for part in qkv.split(
@@ -104,6 +106,25 @@ def test_decode_step_rotates_caches_and_attends_as_the_model_does(batch, heads, 
     one_turn = cpu_kernels.decode_step_attention(qkv, turns[:1], k_cache.clone(), v_cache.clone(), slots,
                                                  positions, heads)  # one angle for every row: as Meta's schedule
     assert one_turn[:1].equal(got[:1])  # row 0's own angle
+
+
+@pytest.mark.parametrize("start", [40, 120, 250], ids=["one part", "parts from the second token on", "parts"])
+def test_a_steps_token_gets_the_bits_of_a_step_of_its_own_alone_or_among_other_rows(start):
+    """Long contexts are attended in parts of absolute positions: a token's result depends on its
+    position alone, not on the other tokens or rows of the step."""
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 16
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(3, tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    angles = torch.rand(3, tokens, head_dim // 2, generator=generator) * 6.3
+    turns = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    caches = torch.randn(2, 4, kv_heads, 300, head_dim, generator=generator)
+    slots, positions = torch.tensor([2, 0, 3]), torch.tensor([start, 7, start + 30])
+    together = cpu_kernels.decode_step_attention(qkv, turns, *caches.clone(), slots, positions, heads)
+    k_cache, v_cache = caches.clone()
+    for t in range(tokens):  # row 0 alone, a token a step
+        alone = cpu_kernels.decode_step_attention(qkv[:1, t : t + 1], turns[:1, t : t + 1], k_cache, v_cache,
+                                                  slots[:1], positions[:1] + t, heads)
+        assert torch.equal(alone[0, 0], together[0, t])
 
 
 def test_the_model_attends_steps_of_few_tokens_through_the_kernel(checkpoints, tokenizer_path, monkeypatch):

@@ -10,6 +10,10 @@
 // torch gather every row's cache into a copy and read it under a mask: 20% of a 16-row step of
 // the demo model in int4 (AMD EPYC, 2 threads), where each row here reads its own cache row.
 //
+// A served row decodes at its prompt's length and more: a context past 64 positions is attended
+// in parts, a task each (kPartPositions), so that one row's 3 kv heads do not leave one of 2
+// threads waiting for the other.
+//
 // Each row of the batch reads its own row of the preallocated caches, up to its own length (rows
 // at different positions: continuous batching). Query head h reads kv head h / (heads / kv heads),
 // as scaled_dot_product_attention's enable_gqa has it.
@@ -30,14 +34,16 @@ namespace lanes = llama_tp::lanes;
 using lanes::Floats;
 using lanes::kWidth;
 
-// The `group` query heads q[group][head_dim] of one kv head attend to its `positions` keys and
-// values (row stride `stride`); out[group][head_dim]. scores: room for group * positions floats.
-void attend(const float* q, const float* keys, const float* values, int64_t stride, int64_t positions,
-            int64_t group, int64_t head_dim, float* scores, float* out) {
-  const int64_t registers = head_dim / kWidth;
+// The `group` query heads q[group][head_dim] of one kv head attend to positions [start, end) of its
+// keys and values (row stride `stride`): per query its highest score, the sum of its weights, and
+// the values weighted by them (out[group][head_dim], not divided by the sum). scores: room for
+// group * (end - start) floats.
+void attend_part(const float* q, const float* keys, const float* values, int64_t stride, int64_t start, int64_t end,
+                 int64_t group, int64_t head_dim, float* scores, float* highest, float* total, float* out) {
+  const int64_t registers = head_dim / kWidth, positions = end - start;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   for (int64_t t = 0; t < positions; ++t) {  // each key read once for every query of the group
-    const float* key = keys + t * stride;
+    const float* key = keys + (start + t) * stride;
     for (int64_t j = 0; j < group; ++j) {
       Floats dot = lanes::zeros();
       for (int64_t r = 0; r < registers; ++r)
@@ -50,20 +56,69 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
     Floats most = lanes::broadcast(-INFINITY);
     for (int64_t t = 0; t < positions; t += kWidth)
       most = lanes::max(most, lanes::load_first(row + t, positions - t, -INFINITY));
-    const Floats highest = lanes::broadcast(lanes::largest(most));
-    Floats total = lanes::zeros();
+    highest[j] = lanes::largest(most);
+    const Floats top = lanes::broadcast(highest[j]);
+    Floats sum = lanes::zeros();
     for (int64_t t = 0; t < positions; t += kWidth) {
       const Floats weights = lanes::keep_first(
-          lanes::exp_of_nonpositive(lanes::sub(lanes::load_first(row + t, positions - t), highest)), positions - t);
+          lanes::exp_of_nonpositive(lanes::sub(lanes::load_first(row + t, positions - t), top)), positions - t);
       lanes::store_first(row + t, positions - t, weights);
-      total = lanes::add(total, weights);
+      sum = lanes::add(sum, weights);
     }
-    const float inverse_total = 1.0f / lanes::sum(total);
-    for (int64_t r = 0; r < registers; ++r) {  // out = the values weighted by the scores
-      Floats sum = lanes::zeros();
+    total[j] = lanes::sum(sum);
+    for (int64_t r = 0; r < registers; ++r) {
+      Floats weighted = lanes::zeros();
       for (int64_t t = 0; t < positions; ++t)
-        sum = lanes::fmadd(lanes::broadcast(row[t]), lanes::load(values + t * stride + r * kWidth), sum);
-      lanes::store(out + j * head_dim + r * kWidth, lanes::mul(sum, lanes::broadcast(inverse_total)));
+        weighted = lanes::fmadd(lanes::broadcast(row[t]), lanes::load(values + (start + t) * stride + r * kWidth), weighted);
+      lanes::store(out + j * head_dim + r * kWidth, weighted);
+    }
+  }
+}
+
+// The same queries' attention to its `positions` first keys and values: out[group][head_dim].
+void attend(const float* q, const float* keys, const float* values, int64_t stride, int64_t positions,
+            int64_t group, int64_t head_dim, float* scores, float* out) {
+  std::vector<float> highest(group), total(group);
+  attend_part(q, keys, values, stride, 0, positions, group, head_dim, scores, highest.data(), total.data(), out);
+  for (int64_t j = 0; j < group; ++j) {
+    const Floats inverse_total = lanes::broadcast(1.0f / total[j]);
+    for (int64_t i = j * head_dim; i < (j + 1) * head_dim; i += kWidth)
+      lanes::store(out + i, lanes::mul(lanes::load(out + i), inverse_total));
+  }
+}
+
+// Positions one task of a step's attention reads at most: a token whose context is longer attends
+// to it in parts of this many positions, each a task of its own, then combines them (as flash
+// decoding does), so that a step of few rows with long contexts keeps every thread busy: one row
+// of the demo model is 3 kv heads, a task each, for 2 threads. The parts follow absolute
+// positions, so a token's result depends on its position alone, whatever else the step holds; a
+// context of one part is attended exactly as before (attend).
+constexpr int64_t kPartPositions = 64;
+
+// The group's attention from its parts (attend_part's, `parts` of them, each group * (head_dim +
+// 2) floats: highest scores, sums, then weighted values): each part's weights rescaled to the
+// highest score of all.
+void combine_parts(const float* partials, int64_t parts, int64_t group, int64_t head_dim, float* out) {
+  const int64_t registers = head_dim / kWidth, size = group * (head_dim + 2);
+  for (int64_t j = 0; j < group; ++j) {
+    float highest = -INFINITY;
+    for (int64_t p = 0; p < parts; ++p) highest = std::max(highest, partials[p * size + j]);
+    float total = 0.0f;
+    for (int64_t r = 0; r < registers; ++r) lanes::store(out + j * head_dim + r * kWidth, lanes::zeros());
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* part = partials + p * size;
+      const float factor = std::exp(part[j] - highest);
+      total += part[group + j] * factor;
+      const float* weighted = part + 2 * group + j * head_dim;
+      for (int64_t r = 0; r < registers; ++r) {
+        float* sum = out + j * head_dim + r * kWidth;
+        lanes::store(sum, lanes::fmadd(lanes::load(weighted + r * kWidth), lanes::broadcast(factor), lanes::load(sum)));
+      }
+    }
+    const Floats inverse_total = lanes::broadcast(1.0f / total);
+    for (int64_t r = 0; r < registers; ++r) {
+      float* sum = out + j * head_dim + r * kWidth;
+      lanes::store(sum, lanes::mul(lanes::load(sum), inverse_total));
     }
   }
 }
@@ -127,6 +182,16 @@ void rotate(const float* x, const float* turns, int64_t head_dim, float* out) {
   }
 }
 
+// A token's key (turned) and value written at their places in the caches, and its `group` queries
+// of kv head kv turned into queries; row: its wqkv product (queries, then keys, then values).
+void write_token(const float* row, const float* turns, int64_t kv, int64_t heads, int64_t kv_heads, int64_t group,
+                 int64_t head_dim, float* key, float* value, float* queries) {
+  rotate(row + (heads + kv) * head_dim, turns, head_dim, key);
+  const float* new_value = row + (heads + kv_heads + kv) * head_dim;
+  std::copy(new_value, new_value + head_dim, value);
+  for (int64_t j = 0; j < group; ++j) rotate(row + (kv * group + j) * head_dim, turns, head_dim, queries + j * head_dim);
+}
+
 // A step's attention in one call, as apply_rotary, KVCache.update and decode_attention do it in
 // turn: row b's tokens, at positions positions[b], positions[b] + 1, ..., are taken one after the
 // other: the token's query and key heads turned to its position, its key and value written into
@@ -160,24 +225,94 @@ at::Tensor decode_step_attention(const at::Tensor& qkv, const at::Tensor& turns,
   at::Tensor out = at::empty({batch, tokens, heads * head_dim}, qkv.options());
   const float *qkv_data = qkv.data_ptr<float>(), *turn_data = turns.data_ptr<float>();
   float *k_data = k_cache.data_ptr<float>(), *v_data = v_cache.data_ptr<float>(), *out_data = out.data_ptr<float>();
+  int64_t longest = 0;  // the longest context of a token of the step
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, row_entry(positions, b) + tokens);
+  if (longest <= kPartPositions) {  // each token's attention is one task, done as its key is written
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t finish) {
+      std::vector<float> scores, queries(group * head_dim);
+      for (int64_t task = begin; task < finish; ++task) {
+        const int64_t b = task / kv_heads, kv = task % kv_heads;
+        const int64_t cached = (row_entry(slots, b) * kv_heads + kv) * capacity * head_dim;  // this kv head's first position
+        for (int64_t t = 0; t < tokens; ++t) {
+          const int64_t position = row_entry(positions, b) + t;
+          scores.resize(group * (position + 1));
+          write_token(qkv_data + (b * tokens + t) * width, turn_data + b * turns_stride + t * head_dim, kv, heads,
+                      kv_heads, group, head_dim, k_data + cached + position * head_dim,
+                      v_data + cached + position * head_dim, queries.data());
+          attend(queries.data(), k_data + cached, v_data + cached, head_dim, position + 1, group, head_dim,
+                 scores.data(), out_data + ((b * tokens + t) * heads + kv * group) * head_dim);
+        }
+      }
+    });
+    return out;
+  }
+  // Longer contexts: every token's key and value written and its queries turned first, then the
+  // attention's tasks (a token's whole context where it is one part, else each of its parts),
+  // then the parted tokens' parts combined.
+  at::Tensor turned = at::empty({batch, tokens, heads, head_dim}, qkv.options());
+  float* query_data = turned.data_ptr<float>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t finish) {
-    std::vector<float> scores, queries(group * head_dim);
     for (int64_t task = begin; task < finish; ++task) {
       const int64_t b = task / kv_heads, kv = task % kv_heads;
-      const int64_t cached = (row_entry(slots, b) * kv_heads + kv) * capacity * head_dim;  // this kv head's first position
+      const int64_t cached = (row_entry(slots, b) * kv_heads + kv) * capacity * head_dim;
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t position = row_entry(positions, b) + t;
-        scores.resize(group * (position + 1));
-        const float* row = qkv_data + (b * tokens + t) * width;
-        const float* token_turns = turn_data + b * turns_stride + t * head_dim;
-        rotate(row + (heads + kv) * head_dim, token_turns, head_dim, k_data + cached + position * head_dim);
-        const float* value = row + (heads + kv_heads + kv) * head_dim;
-        std::copy(value, value + head_dim, v_data + cached + position * head_dim);
-        for (int64_t j = 0; j < group; ++j)
-          rotate(row + (kv * group + j) * head_dim, token_turns, head_dim, queries.data() + j * head_dim);
-        attend(queries.data(), k_data + cached, v_data + cached, head_dim, position + 1, group, head_dim,
-               scores.data(), out_data + ((b * tokens + t) * heads + kv * group) * head_dim);
+        write_token(qkv_data + (b * tokens + t) * width, turn_data + b * turns_stride + t * head_dim, kv, heads,
+                    kv_heads, group, head_dim, k_data + cached + position * head_dim,
+                    v_data + cached + position * head_dim,
+                    query_data + ((b * tokens + t) * heads + kv * group) * head_dim);
       }
+    }
+  });
+  struct Part {
+    int64_t b, t, kv, part, index;  // the part's number, and its place among the partials (-1: a whole context)
+  };
+  struct Parted {
+    int64_t b, t, kv, first, parts;  // a token's kv head attended in parts: partials [first, first + parts)
+  };
+  std::vector<Part> tasks;
+  std::vector<Parted> parted;
+  int64_t partial_count = 0;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t kv = 0; kv < kv_heads; ++kv) {
+        const int64_t parts = (row_entry(positions, b) + t + kPartPositions) / kPartPositions;  // ceil(context / P)
+        if (parts == 1) {
+          tasks.push_back({b, t, kv, 0, -1});
+          continue;
+        }
+        parted.push_back({b, t, kv, partial_count, parts});
+        for (int64_t part = 0; part < parts; ++part) tasks.push_back({b, t, kv, part, partial_count + part});
+        partial_count += parts;
+      }
+  const int64_t partial_size = group * (head_dim + 2);
+  std::vector<float> partials(partial_count * partial_size);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t finish) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < finish; ++i) {
+      const Part& task = tasks[i];
+      const int64_t cached = (row_entry(slots, task.b) * kv_heads + task.kv) * capacity * head_dim;
+      const int64_t first = ((task.b * tokens + task.t) * heads + task.kv * group) * head_dim;
+      const int64_t context = row_entry(positions, task.b) + task.t + 1;
+      if (task.index < 0) {
+        scores.resize(group * context);
+        attend(query_data + first, k_data + cached, v_data + cached, head_dim, context, group, head_dim,
+               scores.data(), out_data + first);
+        continue;
+      }
+      const int64_t start = task.part * kPartPositions;
+      float* partial = partials.data() + task.index * partial_size;
+      scores.resize(group * kPartPositions);
+      attend_part(query_data + first, k_data + cached, v_data + cached, head_dim, start,
+                  std::min(context, start + kPartPositions), group, head_dim, scores.data(), partial,
+                  partial + group, partial + 2 * group);
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(parted.size()), 1, [&](int64_t begin, int64_t finish) {
+    for (int64_t i = begin; i < finish; ++i) {
+      const Parted& token = parted[i];
+      combine_parts(partials.data() + token.first * partial_size, token.parts, group, head_dim,
+                    out_data + ((token.b * tokens + token.t) * heads + token.kv * group) * head_dim);
     }
   });
   return out;
