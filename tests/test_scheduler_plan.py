@@ -32,3 +32,14 @@ def test_a_prompt_that_begins_as_another_slots_tokens_copies_them_once_before_it
     assert plan.copies == [Copy(0, 1, 0, 1 + MIN_COPIED_TOKENS)]
     assert [chunk.tokens for chunk in plan.prefill] == [short.tokens, [9, 9]]
     assert scheduler.plan().copies == []  # done once
+
+
+def test_a_sequence_that_ends_before_its_copy_is_made_leaves_its_slot_without_the_copied_start():
+    system = list(range(1000, 1000 + MIN_COPIED_TOKENS))
+    scheduler = Scheduler(PrefixCache(2), max_prefill_tokens=64)
+    first = scheduler.admit(GenerationRequest("a", (1, *system, 7), 4, SamplingOptions(), frozenset({2})), 0)
+    scheduler.fed(Chunk(first, 0, first.tokens))
+    second = scheduler.admit(GenerationRequest("b", (1, *system, 9), 4, SamplingOptions(), frozenset({2})), 1)
+    assert second.copy is not None
+    scheduler.release(second)  # the server stopped before the step that would have copied
+    assert scheduler.prefix_cache.rows[1] == []

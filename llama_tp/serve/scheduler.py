@@ -135,7 +135,9 @@ class Scheduler:
         return next((s for s in self.running if s.request.id == request_id), None)
 
     def release(self, sequence: Sequence) -> None:
-        """The sequence has ended: its slot is free."""
+        """The sequence has ended: its slot is free, holding no start that was to be copied and never was."""
+        if sequence.copy is not None:  # ended before its first step (the server stopping)
+            self.prefix_cache.keep(sequence.slot.index, sequence.copy.start)
         sequence.slot.sequence = None
 
     def plan(self) -> StepPlan:
