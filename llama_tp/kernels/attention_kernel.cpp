@@ -78,10 +78,11 @@ void attend_part(const float* q, const float* keys, const float* values, int64_t
 // The same queries' attention to its `positions` first keys and values: out[group][head_dim].
 void attend(const float* q, const float* keys, const float* values, int64_t stride, int64_t positions,
             int64_t group, int64_t head_dim, float* scores, float* out) {
-  std::vector<float> highest(group), total(group);
-  attend_part(q, keys, values, stride, 0, positions, group, head_dim, scores, highest.data(), total.data(), out);
+  thread_local std::vector<float> sums;  // each query's highest score, then each one's total weight
+  sums.resize(2 * group);
+  attend_part(q, keys, values, stride, 0, positions, group, head_dim, scores, sums.data(), sums.data() + group, out);
   for (int64_t j = 0; j < group; ++j) {
-    const Floats inverse_total = lanes::broadcast(1.0f / total[j]);
+    const Floats inverse_total = lanes::broadcast(1.0f / sums[group + j]);
     for (int64_t i = j * head_dim; i < (j + 1) * head_dim; i += kWidth)
       lanes::store(out + i, lanes::mul(lanes::load(out + i), inverse_total));
   }
