@@ -7,7 +7,9 @@ The dialogs ask for anything from one word to about 150 words, so that answers e
 different steps. The script's figure is its run_job (what launch/chat_completion.py runs, results
 written as they finish) after the model has loaded; the server's is the closed-loop clients' wall
 time, streaming. Both count generated tokens as the server's usage does (the end-of-turn token
-included), and the answers are compared text for text.
+included), and the answers are compared text for text. Each side runs the dialogs twice, the
+sides taking turns (script, server, server, script), so that the machine's drift over the run
+does not favour the side that ran first.
 """
 
 import asyncio
@@ -19,7 +21,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 
@@ -54,7 +56,8 @@ def dialogs(count: int) -> list[list[dict]]:
 
 
 def main(dialog_count: int = 256, rows: int = 16, max_gen_len: int = 256, max_seq_len: int = 1024,
-         ckpt_dir: Optional[str] = None, tokenizer_path: Optional[str] = None, json_path: str = "bench_offline.json"):
+         rounds: int = 2, ckpt_dir: Optional[str] = None, tokenizer_path: Optional[str] = None,
+         json_path: str = "bench_offline.json"):
     """Run the dialogs through the script's path and through the server, print both, write JSON.
 
     Args:
@@ -62,6 +65,10 @@ def main(dialog_count: int = 256, rows: int = 16, max_gen_len: int = 256, max_se
         rows: --max_batch_size on both sides, and the server's concurrent clients.
         max_gen_len: the longest answer (the server's max_tokens).
         max_seq_len: the context of both models.
+        rounds: how many times each side runs the dialogs, in alternating order (script, server,
+            server, script, ...), so that a machine that speeds up or slows down during the run
+            weighs on both sides alike; each side's figure is its tokens over its seconds, all
+            runs together.
         ckpt_dir, tokenizer_path: the model (default: the demo model).
         json_path: where to write the figures.
     """
@@ -71,30 +78,55 @@ def main(dialog_count: int = 256, rows: int = 16, max_gen_len: int = 256, max_se
     command = [sys.executable, str(LAUNCH_SERVE), "--ckpt_dir", ckpt_dir, "--tokenizer_path", tokenizer_path,
                "--port", str(port), "--max_batch_size", str(rows), "--max_seq_len", str(max_seq_len),
                "--model_name", "bench"]
+    runs: dict[str, list[dict]] = {"script": [], "server": []}
     with started("our server", command, port) as url:
-        script = script_side(jobs, ckpt_dir, tokenizer_path, rows, max_gen_len, max_seq_len)
-        served = asyncio.run(server_side(url, jobs, rows, max_gen_len))
-    same = sum(a == b for a, b in zip(script.pop("texts"), served.pop("texts")))
+        answer = script_answerer(jobs, ckpt_dir, tokenizer_path, rows, max_gen_len, max_seq_len)
+        for side in alternating(rounds):
+            if side == "script":
+                result = script_side(jobs, answer, max_gen_len)
+            else:
+                result = asyncio.run(server_side(url, jobs, rows, max_gen_len))
+            runs[side].append(result)
+            print(f"{side}: {result['output_tokens']} tokens in {result['seconds']:.1f} s, "
+                  f"{result['output_tokens_per_s']:.1f} tokens/s")
+    texts = [result.pop("texts") for side in runs.values() for result in side]
+    same = sum(len(set(answers)) == 1 for answers in zip(*texts))
+    script, served = summed(runs["script"]), summed(runs["server"])
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": {"dialogs": dialog_count, "rows": rows, "clients": rows, "max_gen_len": max_gen_len,
-                    "max_seq_len": max_seq_len, "ckpt_dir": ckpt_dir, "sampling": "greedy, repetition_penalty 1"},
+                    "max_seq_len": max_seq_len, "rounds": rounds, "ckpt_dir": ckpt_dir,
+                    "sampling": "greedy, repetition_penalty 1"},
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "platform": platform.platform()},
-        "script": script, "server": served, "same_answers": same,
+        "script": script, "server": served, "runs": runs, "same_answers": same,
         "script_over_server": script["output_tokens_per_s"] / served["output_tokens_per_s"],
     }
-    print(f"script: {script['output_tokens']} tokens in {script['seconds']:.1f} s, "
+    print(f"script, {rounds} runs: {script['output_tokens']} tokens in {script['seconds']:.1f} s, "
           f"{script['output_tokens_per_s']:.1f} tokens/s")
-    print(f"server at {rows} clients: {served['output_tokens']} tokens in {served['seconds']:.1f} s, "
+    print(f"server at {rows} clients, {rounds} runs: {served['output_tokens']} tokens in {served['seconds']:.1f} s, "
           f"{served['output_tokens_per_s']:.1f} tokens/s")
-    print(f"script / server: {report['script_over_server']:.2f}x; the same answer for {same} of {dialog_count} dialogs")
+    print(f"script / server: {report['script_over_server']:.2f}x; the same answer in every run for {same} of "
+          f"{dialog_count} dialogs")
     Path(json_path).write_text(json.dumps(report, indent=2))
     print(f"wrote {json_path}")
 
 
-def script_side(jobs: list, ckpt_dir: str, tokenizer_path: str, rows: int, max_gen_len: int,
-                max_seq_len: int) -> dict:
-    """The chat script's run_job in this process, timed after loading and a warm-up."""
+def alternating(rounds: int) -> list[str]:
+    """The sides in the order they run: script, server; then server, script; and so on."""
+    pair = ("script", "server")
+    return [side for round_ in range(rounds) for side in (pair if round_ % 2 == 0 else pair[::-1])]
+
+
+def summed(results: list[dict]) -> dict:
+    """One side's runs as one figure: all their tokens over all their seconds."""
+    seconds = sum(result["seconds"] for result in results)
+    tokens = sum(result["output_tokens"] for result in results)
+    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
+
+
+def script_answerer(jobs: list, ckpt_dir: str, tokenizer_path: str, rows: int, max_gen_len: int,
+                    max_seq_len: int) -> Callable:
+    """The model loaded and warmed up in this process, and the chat script's answer function on it."""
     llama = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, rows)
     options = dict(temperature=0, repetition_penalty=1.0, max_gen_len=max_gen_len, token_ids=True)
     llama.chat_completion(jobs[:2], **options)  # the first passes pay for page faults and kernel choices
@@ -102,6 +134,11 @@ def script_side(jobs: list, ckpt_dir: str, tokenizer_path: str, rows: int, max_g
     def answer(batch, seed, on_result):
         llama.chat_completion(batch, seed=seed, on_result=on_result, **options)
 
+    return answer
+
+
+def script_side(jobs: list, answer: Callable, max_gen_len: int) -> dict:
+    """The chat script's run_job in this process, results written to a file as they finish."""
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         records = run_job(jobs, answer, lambda result: result["generation"]["content"],
