@@ -2,7 +2,7 @@
 
 import pytest
 
-from llama_tp.tools.bench_offline import alternating, dialogs, summed
+from llama_tp.tools.bench_offline import alternating, dialogs, main, summed
 
 
 def test_the_sides_take_turns_so_that_drift_weighs_on_both():
@@ -21,3 +21,8 @@ def test_the_dialogs_mix_short_and_long_answers():
     assert len({job[0]["content"] for job in jobs}) == 16
     assert jobs[0][0]["content"].startswith("Answer in one word:")
     assert jobs[6][0]["content"].startswith("Explain in about 150 words:")
+
+
+def test_refuses_no_rounds_before_loading_anything():
+    with pytest.raises(ValueError, match="--rounds 0"):
+        main(rounds=0, ckpt_dir="/nonexistent", tokenizer_path="/nonexistent")

@@ -72,6 +72,8 @@ def main(dialog_count: int = 256, rows: int = 16, max_gen_len: int = 256, max_se
         ckpt_dir, tokenizer_path: the model (default: the demo model).
         json_path: where to write the figures.
     """
+    if rounds < 1:
+        raise ValueError(f"--rounds {rounds}: each side runs the dialogs at least once; pass 1 or more")
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     jobs = dialogs(dialog_count)
     port = free_port()
