@@ -89,8 +89,7 @@ def main(dialog_count: int = 256, rows: int = 16, max_gen_len: int = 256, max_se
             else:
                 result = asyncio.run(server_side(url, jobs, rows, max_gen_len))
             runs[side].append(result)
-            print(f"{side}: {result['output_tokens']} tokens in {result['seconds']:.1f} s, "
-                  f"{result['output_tokens_per_s']:.1f} tokens/s")
+            print(f"{side}: {described(result)}")
     texts = [result.pop("texts") for side in runs.values() for result in side]
     same = sum(len(set(answers)) == 1 for answers in zip(*texts))
     script, served = summed(runs["script"]), summed(runs["server"])
@@ -103,10 +102,8 @@ def main(dialog_count: int = 256, rows: int = 16, max_gen_len: int = 256, max_se
         "script": script, "server": served, "runs": runs, "same_answers": same,
         "script_over_server": script["output_tokens_per_s"] / served["output_tokens_per_s"],
     }
-    print(f"script, {rounds} runs: {script['output_tokens']} tokens in {script['seconds']:.1f} s, "
-          f"{script['output_tokens_per_s']:.1f} tokens/s")
-    print(f"server at {rows} clients, {rounds} runs: {served['output_tokens']} tokens in {served['seconds']:.1f} s, "
-          f"{served['output_tokens_per_s']:.1f} tokens/s")
+    print(f"script, {rounds} runs: {described(script)}")
+    print(f"server at {rows} clients, {rounds} runs: {described(served)}")
     print(f"script / server: {report['script_over_server']:.2f}x; the same answer in every run for {same} of "
           f"{dialog_count} dialogs")
     Path(json_path).write_text(json.dumps(report, indent=2))
@@ -124,6 +121,12 @@ def summed(results: list[dict]) -> dict:
     seconds = sum(result["seconds"] for result in results)
     tokens = sum(result["output_tokens"] for result in results)
     return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
+
+
+def described(figure: dict) -> str:
+    """A run's or a side's figure in words."""
+    return (f"{figure['output_tokens']} tokens in {figure['seconds']:.1f} s, "
+            f"{figure['output_tokens_per_s']:.1f} tokens/s")
 
 
 def script_answerer(jobs: list, ckpt_dir: str, tokenizer_path: str, rows: int, max_gen_len: int,
