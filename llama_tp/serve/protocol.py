@@ -113,12 +113,13 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 
 
-def _refuse_unsupported(model: BaseModel, prefix: str = "") -> None:
-    """Raise RequestError for the first field of model set to a value this server does not implement."""
+def _refuse_unsupported(model: BaseModel, prefix: str = "", unsupported: dict = UNSUPPORTED) -> None:
+    """Raise RequestError for the first field of model set to a value this server does not implement
+    (unsupported: the door's table of such fields, as UNSUPPORTED)."""
     for name in type(model).model_fields:
-        if name in UNSUPPORTED:
+        if name in unsupported:
             value = getattr(model, name)
-            neutral, why = UNSUPPORTED[name]
+            neutral, why = unsupported[name]
             if value is not None and value not in neutral:
                 shown = json.dumps(value)
                 shown = shown if len(shown) <= 60 else shown[:57] + "..."
