@@ -47,6 +47,7 @@ def main(
     api_key: Optional[str] = None,
     ssl_certfile: Optional[str] = None,
     ssl_keyfile: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ):
     """Answer OpenAI-style HTTP requests until Ctrl-C or SIGTERM.
 
@@ -80,6 +81,9 @@ def main(
             variable: a command line is visible to every user of the machine.
         ssl_certfile: serve HTTPS with this PEM certificate (with --ssl_keyfile).
         ssl_keyfile: the certificate's PEM private key.
+        reasoning_parser: qwen3 or deepseek_r1: a thinking model's <think>...</think> goes apart
+            from its chat answers (reasoning_content); none: left in them (default: the one the
+            chat template calls for, where it is clear).
     """
     placement = parallel.init()
     api_key = api_key if api_key is not None else os.environ.get("LLAMA_TP_API_KEY") or None
@@ -97,7 +101,7 @@ def main(
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
                                 quantize=quantize, compile=compile,
                                 speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
-                                draft_quantize=draft_quantize)
+                                draft_quantize=draft_quantize, reasoning_parser=reasoning_parser)
         generator.model.prefix_cache.enabled = not no_prefix_cache
         generator.model.warm_up_decoding()  # before /health says ready, not in the first requests
         engine = Engine(generator, max_prefill_tokens, mailbox)

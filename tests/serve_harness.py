@@ -7,10 +7,12 @@ import threading
 from typing import Optional
 
 from llama_tp import Llama
+from llama_tp.serve.app import create_app
 from llama_tp.serve.engine import Engine
 from llama_tp.serve.mailbox import Mailbox, ServerState
 from llama_tp.serve.metrics import ServerMetrics
 from llama_tp.serve.requests import Delta, GenerationRequest, RequestStream
+from llama_tp.serve.server import ServerThread, bind
 
 _ids = itertools.count()
 
@@ -82,6 +84,21 @@ class Harness:
         if self.thread.is_alive():
             self.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class HttpHarness(Harness):
+    """The HTTP side on a port the OS chose, with the real engine behind it; app_options as
+    create_app takes them."""
+
+    def __init__(self, generator: Llama, model_name: str, **app_options):
+        super().__init__(generator)
+        self.app = create_app(self.mailbox, generator, model_name, **app_options)
+        self.http = ServerThread(self.app, bind("127.0.0.1", 0)).start()
+        self.url = self.http.url
+
+    def close(self) -> None:
+        super().close()
+        self.http.stop()
 
 
 def tokens_of(deltas: list[Delta]) -> list[int]:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hf_families import tokenizer_files as plain_tokenizer_files
 from llama_tp.text.hf_tokenizer import HFTokenizer
 from llama_tp.text.reasoning import (ReasoningParser, ReasoningSplitter, Split, Thinking, parser_in_template,
-                                     reasoning_parser)
+                                     parser_for)
 from thinking_model import TEMPLATE, tokenizer_files
 
 START, END = "<think>", "</think>"
@@ -100,26 +100,26 @@ def test_the_parser_a_template_calls_for():
 
 def test_parser_from_the_template_or_by_name(tokenizer):
     start, end = (tokenizer.backend.token_to_id(tag) for tag in (START, END))
-    assert reasoning_parser(None, tokenizer, TEMPLATE) == ReasoningParser("qwen3", start, end)
-    assert reasoning_parser(None, tokenizer, CHATML) is None
-    assert reasoning_parser("none", tokenizer, TEMPLATE) is None
-    assert reasoning_parser("deepseek_r1", tokenizer, CHATML) == ReasoningParser("deepseek_r1", start, end,
+    assert parser_for(None, tokenizer, TEMPLATE) == ReasoningParser("qwen3", start, end)
+    assert parser_for(None, tokenizer, CHATML) is None
+    assert parser_for("none", tokenizer, TEMPLATE) is None
+    assert parser_for("deepseek_r1", tokenizer, CHATML) == ReasoningParser("deepseek_r1", start, end,
                                                                                  always_opened=True)
 
 
 def test_the_prompt_decides_whether_the_answer_begins_thinking(tokenizer):
-    parser = reasoning_parser("qwen3", tokenizer)
+    parser = parser_for("qwen3", tokenizer)
     start, end = parser.start_token, parser.end_token
     assert not parser.thinking([5, 6]).opened  # Qwen3: the model writes the start tag itself
     assert parser.thinking([5, start, 6]).opened  # QwQ: the prompt ends with "<think>\n"
     assert not parser.thinking([5, start, 6, end, 6]).opened  # enable_thinking false: an empty thinking
-    assert reasoning_parser("deepseek_r1", tokenizer).thinking([5, 6]).opened
+    assert parser_for("deepseek_r1", tokenizer).thinking([5, 6]).opened
 
 
 def test_unknown_parsers_and_tokenizers_without_the_tags_are_refused(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="reasoning_parser 'qwen' is not one of qwen3, deepseek_r1 or none"):
-        reasoning_parser("qwen", tokenizer)
+        parser_for("qwen", tokenizer)
     plain_tokenizer_files(tmp_path, CHATML)  # the converter tests' tokenizer.json: no think tags
     plain = HFTokenizer(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="reasoning_parser qwen3 needs <think> and </think> as tokens"):
-        reasoning_parser("qwen3", plain)
+        parser_for("qwen3", plain)

@@ -65,7 +65,7 @@ def thinking_qwen3(root: Path) -> Path:
     assert tokenizer.encode("\n\n").ids == [tokens[tokens.index(tokenizer.token_to_id("</think>")) + 1]]
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
-                         max_position_embeddings=1024, tie_word_embeddings=False,
+                         max_position_embeddings=2048, tie_word_embeddings=False,
                          eos_token_id=tokenizer.token_to_id("<|im_end|>"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().eval()

@@ -87,6 +87,8 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
             requests = choices(body, prepared, generator)
             if getattr(body, "tools", None) and body.tool_choice != "none":  # answers parsed for calls
                 reply.tools = (tool_format(generator.formatter), {tool.function.name for tool in body.tools})
+            if prepared.thinking is not None:  # a reasoning model's: its thinking goes apart
+                reply.thinking = prepared.thinking
             if getattr(body, "echo", False):  # completions' echo: the prompt's text first
                 reply.echo = body.prompt if isinstance(body.prompt, str) else generator.tokenizer.decode(body.prompt)
             streams = mailbox.submit_all(requests)

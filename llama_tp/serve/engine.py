@@ -188,7 +188,7 @@ class Engine:
             decoder = IncrementalDecoder(self.tokenizer, admission.request.stop) if watches_text else None
             # structured outputs (llama_tp/structured): each rank keeps its own grammar state
             adjustment = make_adjustment(self.generator, request.constraint, request.logit_bias,
-                                         request.presence_penalty, request.frequency_penalty)
+                                         request.presence_penalty, request.frequency_penalty, request.thinking)
             sequence.sampling = Progress(generator, decoder, adjustment=adjustment)
             self.history.reset(admission.slot, request.prompt_tokens)
             if self.mailbox is not None:

@@ -1,7 +1,7 @@
 """A reasoning model's thinking told apart from its answer, as vLLM's --reasoning-parser and
 llama.cpp's --reasoning-format do: Qwen3's and DeepSeek-R1's `<think>...</think>`.
 
-    parser = reasoning_parser("qwen3", tokenizer)          # or chosen from the chat template
+    parser = parser_for("qwen3", tokenizer)                # or chosen from the chat template
     thinking = parser.thinking(prompt_tokens)              # this answer's: does it begin inside?
     splitter = thinking.splitter()
     for piece in generated_pieces:
@@ -149,18 +149,21 @@ def parser_in_template(chat_template: Optional[str]) -> Optional[str]:
     return "qwen3" if CHATML_START in chat_template else None
 
 
-def reasoning_parser(name: Optional[str], tokenizer, chat_template: Optional[str] = None) -> Optional[ReasoningParser]:
+def check_parser_name(name: Optional[str]) -> None:
+    """ValueError unless name is a parser's, "none" or None (the chat template's choice)."""
+    if name not in (None, "none", *PARSERS):
+        raise ValueError(f"reasoning_parser {name!r} is not one of {', '.join(PARSERS)} or none")
+
+
+def parser_for(name: Optional[str], tokenizer, chat_template: Optional[str] = None) -> Optional[ReasoningParser]:
     """The parser named (qwen3, deepseek_r1; "none": off), or with name None the one the chat
     template clearly calls for (else none). ValueError for a name we do not know, or tags the
     tokenizer does not hold as tokens of their own."""
+    check_parser_name(name)
     if name is None:
         name = parser_in_template(chat_template)
-        if name is None:
-            return None
-    elif name == "none":
+    if name in (None, "none"):
         return None
-    elif name not in PARSERS:
-        raise ValueError(f"reasoning_parser {name!r} is not one of {', '.join(PARSERS)} or none")
     tokens = [_tag_token(tokenizer, tag) for tag in (THINK_START, THINK_END)]
     if None in tokens:
         raise ValueError(f"reasoning_parser {name} needs {THINK_START} and {THINK_END} as tokens of the "
