@@ -89,7 +89,7 @@ def main(
     api_key = api_key if api_key is not None else os.environ.get("LLAMA_TP_API_KEY") or None
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
-    mailbox = Mailbox(max_waiting, ServerMetrics()) if placement.is_main else None
+    mailbox = Mailbox(max_waiting, ServerMetrics(name)) if placement.is_main else None
     app = server = None
     with parallel.agreement("opening the server's port"):  # a busy port fails every rank, before loading
         if placement.is_main:  # only rank 0 reads the TLS files
