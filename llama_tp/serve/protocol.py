@@ -114,12 +114,13 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 
 
-def _refuse_unsupported(model: BaseModel, prefix: str = "") -> None:
-    """Raise RequestError for the first field of model set to a value this server does not implement."""
+def refuse_unsupported(model: BaseModel, prefix: str = "", table: dict[str, tuple[tuple, str]] = UNSUPPORTED) -> None:
+    """Raise RequestError for the first field of model set to a value this server does not implement
+    (table: each field's values that change nothing, and why the others are refused)."""
     for name in type(model).model_fields:
-        if name in UNSUPPORTED:
+        if name in table:
             value = getattr(model, name)
-            neutral, why = UNSUPPORTED[name]
+            neutral, why = table[name]
             if value is not None and value not in neutral:
                 shown = json.dumps(value)
                 shown = shown if len(shown) <= 60 else shown[:57] + "..."
@@ -264,7 +265,7 @@ class SamplingRequest(Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        _refuse_unsupported(self)
+        refuse_unsupported(self)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -297,7 +298,7 @@ class ChatCompletionRequest(SamplingRequest):
     def check_supported(self) -> None:
         super().check_supported()
         for index, message in enumerate(self.messages):
-            _refuse_unsupported(message, f"messages[{index}].")
+            refuse_unsupported(message, f"messages[{index}].")
 
 
 class CompletionRequest(SamplingRequest):
@@ -325,7 +326,7 @@ class TokenizeRequest(Body):
 
     def check_supported(self) -> None:
         for index, message in enumerate(self.messages or ()):
-            _refuse_unsupported(message, f"messages[{index}].")
+            refuse_unsupported(message, f"messages[{index}].")
 
 
 class DetokenizeRequest(Body):
