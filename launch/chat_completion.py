@@ -61,6 +61,7 @@ def main(
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
     draft_quantize: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ):
     """Print each dialog and the model's reply.
 
@@ -99,6 +100,9 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+        reasoning_parser: qwen3 or deepseek_r1: a thinking model's <think>...</think> goes apart
+            from its chat answers (reasoning_content); none: left in them (default: the one the
+            chat template calls for, where it is clear).
     """
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     if stream and (output_jsonl or resume):
@@ -107,7 +111,7 @@ def main(
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(dialogs), stream),
                             dtype=dtype, quantize=quantize, compile=compile,
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
-                            draft_quantize=draft_quantize)
+                            draft_quantize=draft_quantize, reasoning_parser=reasoning_parser)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     results = [] if stream else run_job(

@@ -3,6 +3,7 @@ and the check that the server still serves."""
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -59,3 +60,12 @@ def anthropic_events(text: str) -> list[tuple[str, dict]]:
         events.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     assert all(kind == data["type"] for kind, data in events), events
     return events
+
+
+def whole_through_a_failure(served, path: str, body: dict, error: str) -> httpx.Response:
+    """The answer to a whole (not streamed) request when the fake engine fails while it runs."""
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, f"{served.url}{path}", json=body, timeout=10)
+        wait_until(lambda: metric(served.url, "llama_tp_requests_running") == 1)
+        served.engine.end_all("error", error)
+        return whole.result()

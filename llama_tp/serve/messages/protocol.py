@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..protocol import Body, RequestError, _refuse_unsupported, _shown
+from ..protocol import Body, RequestError, _shown, refuse_unsupported
 
 # The error's "type" by HTTP status, as Anthropic's clients expect it.
 ERROR_TYPES = {
@@ -250,9 +250,9 @@ class CountTokensRequest(Body):
     workspace_id: Optional[str] = None
 
     def check_supported(self) -> None:
-        _refuse_unsupported(self, "", UNSUPPORTED)
+        refuse_unsupported(self, "", UNSUPPORTED)
         for index, tool in enumerate(self.tools or ()):
-            _refuse_unsupported(tool, f"tools[{index}].", UNSUPPORTED)
+            refuse_unsupported(tool, f"tools[{index}].", UNSUPPORTED)
 
 
 class MessagesRequest(CountTokensRequest):
