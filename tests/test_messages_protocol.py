@@ -39,13 +39,14 @@ def test_a_dialog_with_calls_and_results_is_the_chat_body_it_means():
                       {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no such city", "is_error": True},
                       {"type": "text", "text": "And"}, {"type": "text", "text": "Paris?"}]}],
         tools=[WEATHER], tool_choice={"type": "auto"}, stop_sequences=["\n\n"], temperature=0, top_k=5,
-        output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
+        output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        thinking={"type": "enabled", "budget_tokens": 2048})
     expected = ChatCompletionRequest.model_validate({
         "model": "m", "max_tokens": 10, "stop": ["\n\n"], "temperature": 0.0, "top_k": 5,
         "messages": [
             {"role": "system", "content": "Be brief.\nUse metric units."},
             ASKED,
-            {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"role": "assistant", "content": "Let me look.", "reasoning_content": "Oslo is in Norway.", "tool_calls": [
                 {"id": "toolu_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
                 {"id": "toolu_2", "type": "function", "function": {"name": "weather",
                                                                    "arguments": '{"city": "Bergen"}'}}]},
@@ -54,7 +55,7 @@ def test_a_dialog_with_calls_and_results_is_the_chat_body_it_means():
             {"role": "user", "content": "And\nParis?"}],
         "tools": [{"type": "function", "function": {"name": "weather", "description": "The weather in a city",
                                                     "parameters": WEATHER["input_schema"]}}],
-        "tool_choice": "auto",
+        "tool_choice": "auto", "chat_template_kwargs": {"enable_thinking": True},
         "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}})
     assert chat_body(body) == expected
 
@@ -68,6 +69,13 @@ def test_tool_choices_are_openais(choice, chat_choice):
     assert body.tool_choice == (chat_choice if isinstance(chat_choice, str) else
                                 ChatCompletionRequest.model_validate({"model": "m", "messages": [ASKED],
                                                                       "tool_choice": chat_choice}).tool_choice)
+
+
+@pytest.mark.parametrize("thinking, enabled", [("enabled", True), ("adaptive", True), ("disabled", False)])
+def test_thinking_is_the_templates_switch(thinking, enabled):
+    body = chat_body(messages_body(thinking={"type": thinking}))
+    assert body.chat_template_kwargs == {"enable_thinking": enabled}
+    assert chat_body(messages_body()).chat_template_kwargs is None  # the template's own default
 
 
 def test_a_call_alone_has_no_content_and_an_empty_message_stays_a_turn():

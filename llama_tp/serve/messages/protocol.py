@@ -115,7 +115,7 @@ class ToolResultBlock(Body):
 
 
 class ThinkingBlock(Body):
-    """An earlier answer's reasoning, sent back by clients."""
+    """An earlier answer's reasoning, sent back by clients: the assistant message's reasoning_content."""
 
     type: Literal["thinking"]
     thinking: str
@@ -123,6 +123,8 @@ class ThinkingBlock(Body):
 
 
 class RedactedThinkingBlock(Body):
+    """Anthropic's encrypted thinking: nothing a local model can read, left out."""
+
     type: Literal["redacted_thinking"]
     data: str
 
@@ -214,9 +216,11 @@ class OutputConfig(Body):
 
 
 class Thinking(Body):
+    """Whether a reasoning model thinks: the chat template's enable_thinking (translate.py)."""
+
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Optional[int] = Field(None, ge=1)
-    display: Optional[Literal["summarized", "omitted"]] = None
+    budget_tokens: Optional[int] = Field(None, ge=1)  # not held: max_tokens bounds thinking and answer together
+    display: Optional[Literal["summarized", "omitted"]] = None  # the thinking is always shown whole
 
 
 # What Messages clients may send that this server does not do: accepted with the values that
@@ -242,7 +246,7 @@ class CountTokensRequest(Body):
     tools: Optional[list[Annotated[Tool, BeforeValidator(_custom_tool)]]] = Field(None, max_length=128)
     tool_choice: Optional[ToolChoice] = None
     output_config: Optional[OutputConfig] = None
-    thinking: Optional[Thinking] = None  # the model has no reasoning switch here: ignored
+    thinking: Optional[Thinking] = None
     # Hints that change nothing here: ignored.
     cache_control: Any = None  # automatic caching: every prompt's prefix is cached anyway
     speed: Any = None

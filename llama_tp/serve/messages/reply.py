@@ -1,15 +1,16 @@
 """What the Messages door answers: a message whole, or as Anthropic's server-sent events.
 
 A stream opens with message_start and a ping; each of the answer's blocks is opened
-(content_block_start), filled (content_block_delta: text_delta, input_json_delta) and closed
-(content_block_stop); message_delta brings the stop reason and usage, and message_stop ends it.
-A ping also goes out whenever the stream has been silent for a while (app.py), and an engine
-failure ends it with an error event.
+(content_block_start), filled (content_block_delta: thinking_delta, text_delta, input_json_delta)
+and closed (content_block_stop); message_delta brings the stop reason and usage, and message_stop
+ends it. A ping also goes out whenever the stream has been silent for a while (app.py), and an
+engine failure ends it with an error event.
 
-Text streams as it is generated. With tools the model may call, the answer is held to its end,
-when its calls are parsed (a call is only known whole), as chat completions do; but where
-tool_choice forces a call, the grammar holds the answer to one call, whose input then streams as
-input_json_delta pieces as the model writes it.
+A reasoning model's thinking (the server's --reasoning_parser, text/reasoning.py) is a thinking
+block before the rest, streamed as it is generated, as text is. With tools the model may call,
+what follows the thinking is held to its end, when its calls are parsed (a call is only known
+whole), as chat completions do; but where tool_choice forces a call, the grammar holds it to one
+call, whose input then streams as input_json_delta pieces as the model writes it.
 """
 
 import json
@@ -18,9 +19,15 @@ import uuid
 from typing import Optional
 
 from ...structured.tools import parse_tool_calls
+from ...text.reasoning import ReasoningSplitter, Split
 from ..requests import Delta
 from ..responses import Reply, event, parsed_calls
 from .protocol import error_body
+
+# A block as it opens in a stream, before its deltas fill it; the deltas' type is `{kind}_delta`,
+# their text in the field `kind`.
+OPENED = {"thinking": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""}}
+
 
 def sse(kind: str, data: dict) -> bytes:
     """One server-sent event of Anthropic's: its type, then its data as JSON."""
@@ -56,8 +63,10 @@ class MessageReply(Reply):
         super().__init__(model, tokenizer, include_usage, n)
         self.tools: Optional[tuple[str, set[str]]] = None  # with tools: their format and names; calls are parsed
         self.call: Optional[CallInput] = None  # a forced call, streamed as it is written
+        self.thinking = None  # a reasoning model's answer: its thinking is a block of its own
+        self.splitter: Optional[ReasoningSplitter] = None  # and the stream's thinking and the rest, apart
         self.prompt_tokens = 0
-        self.held: list[str] = []  # with tools, the streamed text until its end
+        self.held: list[str] = []  # with tools, the streamed text after the thinking until its end
         self.started = 0  # blocks started in the stream
         self.open: Optional[str] = None  # the type of the block open now
 
@@ -65,14 +74,19 @@ class MessageReply(Reply):
         self.tools = parsed_calls(body, generator)
         if self.tools is not None and body.tool_choice not in (None, "auto"):
             self.call = CallInput()
+        self.thinking = request.thinking
+        if self.thinking is not None:
+            self.splitter = self.thinking.splitter()
         self.prompt_tokens = len(request.prompt_tokens)
 
     # A whole message
 
     def response(self, answers):
         answer = answers[0]  # a message is one answer
-        blocks, called = self.blocks(answer.text)
-        return self.message(blocks, answer.final, stop_reason(answer.final, called), usage(answer.final))
+        split = self.thinking.split(answer.text) if self.thinking is not None else Split(content=answer.text)
+        blocks, called = self.blocks(split.content)
+        thought = [OPENED["thinking"] | {"thinking": split.reasoning}] if split.reasoning else []
+        return self.message(thought + blocks, answer.final, stop_reason(answer.final, called), usage(answer.final))
 
     def message(self, blocks: list[dict], final: Optional[Delta], reason: Optional[str], counts: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "content": blocks, "model": self.model,
@@ -80,7 +94,7 @@ class MessageReply(Reply):
                 "usage": counts}
 
     def blocks(self, text: str) -> tuple[list[dict], bool]:
-        """The answer's content blocks, and whether it called a tool."""
+        """The blocks of the answer's text after any thinking, and whether it called a tool."""
         content, calls = parse_tool_calls(text, *self.tools) if self.tools is not None else (text, [])
         blocks = [{"type": "text", "text": content}] if content else []
         return blocks + [{"type": "tool_use", "id": tool_use_id(), "name": call.name,
@@ -95,22 +109,34 @@ class MessageReply(Reply):
                 self.heartbeat]
 
     def chunks(self, index, delta, logprobs):
-        events = []
+        split = self.split(delta)
+        events = self.piece("thinking", split.reasoning) if split.reasoning else []
         if self.tools is None:
-            if delta.text:
-                events += self.text(delta.text)
+            if split.content:
+                events += self.piece("text", split.content)
         else:
-            self.held.append(delta.text)
+            self.held.append(split.content)
             if self.call is not None:
-                events += self.call_input(delta.text)
+                events += self.call_input(split.content)
         return events + self.ending(delta) if delta.finished else events
+
+    def split(self, delta: Delta) -> Split:
+        """A delta's thinking and the rest (after the last delta, with what the splitter held)."""
+        if self.splitter is None:
+            return Split(content=delta.text)
+        split = self.splitter.push(delta.text)
+        if delta.finished:
+            rest = self.splitter.finish()
+            split = Split(split.reasoning + rest.reasoning, split.content + rest.content)
+        return split
 
     def failure(self, message):
         return sse("error", error_body(503, message))
 
-    def text(self, text: str) -> list[bytes]:
-        events = [] if self.open == "text" else self.start({"type": "text", "text": ""})
-        return events + [self.delta({"type": "text_delta", "text": text})]
+    def piece(self, kind: str, text: str) -> list[bytes]:
+        """A thinking_delta or text_delta, after opening a block of its kind if none is open."""
+        events = [] if self.open == kind else self.start(OPENED[kind])
+        return events + [self.delta({"type": f"{kind}_delta", kind: text})]
 
     def call_input(self, text: str) -> list[bytes]:
         """A forced call: its block once its name is written, then its input as it comes."""
@@ -132,7 +158,7 @@ class MessageReply(Reply):
             blocks, called = self.blocks("".join(self.held))
             for block in blocks:
                 if block["type"] == "text":
-                    events += self.text(block["text"])
+                    events += self.piece("text", block["text"])
                 else:
                     events += self.start(block | {"input": {}})
                     events.append(self.delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))

@@ -3,7 +3,9 @@ pipeline (prepare.py): the same dialog and settings give the same prompt tokens 
 
 Anthropic's dialog maps onto OpenAI's as vLLM's and llama.cpp's Messages doors map it: `system`
 becomes the first message; an assistant's tool_use blocks its tool_calls (the input as JSON
-text); each tool_result block a `tool` message answering its call, before the user's words.
+text), its thinking blocks its reasoning_content; each tool_result block a `tool` message
+answering its call, before the user's words. `thinking` is the chat template's switch,
+enable_thinking (Qwen3's), as chat_template_kwargs.
 """
 
 import json
@@ -27,6 +29,8 @@ def chat_body(body: CountTokensRequest) -> ChatCompletionRequest:
             **({"description": tool.description} if tool.description is not None else {})}} for tool in body.tools]
     if body.tool_choice is not None:
         chat["tool_choice"] = _tool_choice(body.tool_choice, [tool.name for tool in body.tools or ()])
+    if body.thinking is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
     if isinstance(body, MessagesRequest):
         chat |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences, "stream": body.stream,
                  "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
@@ -46,9 +50,10 @@ def _chat_messages(message: InputMessage) -> list[dict]:
         calls = [{"id": block.id, "type": "function", "function": {
             "name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}}
             for block in message.content if block.type == "tool_use"]
-        # earlier thinking is left out, as chat templates leave out earlier reasoning
+        # the template decides whether earlier thinking is shown (Qwen3's: after the last question only)
+        thinking = "\n".join(block.thinking for block in message.content if block.type == "thinking")
         return [{"role": "assistant", "content": texts if texts or not calls else None,
-                 **({"tool_calls": calls} if calls else {})}]
+                 **({"tool_calls": calls} if calls else {}), **({"reasoning_content": thinking} if thinking else {})}]
     messages: list[dict] = []
     for block in message.content:
         if block.type == "tool_result":
