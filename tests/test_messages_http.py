@@ -269,6 +269,14 @@ def test_a_waiting_stream_gets_pings(llama2_tokenizer, monkeypatch):
             s.engine.admitting.set()
             kinds = [kind for kind, _ in anthropic_events("\n".join(lines))]
         assert kinds[-1] == "message_stop" and "content_block_delta" in kinds
+        s.engine.admitting.clear()  # a client that leaves while it waits, pinged, frees its place
+        with httpx.stream("POST", f"{s.url}{MESSAGES}", json={"model": MODEL, "max_tokens": 5, "messages": HELLO,
+                                                              "stream": True}) as response:
+            lines = response.iter_lines()
+            while next(lines) != 'data: {"type":"ping"}' or len(s.engine.requests) < 2:
+                pass
+        wait_until(lambda: s.engine.cancelled == [s.engine.requests[1].id])
+        assert_idle(s.url)
 
 
 def test_a_client_that_leaves_frees_its_slot(llama2_tokenizer):
