@@ -19,7 +19,7 @@ import uuid
 from typing import Optional
 
 from ...structured.tools import parse_tool_calls
-from ...text.reasoning import ReasoningSplitter, Split
+from ...text.reasoning import ReasoningSplitter, Split, Thinking
 from ..requests import Delta
 from ..responses import Reply, event, parsed_calls
 from .protocol import error_body
@@ -63,7 +63,7 @@ class MessageReply(Reply):
         super().__init__(model, tokenizer, include_usage, n)
         self.tools: Optional[tuple[str, set[str]]] = None  # with tools: their format and names; calls are parsed
         self.call: Optional[CallInput] = None  # a forced call, streamed as it is written
-        self.thinking = None  # a reasoning model's answer: its thinking is a block of its own
+        self.thinking: Optional[Thinking] = None  # a reasoning model's answer: its thinking is a block of its own
         self.splitter: Optional[ReasoningSplitter] = None  # and the stream's thinking and the rest, apart
         self.prompt_tokens = 0
         self.held: list[str] = []  # with tools, the streamed text after the thinking until its end
@@ -140,10 +140,10 @@ class MessageReply(Reply):
 
     def call_input(self, text: str) -> list[bytes]:
         """A forced call: its block once its name is written, then its input as it comes."""
-        named = self.call.name is None
+        unnamed = self.call.name is None
         piece = self.call.push(text)
         events = []
-        if named and self.call.name is not None:
+        if unnamed and self.call.name is not None:
             events += self.start({"type": "tool_use", "id": tool_use_id(), "name": self.call.name, "input": {}})
         if piece:
             events.append(self.delta({"type": "input_json_delta", "partial_json": piece}))
