@@ -25,7 +25,7 @@ def test_a_failure_to_compile_warns_once_and_decodes_eagerly(checkpoints, tokeni
     llama = Llama.build(str(checkpoints["llama3", 1]), tokenizer_path, max_seq_len=32, max_batch_size=2)
     prompts = [[1, 306, 763], [1, 450]]
     expected = llama.generate(prompts, max_gen_len=6, temperature=0, logprobs=True)
-    llama.model.compile_decoding(static_shapes=True, backend=failing_backend)
+    llama.model.compile_decoding(graphs=True, backend=failing_backend)
     kept = Kept()
     logging.getLogger("llama_tp").addHandler(kept)
     try:
@@ -37,7 +37,7 @@ def test_a_failure_to_compile_warns_once_and_decodes_eagerly(checkpoints, tokeni
     assert got[0] == expected[0]
     for row, expected_row in zip(got[1], expected[1]):
         assert row == pytest.approx(expected_row, abs=1e-5)
-    assert not llama.model.static_decode_shapes and len(llama.model.decode_layer_groups) == 1
+    assert llama.model.graphs is None and len(llama.model.decode_layer_groups) == 1
 
 
 def test_compile_defaults_to_off_on_cpu(checkpoints, tokenizer_path):

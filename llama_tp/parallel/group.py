@@ -129,18 +129,19 @@ class DecodeCompilation:
     """How torch.compile runs one-token decoding steps on a device (see Transformer.compile_decoding)."""
 
     options: dict[str, Any]  # torch.compile's keywords
-    static_shapes: bool  # every step the same shapes: attend to the whole cache under a mask
+    graphs: bool  # whole steps at the sizes of a ladder, recorded as CUDA graphs (step_graphs.py)
 
 
 def decode_compilation(device: torch.device) -> DecodeCompilation:
-    """CUDA graphs on GPUs (they replay a step without launching its kernels one by one, but need
-    the same shapes every step); on CPU, code generation for a step whose length may grow, with
+    """CUDA graphs on GPUs (they replay a whole step as one launch, but need the same shapes every
+    time: the step runs at the next size of a ladder); compiled without graphs of the compiler's
+    own, which would replay each group of layers apart; on CPU, code generation for a step whose length may grow, with
     the code that calls the kernels in C++ too (cpp_wrapper): a demo-model step at batch 1 took
     24.1 ms instead of 25.1, for 4 s more of compiling when nothing is cached."""
     if device.type == "cuda":
-        return DecodeCompilation({"mode": "reduce-overhead"}, static_shapes=True)
+        return DecodeCompilation({}, graphs=True)
     require_cxx_compiler("compile=True on CPU", "leave compile off")
-    return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, static_shapes=False)
+    return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, graphs=False)
 
 
 def check_int4_device(device: torch.device) -> None:
