@@ -8,9 +8,11 @@ checkpoint: checkpoint/quantized.py).
   product runs torch.compile's kernel for grouped_product, which does the same more slowly.
   Other products convert the weight back to the activations' dtype in one compiled pass and
   multiply it through oneDNN. All are compiled on first use (seconds; they need a C++ compiler,
-  as --compile does). On GPUs the same compiled code runs (Triton's), converting the weight back
-  as it reads it. The loader quantizes each weight on the CPU before it moves to its device
-  (checkpoint.load_into), so a model that fits in int8, not in bf16, loads.
+  as --compile does). On GPUs the same compiled code runs (Triton's): in a compiled step, products
+  of up to int8.GPU_SUMMED_MAX_ROWS rows read the weight as int8, converting it back as they read
+  it, and more convert it back to the activations' dtype for cuBLAS. The loader quantizes each
+  weight on the CPU before it moves to its device (checkpoint.load_into), so a model that fits in
+  int8, not in bf16, loads.
 - "int4": weight-only, grouped 4-bit (kernels/int4.py, GGUF's Q4_1 and Q4_0 arithmetic) in the
   transformer's layers, 0.625 bytes per weight; the output head grouped int8, as llama.cpp's
   4-bit files keep theirs at 6-8 bits (the demo model's is Q8_0). The demo model's greedy answers
@@ -110,9 +112,9 @@ class Int8Linear(nn.Module):
             return self.communicate(matmul.linear(x, weight))
         # Elsewhere (GPUs too) compiled code converts the weight back as it reads it, in one kernel:
         # eagerly that would be an fp32 and an x.dtype copy of every weight at every step.
-        if x.shape[:-1].numel() == 1:  # bound by reading the weight: read it as int8
+        if x.shape[:-1].numel() <= int8.summed_max_rows(x.device):  # bound by reading the weight: read it as int8
             return self.communicate(_run(grouped_product, x, self.weight, self.scales, self.zeros))
-        # Bound by arithmetic: oneDNN's fp32 product on the weight converted back.
+        # Bound by arithmetic: the device's product (oneDNN, cuBLAS) on the weight converted back.
         weight = _run(dequantize, self.weight, self.scales, self.zeros, x.dtype)
         return self.communicate(matmul.linear(x, weight))
 
