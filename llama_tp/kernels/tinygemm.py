@@ -37,9 +37,10 @@ TILE_OUTPUTS = 8
 TILE_INPUTS = 16
 
 # Products of up to this many rows go to tinygemm; more convert the weight back for cuBLAS.
-# Estimated from torchao's timings of tinygemm on an A6000 (4096 x 4096, 16 rows 0.038 ms, 32
-# 0.065, 128 0.25: a weight and rows read again for every 16 rows) against converting the weight
-# back (write and read 2 bytes a weight); tools/bench_products.py measures both on a GPU.
+# Estimated from torchao's timings of tinygemm on an A6000 (its HQQ README: 4096 x 4096, 16 rows
+# 0.038 ms, 32 0.065, 128 0.25: the weight and the rows read again for every 16 rows) against
+# converting the weight back (2 bytes a weight written and read again); not measured here yet:
+# tools/bench_products.py times both on a GPU.
 MAX_ROWS = 32
 
 
