@@ -35,23 +35,39 @@ def test_torchs_int4_packing_is_the_layout_dequantize_reads(width):
         torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())
 
 
+# How far quantized logits may be from unquantized ones, as a share of the largest: on the CPU in
+# fp32, this model's int8 logits were within 1.1% of its own, its int4 ones within 15% (random
+# weights round to 4 bits less well than trained ones); on the GPU bf16 adds its own.
+FROM_UNQUANTIZED = {"int8": 0.05, "int4": 0.3}
+
+
+def logits(model, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """A 72-row prompt (int4's weight converted back for cuBLAS, int8's too), a 3-row step
+    (tinygemm) and a 1-row step (int8 read as it is stored), brought to the CPU in fp32."""
+    device = model.output.weight.device
+    steps = [model.forward(tokens[:, :24].to(device), 0), model.forward(tokens[:, 24:25].to(device), 24),
+             model.forward(tokens[:1, 25:].to(device), 25)]
+    return [step.float().cpu() for step in steps]
+
+
+def assert_within(got: list[torch.Tensor], expected: list[torch.Tensor], share: float) -> None:
+    for got_step, expected_step in zip(got, expected, strict=True):
+        error, largest = (got_step - expected_step).abs().max().item(), expected_step.abs().max().item()
+        assert error <= share * largest, (error, largest)
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_quantized_logits_on_the_gpu_are_the_cpus(checkpoints, tokenizer_path, monkeypatch, quantize):
-    """bf16 on the GPU against fp32 on the CPU, the same quantized weights: a 72-row prompt (int4's
-    weight converted back for cuBLAS, int8's too), a 3-row step (tinygemm) and a 1-row step (int8
-    read as it is stored)."""
+def test_quantized_logits_on_the_gpu(checkpoints, tokenizer_path, monkeypatch, quantize):
+    """bf16 on the GPU: near the CPU's fp32 logits with the same quantized weights (bf16's rounding
+    alone apart), and near the GPU's unquantized bf16 ones (the quantization's error too)."""
     tokens = torch.randint(0, 32000, (3, 26), generator=torch.Generator().manual_seed(0))
-    on_gpu = build(checkpoints["llama3", 1], tokenizer_path, dtype="bf16", quantize=quantize, compile=False).model
+    folder = checkpoints["llama3", 1]
+    on_gpu = build(folder, tokenizer_path, dtype="bf16", quantize=quantize, compile=False).model
     if quantize == "int4":
         assert isinstance(on_gpu.layers[0].attention.wqkv, TinygemmInt4Linear)
     assert isinstance(on_gpu.output, Int8Linear) and on_gpu.output.weight.is_cuda
-    gpu_logits = [on_gpu.forward(tokens[:, :24].to(CUDA), 0), on_gpu.forward(tokens[:, 24:25].to(CUDA), 24),
-                  on_gpu.forward(tokens[:1, 25:].to(CUDA), 25)]
+    quantized = logits(on_gpu, tokens)
+    assert_within(quantized, logits(build(folder, tokenizer_path, dtype="bf16", compile=False).model, tokens),
+                  FROM_UNQUANTIZED[quantize])
     monkeypatch.setenv("LLAMA_TP_DEVICE", "cpu")
-    on_cpu = build(checkpoints["llama3", 1], tokenizer_path, dtype="fp32", quantize=quantize).model
-    cpu_logits = [on_cpu.forward(tokens[:, :24], 0), on_cpu.forward(tokens[:, 24:25], 24),
-                  on_cpu.forward(tokens[:1, 25:], 25)]
-    for got, expected in zip(gpu_logits, cpu_logits, strict=True):
-        error, largest = (got.float().cpu() - expected).abs().max().item(), expected.abs().max().item()
-        assert error <= 0.03 * largest, (error, largest)
-
+    assert_within(quantized, logits(build(folder, tokenizer_path, dtype="fp32", quantize=quantize).model, tokens), 0.03)
