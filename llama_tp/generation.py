@@ -87,7 +87,7 @@ class Llama(GenerateLoops):
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
-        check_quantize_on(quantize, placement.device)  # int4 on a GPU is refused here, before loading
+        check_quantize_on(quantize, placement.device)  # int4 without a kernel there: refused before loading
         if compile is None:
             compile = placement.device.type == "cuda" and speculate != "lookup"
         if not isinstance(compile, bool):
