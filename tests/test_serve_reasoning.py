@@ -16,7 +16,7 @@ from llama_tp.tools.run_batch import Output, answer_all
 from serve_client import client
 from serve_harness import HttpHarness
 from thinking_model import CONTENT, REASONING, thinking_qwen3
-from torchrun import one_thread  # noqa: F401  (a fixture)
+from torchrun import one_thread, run_script  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,3 +170,16 @@ def test_a_batch_job_keeps_the_two_apart(llama, tmp_path):
     record = json.loads((tmp_path / "out.jsonl").read_text())
     message = record["response"]["body"]["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (REASONING, "\n\n" + CONTENT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_chat_script_keeps_the_two_apart(checkpoint, tmp_path, stream):
+    prompts, output = tmp_path / "dialogs.json", tmp_path / "out.json"
+    prompts.write_text(json.dumps([HELLO]))
+    result = run_script("chat_completion.py", 1, "--ckpt_dir", str(checkpoint), "--tokenizer_path",
+                        str(checkpoint / "tokenizer.json"), "--prompts_file", str(prompts), "--output_json", str(output),
+                        "--temperature", "0", "--max_seq_len", "128", *(["--stream"] if stream else []))
+    [record] = json.loads(output.read_text())
+    assert (record["reasoning_content"], record["generation"]) == (REASONING, "\n\n" + CONTENT)
+    assert CONTENT in result.stdout and REASONING in result.stdout
