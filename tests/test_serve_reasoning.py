@@ -16,6 +16,7 @@ from llama_tp.tools.run_batch import Output, answer_all
 from serve_client import client
 from serve_harness import HttpHarness
 from thinking_model import CONTENT, REASONING, thinking_qwen3
+from tiny_checkpoint import LLAMA2_TOKENIZER
 from torchrun import one_thread, run_script  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,6 +161,15 @@ def test_without_a_parser_the_thinking_stays_in_the_answer(checkpoint):
     assert plain.reasoning is None
     assert plain.chat_completion([HELLO], temperature=0)[0]["generation"] == {
         "role": "assistant", "content": f"<think>{REASONING}</think>\n\n{CONTENT}"}
+
+
+def test_a_parser_the_model_cannot_use_is_refused_before_loading(checkpoint, checkpoints):
+    with pytest.raises(ValueError, match="^reasoning_parser 'qwen' is not one of qwen3, deepseek_r1 or none$"):
+        Llama.build(str(checkpoint), str(checkpoint / "tokenizer.json"), max_seq_len=64, max_batch_size=1,
+                    reasoning_parser="qwen")
+    with pytest.raises(ValueError, match="reasoning_parser qwen3 needs <think> and </think> as tokens"):
+        Llama.build(str(checkpoints["llama2", 1]), str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=1,
+                    reasoning_parser="qwen3")
 
 
 def test_a_batch_job_keeps_the_two_apart(llama, tmp_path):
