@@ -163,6 +163,20 @@ def test_without_a_parser_the_thinking_stays_in_the_answer(checkpoint):
         "role": "assistant", "content": f"<think>{REASONING}</think>\n\n{CONTENT}"}
 
 
+def test_deepseek_r1s_parser_reads_the_answer_as_thinking_from_its_start(checkpoint):
+    """DeepSeek-R1's templates open the thinking in the prompt; its parser takes the answer as
+    thinking from the start (the tag the model writes anyway dropped), and its grammar waits too."""
+    r1 = Llama.build(str(checkpoint), str(checkpoint / "tokenizer.json"), max_seq_len=1024, max_batch_size=1,
+                     reasoning_parser="deepseek_r1")
+    assert r1.chat_completion([HELLO], temperature=0)[0]["generation"] == {
+        "role": "assistant", "content": "\n\n" + CONTENT, "reasoning_content": REASONING}
+    held = r1.chat_completion([HELLO], temperature=0, response_format=JSON_SCHEMA)[0]["generation"]
+    assert held["reasoning_content"] == REASONING
+    jsonschema.validate(json.loads(held["content"]), SCHEMA)
+    off = r1.chat_completion([HELLO], temperature=0, chat_template_kwargs={"enable_thinking": False})
+    assert off[0]["generation"] == {"role": "assistant", "content": "", "reasoning_content": CONTENT}
+
+
 def test_a_parser_the_model_cannot_use_is_refused_before_loading(checkpoint, checkpoints):
     with pytest.raises(ValueError, match="^reasoning_parser 'qwen' is not one of qwen3, deepseek_r1 or none$"):
         Llama.build(str(checkpoint), str(checkpoint / "tokenizer.json"), max_seq_len=64, max_batch_size=1,
