@@ -51,7 +51,7 @@ def served(tokenizer, max_waiting: int = 8, ready: bool = True, max_seq_len: int
            api_key: Optional[str] = None, formatter=None, **engine_options) -> Iterator[Served]:
     """The app on a free port of 127.0.0.1 with a fake engine behind it (READY unless ready=False);
     formatter: the chat format (default: the one the tokenizer implies)."""
-    mailbox = Mailbox(max_waiting, ServerMetrics())
+    mailbox = Mailbox(max_waiting, ServerMetrics(MODEL))
     generator = Llama(StandInModel(max_seq_len), tokenizer, formatter)
     app = create_app(mailbox, generator, MODEL, api_key)
     server = ServerThread(app, bind("127.0.0.1", 0)).start()

@@ -2,6 +2,7 @@
 and the check that the server still serves."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -48,3 +49,12 @@ def assert_serves(url: str) -> None:
 def assert_idle(url: str) -> None:
     """Nothing waits or runs any more (the fake engine keeps the gauges as the real one does)."""
     wait_until(lambda: metric(url, "llama_tp_requests_running") == 0 and metric(url, "llama_tp_requests_waiting") == 0)
+
+
+def whole_through_a_failure(served, path: str, body: dict, error: str) -> httpx.Response:
+    """The answer to a whole (not streamed) request when the fake engine fails while it runs."""
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, f"{served.url}{path}", json=body, timeout=10)
+        wait_until(lambda: metric(served.url, "llama_tp_requests_running") == 1)
+        served.engine.end_all("error", error)
+        return whole.result()

@@ -26,6 +26,10 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        error_body, parse_body)
 from .requests import Delta, Overloaded, RequestStream, Unavailable
 from .responses import Answered, ChatReply, CompletionReply, Reply, event
+from .responses_api import output as responses_output
+from .responses_api.prepare import prepare_turn
+from .responses_api.protocol import ResponsesRequest
+from .responses_api.store import ResponseStore
 
 if TYPE_CHECKING:
     from ..generation import Llama
@@ -45,14 +49,16 @@ COMPLETION = Endpoint(CompletionRequest, completion_request, CompletionReply)
 
 
 def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
-               api_key: Optional[str] = None) -> FastAPI:
+               api_key: Optional[str] = None, max_stored_responses: int = 1024) -> FastAPI:
     """The server's routes. generator (a Llama) gives the tokenizer, chat format, max_seq_len and
     sampling defaults; None while the model loads, then set app.state.generator before the mailbox
     goes READY. model_name is the one name clients may ask for. api_key: every /v1/ route then
-    needs `Authorization: Bearer API_KEY` (/health and /metrics stay open, as in vLLM)."""
+    needs `Authorization: Bearer API_KEY` (/health and /metrics stay open, as in vLLM).
+    max_stored_responses: how many Responses API answers are kept for previous_response_id."""
     app = FastAPI(title="llama_tp", summary="An OpenAI-compatible server over tensor-parallel Llama ranks")
     app.state.generator = generator
     started = int(time.time())
+    stored = ResponseStore(max_stored_responses)
 
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
@@ -72,30 +78,39 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
         mailbox.metrics.requests_refused.labels(str(error.status)).inc()
         return error_response(error)
 
+    def refuse_submission(error: "RequestError | Overloaded | Unavailable") -> Response:
+        """A request the server cannot take: its own fault, a full waiting line (429), no engine (503)."""
+        if isinstance(error, Overloaded):
+            error = RequestError(429, str(error), None, "rate_limit_exceeded")
+        elif isinstance(error, Unavailable):
+            error = RequestError(503, str(error), None, "service_unavailable")
+        return refuse(error)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise RequestError(404, f"the model `{name}` does not exist; this server serves `{model_name}`",
+                               "model", "model_not_found")
+
     async def generate(request: Request, endpoint: Endpoint) -> Response:
         generator = app.state.generator
         try:
             if generator is None:
                 raise Unavailable("the model is still loading; try again shortly")
             body = parse_body(await request.body(), endpoint.body)
-            if body.model != model_name:
-                raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
-                                   f"`{model_name}`", "model", "model_not_found")
+            check_model(body.model)
             reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage, body.n or 1)
             # Off the event loop: a long prompt takes a while to encode.
             prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id)
             requests = choices(body, prepared, generator)
             if getattr(body, "tools", None) and body.tool_choice != "none":  # answers parsed for calls
                 reply.tools = (tool_format(generator.formatter), {tool.function.name for tool in body.tools})
+            if prepared.thinking is not None:  # a reasoning model's: its thinking goes apart
+                reply.thinking = prepared.thinking
             if getattr(body, "echo", False):  # completions' echo: the prompt's text first
                 reply.echo = body.prompt if isinstance(body.prompt, str) else generator.tokenizer.decode(body.prompt)
             streams = mailbox.submit_all(requests)
-        except RequestError as error:
-            return refuse(error)
-        except Overloaded as error:
-            return refuse(RequestError(429, str(error), None, "rate_limit_exceeded"))
-        except Unavailable as error:
-            return refuse(RequestError(503, str(error), None, "service_unavailable"))
+        except (RequestError, Overloaded, Unavailable) as error:
+            return refuse_submission(error)
         answer = Answer(streams, mailbox, request)
         if body.stream:
             return EventStream(answer, events(answer, reply, prepared.logprobs))
@@ -108,6 +123,55 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, COMPLETION)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API (responses_api/): a turn of a conversation, kept for previous_response_id."""
+        generator = app.state.generator
+        response_id = responses_output.new_id("resp")
+        try:
+            if generator is None:
+                raise Unavailable("the model is still loading; try again shortly")
+            body = parse_body(await request.body(), ResponsesRequest)
+            check_model(body.model)
+            turn = await run_in_threadpool(prepare_turn, body, generator, stored, response_id)
+            streams = mailbox.submit_all([turn.request])
+        except (RequestError, Overloaded, Unavailable) as error:
+            return refuse_submission(error)
+        output = responses_output.ResponseOutput(response_id, model_name, body, turn)
+        answer = Answer(streams, mailbox, request)
+
+        def keep(ended: responses_output.ResponseOutput) -> None:
+            if body.store is not False:
+                stored.put(response_id, ended.stored())
+
+        if body.stream:
+            return EventStream(answer, responses_output.events(answer.deltas(), output, keep))
+        try:
+            final = await responses_output.whole(answer.deltas(), output)
+        finally:
+            answer.close()
+        if final is None:  # the client has gone: nobody reads this
+            return Response(status_code=499)
+        if final.finish_reason == "error":
+            return error_response(RequestError(503, final.error or "the engine failed", None, "engine_failed"))
+        keep(output)
+        return JSONResponse(output.response)
+
+    def not_kept(response_id: str) -> Response:
+        return error_response(RequestError(404, f"no stored response has the id `{response_id}`", "response_id",
+                                           "not_found"))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        kept = stored.get(response_id)
+        return not_kept(response_id) if kept is None else JSONResponse(kept.response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        if not stored.delete(response_id):
+            return not_kept(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def tokenizer_route(request: Request, body_type: type, answer: Callable) -> Response:
         """/tokenize and /detokenize (vLLM's): the tokenizer alone, no engine."""
