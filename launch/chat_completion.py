@@ -117,7 +117,8 @@ def main(
     results = [] if stream else run_job(
         dialogs, lambda batch, batch_seed, on_result: generator.chat_completion(
             batch, token_ids=True, on_result=on_result, **(options | {"seed": batch_seed})),
-        lambda result: result["generation"]["content"], output_jsonl, resume, seed)
+        lambda result: result["generation"]["content"], output_jsonl, resume, seed,
+        lambda result: result["generation"].get("reasoning_content"))
     records = []
     for index, dialog in enumerate(dialogs):
         for message in dialog:
@@ -128,13 +129,23 @@ def main(
             for piece in pieces:
                 print0(piece, end="")
             print0()
-            records.append(prompt_record(dialog, pieces.text, pieces.tokens))
+            records.append(streamed_record(generator, dialog, pieces))
         else:
             records.append(results[index])
+            if "reasoning_content" in results[index]:  # a reasoning model's thinking, before its answer
+                print0(f"(thinking) {results[index]['reasoning_content'].strip()}\n")
             print0(results[index]["generation"])
         print0("\n==================================\n")
     if output_json:
         write_json(output_json, records)
+
+
+def streamed_record(generator: Llama, dialog: Dialog, pieces) -> dict:
+    """A streamed reply's record: a reasoning model's thinking apart, as chat_completion keeps it."""
+    if generator.reasoning is None:
+        return prompt_record(dialog, pieces.text, pieces.tokens)
+    split = generator.reasoning.thinking(generator.formatter.encode_dialog_prompt(dialog)).split(pieces.text)
+    return prompt_record(dialog, split.content, pieces.tokens, split.reasoning)
 
 
 if __name__ == "__main__":

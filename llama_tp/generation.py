@@ -92,7 +92,7 @@ class Llama(GenerateLoops):
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
-        check_quantize_on(quantize, placement.device)  # int4 on a GPU is refused here, before loading
+        check_quantize_on(quantize, placement.device)  # int4 without a kernel there: refused before loading
         if compile is None:
             compile = placement.device.type == "cuda" and speculate != "lookup"
         if not isinstance(compile, bool):
@@ -120,9 +120,9 @@ class Llama(GenerateLoops):
                                quantize or checkpoint.quantization)))
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
-            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             if compile and speculate is None:
                 compile_decoding(model, placement.device)
+            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             speculator = build_speculator(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile, ckpt_dir,
                                           checkpoint.args, placement, dtype, max_batch_size, max_seq_len)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
@@ -420,7 +420,7 @@ class Llama(GenerateLoops):
 def compile_decoding(model: Transformer, device: torch.device) -> None:
     """Compile the model's one-token steps the way that suits the device."""
     compilation = parallel.decode_compilation(device)
-    model.compile_decoding(compilation.static_shapes, **compilation.options)
+    model.compile_decoding(compilation.graphs, **compilation.options)
 
 
 def _refusal(stream: TextStream) -> Iterator[str]:

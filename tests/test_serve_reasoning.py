@@ -16,7 +16,8 @@ from llama_tp.tools.run_batch import Output, answer_all
 from serve_client import client
 from serve_harness import HttpHarness
 from thinking_model import CONTENT, REASONING, thinking_qwen3
-from torchrun import one_thread  # noqa: F401  (a fixture)
+from tiny_checkpoint import LLAMA2_TOKENIZER
+from torchrun import one_thread, run_script  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,6 +163,29 @@ def test_without_a_parser_the_thinking_stays_in_the_answer(checkpoint):
         "role": "assistant", "content": f"<think>{REASONING}</think>\n\n{CONTENT}"}
 
 
+def test_deepseek_r1s_parser_reads_the_answer_as_thinking_from_its_start(checkpoint):
+    """DeepSeek-R1's templates open the thinking in the prompt; its parser takes the answer as
+    thinking from the start (the tag the model writes anyway dropped), and its grammar waits too."""
+    r1 = Llama.build(str(checkpoint), str(checkpoint / "tokenizer.json"), max_seq_len=1024, max_batch_size=1,
+                     reasoning_parser="deepseek_r1")
+    assert r1.chat_completion([HELLO], temperature=0)[0]["generation"] == {
+        "role": "assistant", "content": "\n\n" + CONTENT, "reasoning_content": REASONING}
+    held = r1.chat_completion([HELLO], temperature=0, response_format=JSON_SCHEMA)[0]["generation"]
+    assert held["reasoning_content"] == REASONING
+    jsonschema.validate(json.loads(held["content"]), SCHEMA)
+    off = r1.chat_completion([HELLO], temperature=0, chat_template_kwargs={"enable_thinking": False})
+    assert off[0]["generation"] == {"role": "assistant", "content": "", "reasoning_content": CONTENT}
+
+
+def test_a_parser_the_model_cannot_use_is_refused_before_loading(checkpoint, checkpoints):
+    with pytest.raises(ValueError, match="^reasoning_parser 'qwen' is not one of qwen3, deepseek_r1 or none$"):
+        Llama.build(str(checkpoint), str(checkpoint / "tokenizer.json"), max_seq_len=64, max_batch_size=1,
+                    reasoning_parser="qwen")
+    with pytest.raises(ValueError, match="reasoning_parser qwen3 needs <think> and </think> as tokens"):
+        Llama.build(str(checkpoints["llama2", 1]), str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=1,
+                    reasoning_parser="qwen3")
+
+
 def test_a_batch_job_keeps_the_two_apart(llama, tmp_path):
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": MODEL, "messages": HELLO, "temperature": 0}}
@@ -170,3 +194,16 @@ def test_a_batch_job_keeps_the_two_apart(llama, tmp_path):
     record = json.loads((tmp_path / "out.jsonl").read_text())
     message = record["response"]["body"]["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (REASONING, "\n\n" + CONTENT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_chat_script_keeps_the_two_apart(checkpoint, tmp_path, stream):
+    prompts, output = tmp_path / "dialogs.json", tmp_path / "out.json"
+    prompts.write_text(json.dumps([HELLO]))
+    result = run_script("chat_completion.py", 1, "--ckpt_dir", str(checkpoint), "--tokenizer_path",
+                        str(checkpoint / "tokenizer.json"), "--prompts_file", str(prompts), "--output_json", str(output),
+                        "--temperature", "0", "--max_seq_len", "128", *(["--stream"] if stream else []))
+    [record] = json.loads(output.read_text())
+    assert (record["reasoning_content"], record["generation"]) == (REASONING, "\n\n" + CONTENT)
+    assert CONTENT in result.stdout and REASONING in result.stdout

@@ -176,7 +176,10 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
 
         if body.stream:
             return EventStream(answer, responses_output.events(answer.deltas(), output, keep))
-        final = await responses_output.whole(answer.deltas(), output)
+        try:
+            final = await responses_output.whole(answer.deltas(), output)
+        finally:
+            answer.close()
         if final is None:  # the client has gone: nobody reads this
             return Response(status_code=499)
         if final.finish_reason == "error":
@@ -184,19 +187,19 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
         keep(output)
         return JSONResponse(output.response)
 
+    def not_kept(response_id: str) -> Response:
+        return error_response(RequestError(404, f"no stored response has the id `{response_id}`", "response_id",
+                                           "not_found"))
+
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> Response:
         kept = stored.get(response_id)
-        if kept is None:
-            return error_response(RequestError(404, f"no stored response has the id `{response_id}`", "response_id",
-                                               "not_found"))
-        return JSONResponse(kept.response)
+        return not_kept(response_id) if kept is None else JSONResponse(kept.response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         if not stored.delete(response_id):
-            return error_response(RequestError(404, f"no stored response has the id `{response_id}`", "response_id",
-                                               "not_found"))
+            return not_kept(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def tokenizer_route(request: Request, body_type: type, answer: Callable,

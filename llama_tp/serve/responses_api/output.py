@@ -211,13 +211,12 @@ def _echoed_tool(tool) -> dict:
 
 async def whole(deltas: AsyncIterator[tuple[int, Delta]], output: ResponseOutput) -> Optional[Delta]:
     """Read the answer to its end into output; its last delta (None: the client left first)."""
+    final = None
     async for _, delta in deltas:
-        if delta.finished:
-            if delta.finish_reason != "error":
-                output.push(delta)
-            return delta
-        output.push(delta)
-    return None
+        if delta.finish_reason != "error":
+            output.push(delta)
+        final = delta if delta.finished else final
+    return final
 
 
 async def events(deltas: AsyncIterator[tuple[int, Delta]], output: ResponseOutput,
