@@ -162,7 +162,8 @@ class FakeEngine:
             self.metrics.time_per_output_token.observe((now - row.first_token_at) / (len(row.tokens) - 1))
         self._finish(request_id, RequestState.FINISHED, Delta(
             text=text, tokens=(token,), logprobs=logprobs, finish_reason=reason,
-            prompt_tokens=len(request.prompt_tokens), completion_tokens=len(row.tokens)))
+            prompt_tokens=len(request.prompt_tokens), completion_tokens=len(row.tokens),
+            stop_string=row.decoder.matched))
 
     def _finish(self, request_id: str, state: RequestState, delta: Delta) -> None:
         row = self._running.pop(request_id)

@@ -403,7 +403,8 @@ class Engine:
         for delta in deltas[:-1]:
             stream.put(delta)
         last = Delta(deltas[-1].text, deltas[-1].tokens, deltas[-1].logprobs, reason, sequence.prompt_length,
-                     sequence.generated, sequence.reused)
+                     sequence.generated, sequence.reused,
+                     stop_string=progress.decoder.matched if progress.decoder is not None else None)
         if progress.first_token_at is not None and sequence.generated > 1:
             per_token = (progress.last_token_at - progress.first_token_at) / (sequence.generated - 1)
             self.mailbox.metrics.time_per_output_token.observe(per_token)

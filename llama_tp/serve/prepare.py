@@ -25,11 +25,8 @@ OPTION_PARAMS = {"min_gen_len": "min_tokens"}
 
 def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> GenerationRequest:
     """The request for a chat completion: the dialog in the model's chat format, ended by its end of turn."""
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-    forced = _forced_call(body, tools, generator)
-    if body.tool_choice == "none":
-        tools = []  # the model is not told of them
-    prompt_tokens = dialog_tokens(body.messages, generator, tools, body.chat_template_kwargs)
+    forced = _forced_call(body, _tools(body), generator)
+    prompt_tokens = chat_prompt(body, generator)
     # a reasoning model's answer: the structured output waits for the end of its thinking
     thinking = generator.reasoning.thinking(prompt_tokens) if generator.reasoning is not None else None
     if body.top_logprobs is not None and not body.logprobs:
@@ -44,6 +41,17 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> Gen
     return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
                     generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param, forced,
                     thinking)
+
+
+def chat_prompt(body: ChatCompletionRequest, generator) -> list[int]:
+    """A chat body's prompt tokens: its messages, and its tools unless tool_choice is "none" (then
+    the model is not told of them)."""
+    return dialog_tokens(body.messages, generator, [] if body.tool_choice == "none" else _tools(body),
+                         body.chat_template_kwargs)
+
+
+def _tools(body: ChatCompletionRequest) -> list[dict]:
+    return [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
 
 
 def choices(body: SamplingRequest, request: GenerationRequest, generator) -> list[GenerationRequest]:
@@ -185,14 +193,16 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
     room = max_seq_len - len(prompt_tokens)
     if room < 1:
         raise RequestError(400, f"the prompt has {len(prompt_tokens)} tokens but the model's max_seq_len is "
-                           f"{max_seq_len}, which leaves no room for an answer; shorten the prompt",
+                           f"{max_seq_len}, which leaves no room for an answer; shorten the prompt, or serve the "
+                           "model with a larger --max_seq_len",
                            prompt_param, "context_length_exceeded")
     if max_tokens is None:
         max_tokens = room  # OpenAI's default for chat: all that fits
     elif max_tokens > room:
         raise RequestError(400, f"the prompt's {len(prompt_tokens)} tokens and {limit_param} {max_tokens} make "
                            f"{len(prompt_tokens) + max_tokens}, beyond the model's max_seq_len of {max_seq_len}; "
-                           f"ask for at most {room} tokens or shorten the prompt", limit_param,
+                           f"ask for at most {room} tokens, shorten the prompt, or serve the model with a larger "
+                           "--max_seq_len", limit_param,
                            "context_length_exceeded")
     min_tokens = body.min_tokens or 0
     if min_tokens > max_tokens:

@@ -70,6 +70,7 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys and values were reused, not computed
     error: Optional[str] = None  # with finish_reason "error": what went wrong, for the client
+    stop_string: Optional[str] = None  # with finish_reason "stop": the stop string that ended it, if one did
 
     @property
     def finished(self) -> bool:

@@ -14,9 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from ..structured.tools import parse_tool_calls
+from ..structured.tools import parse_tool_calls, tool_format
 from ..text.reasoning import ReasoningSplitter, Split, Thinking
-from .requests import Delta, TokenLogprob
+from .protocol import error_body
+from .requests import Delta, GenerationRequest, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
 
@@ -24,6 +25,13 @@ DONE = b"data: [DONE]\n\n"
 def event(data: dict) -> bytes:
     """One server-sent event carrying data as JSON."""
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def parsed_calls(body, generator) -> Optional[tuple[str, set[str]]]:
+    """With tools the model may call: their format and names, for parsing the answer's calls; else None."""
+    if body.tools and body.tool_choice != "none":
+        return tool_format(generator.formatter), {tool.function.name for tool in body.tools}
+    return None
 
 
 def finish_reason(delta: Delta) -> str:
@@ -60,6 +68,7 @@ class Reply:
     object: str
     chunk_object: str
     id_prefix: str
+    heartbeat: Optional[bytes] = None  # sent on a stream that has been silent a while, if any
 
     def __init__(self, model: str, tokenizer, include_usage: bool = False, n: int = 1):
         self.id = self.id_prefix + uuid.uuid4().hex
@@ -79,9 +88,16 @@ class Reply:
                      reason: Optional[str]) -> dict:
         raise NotImplementedError
 
+    def expect(self, body, request: GenerationRequest, generator) -> None:
+        """Learn what the answer needs of its checked body and request before it is written."""
+
     def opening(self) -> list[bytes]:
         """The chunks a stream begins with, before any text."""
         return []
+
+    def failure(self, message: str) -> bytes:
+        """The event that ends a stream whose engine failed."""
+        return event(error_body(503, message, None, "engine_failed"))
 
     # The same for both
 
@@ -132,6 +148,10 @@ class ChatReply(Reply):
         super().__init__(model, tokenizer, include_usage, n)
         self.held: dict[int, list[str]] = {}  # with tools, each choice's streamed text until its end, when calls are parsed
         self.splitters: dict[int, ReasoningSplitter] = {}  # a reasoning model's, each streamed choice's
+
+    def expect(self, body, request, generator):
+        self.tools = parsed_calls(body, generator)
+        self.thinking = request.thinking
 
     def choice(self, index, text, logprobs, reason):
         """A choice's message: a reasoning model's thinking as its reasoning_content (the content
@@ -217,6 +237,10 @@ class CompletionReply(Reply):
         super().__init__(model, tokenizer, include_usage, n)
         self.text_offsets: dict[int, int] = {}  # where each choice's next token's text begins, over a stream's chunks
         self.echo = ""  # with echo: the prompt's text, before each choice's answer
+
+    def expect(self, body, request, generator):
+        if body.echo:  # the prompt's text first
+            self.echo = body.prompt if isinstance(body.prompt, str) else generator.tokenizer.decode(body.prompt)
 
     def response(self, answers):
         return super().response([Answered(self.echo + answer.text, answer.logprobs, answer.final)
