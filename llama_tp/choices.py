@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import parallel
-from .sampler import Draw
+from .sampling.sampler import Draw
 
 Columns = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 

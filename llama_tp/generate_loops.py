@@ -13,7 +13,7 @@ from .batch import Batch, Generated, logprobs_of
 from .choices import agreed_tokens
 from .continuous import Finished, prompt_seeds, run_continuously
 from .logs import logger
-from .sampler import sample
+from .sampling.sampler import sample
 from .sampling import SamplingOptions, stop_ban, top_candidates
 from .speculative.decoding import decode_rounds
 from .structured.constraint import Constraint

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import parallel
 from ..logs import logger
 from ..choices import agreed_tokens
-from ..sampler import TokenHistory, sample
+from ..sampling.sampler import TokenHistory, sample
 from ..speculative import Outcome, Row
 from ..structured.rows import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop

@@ -14,7 +14,7 @@ import torch
 from .. import parallel
 from ..choices import read_back
 from ..model import Transformer
-from ..sampler import distributions, draw
+from ..sampling.sampler import distributions, draw
 from .rows import Row, batch_histories, batch_suppressed
 
 # Rows that lack at most this many tokens are fed together, each from as far back as the one that

@@ -19,7 +19,7 @@ from .. import parallel
 from ..choices import read_back
 from ..kernels import matmul
 from ..model import Transformer
-from ..sampler import distributions
+from ..sampling.sampler import distributions
 from .acceptance import accept_greedy, accept_sampled
 from .draft import Draft
 from .lookup import lookup_guesses

@@ -1,7 +1,7 @@
 """Every row of a step chooses its next token in one call, each row with its own options and its
 own random generator (vLLM's sampler and gpt-fast's decode_one_token are the models).
 
-The order is sampling.py's rule for one row, after what the caller has done to the logits
+The order is rule.py's for one row, after what the caller has done to the logits
 (structured outputs, logit_bias, presence penalties: llama_tp/structured): the repetition penalty
 from each row's history (TokenHistory), the stop-token ban; then greedy rows
 take their best logit, and the others sample at their temperature from what top-k, min-p and
@@ -23,20 +23,18 @@ float64 from the fp32 scaled logits; only a draw that lands within rounding of t
 between two tokens can take the other one.
 
 Speculative sampling needs the distributions themselves (distributions: every row's in one
-call, exactly sampling.distribution's), and draws from them the same way (draw: one uniform
+call, exactly rule.distribution's), and draws from them the same way (draw: one uniform
 number a row from its own generator, and the inverse CDF in vocabulary order).
 """
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
-from .kernels import cpu_kernels
-
-if TYPE_CHECKING:  # sampling.py builds on this module
-    from .sampling import SamplingOptions
+from ..kernels import cpu_kernels
+from .options import SamplingOptions
 
 # Candidates taken before any sort: enough for top_p 0.9 on a sharp distribution (a chat model at
 # temperature 0.7), a topk of them costs a fraction of a full sort of 49,152 or 128,256 logits.
@@ -86,7 +84,7 @@ class Subset:
 
 
 @functools.lru_cache(maxsize=256)
-def step_options(options: "tuple[SamplingOptions, ...]", vocab: int, device: torch.device) -> StepOptions:
+def step_options(options: tuple[SamplingOptions, ...], vocab: int, device: torch.device) -> StepOptions:
     """The tensors for a step whose rows have these options (the same set step after step)."""
     sampled = tuple(row for row, o in enumerate(options) if not o.greedy)
     chosen = [options[row] for row in sampled]
@@ -168,7 +166,7 @@ class Draw:
         return self.tokens.index_put((self._step.sampled_index[at],), drawn)
 
 
-def sample(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
+def sample(logits: torch.Tensor, options: Sequence[SamplingOptions], generators: Generators = None,
            history: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None) -> Draw:
     """The next token of every row: logits [rows, vocab] -> Draw, with row r's options[r] applied.
 
@@ -222,10 +220,10 @@ def _sample_in_kernel(logits: torch.Tensor, step: StepOptions, generators: Gener
     return cpu_kernels.sample_rows(logits, history, step.row_settings, step.row_top_k, uniform, step.candidates)
 
 
-def distributions(logits: torch.Tensor, options: "Sequence[SamplingOptions]", history: Optional[torch.Tensor] = None,
+def distributions(logits: torch.Tensor, options: Sequence[SamplingOptions], history: Optional[torch.Tensor] = None,
                   ban: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The probabilities each row's next token is drawn from: logits [rows, vocab] -> [rows, vocab],
-    row r exactly sampling.distribution's for options[r] (greedy rows: all on the best token),
+    row r exactly rule.distribution's for options[r] (greedy rows: all on the best token),
     all rows in one call. history and ban: as sample takes them. Speculative sampling compares
     the draft's and the target's. A row whose top-p cuts sorts its whole vocabulary, unless its
     top-k leaves fewer tokens than the candidates."""
@@ -259,7 +257,7 @@ def draw(probs: torch.Tensor, rows: Sequence[int], generators: Generators = None
     return inverse_cdf(probs[index], _uniforms(rows, generators, probs.device))
 
 
-def choose(logits: torch.Tensor, options: "Sequence[SamplingOptions]", generators: Generators = None,
+def choose(logits: torch.Tensor, options: Sequence[SamplingOptions], generators: Generators = None,
            history: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None) -> torch.Tensor:
     """sample's tokens [rows], settled here (a read-back when some row sampled)."""
     return sample(logits, options, generators, history, ban).settle()
