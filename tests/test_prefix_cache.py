@@ -99,7 +99,7 @@ def conversation(llama: Llama, reuse: bool, turns: int = 4) -> tuple[list[list[f
     forward = llama.model.forward
 
     def noting(tokens, start_pos, *args, **kwargs):
-        starts.append(start_pos)
+        starts.append(start_pos[0] if isinstance(start_pos, list) else start_pos)  # the engine's: one a row
         return forward(tokens, start_pos, *args, **kwargs)
 
     llama.model.forward = noting

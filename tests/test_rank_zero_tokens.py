@@ -57,11 +57,15 @@ def serve(llama: Llama) -> list[list[int]]:
         served = [tokens_of(harness.deltas(stream)) for stream in streams]
         harness.close()
         return served
-    from llama_tp.serve.engine import Engine  # the other ranks have no mailbox
+    from llama_tp.engine import Observer, Serving  # the other ranks have no mailbox
 
     ended = {}
-    Engine(llama, 16, on_finish=lambda sequence, reason: ended.update(
-        {sequence.request.id: sequence.sampling.answer})).run(lambda: False)  # ends when rank 0 stops
+
+    class Answers(Observer):
+        def finished(self, sequence, reason):
+            ended[sequence.request.id] = sequence.sampling.answer
+
+    Serving(llama.engine(16, Answers()), None).run(lambda: False)  # ends when rank 0 stops
     return [ended[key] for key in sorted(ended, key=lambda key: int(key.rsplit("-", 1)[-1]))]
 
 

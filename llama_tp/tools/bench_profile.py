@@ -13,8 +13,7 @@ from typing import Callable
 import torch
 
 from ..generation import Llama
-from ..serve.engine import Admission, Engine, News
-from ..serve.requests import GenerationRequest
+from ..engine import Admission, Engine, GenerationRequest
 from . import demo
 
 # The decoding steps torch.profiler watches, after these many steps of warm-up.
@@ -29,7 +28,7 @@ def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int
     checkpoint = demo.demo_checkpoint(1)
     llama = Llama.build(str(checkpoint), str(checkpoint / "tokenizer.json"), max_seq_len=2048,
                         max_batch_size=concurrency, quantize=None if quantize == "fp32" else quantize)
-    engine = Engine(llama, max_prefill_tokens=256)
+    engine = llama.engine(max_prefill_tokens=256)
     seconds: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     _time(engine, "_choose", "choosing tokens", seconds, calls)
@@ -48,11 +47,12 @@ def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     start = time.perf_counter()
     try:
-        while pending or engine.scheduler.running:
-            engine._apply(News(_admissions(engine, pending, concurrency)))
+        while pending or engine.running:
+            for admission in _admissions(engine, pending, concurrency):
+                engine.admit(admission)
             if steps == WARMUP_STEPS:
                 profiler.start()
-            engine._step()
+            engine.step()
             steps += 1
             if steps == WARMUP_STEPS + PROFILED_STEPS:
                 profiler.stop()
@@ -74,8 +74,8 @@ def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int
 def _admissions(engine: Engine, pending: deque, concurrency: int) -> tuple[Admission, ...]:
     """The waiting requests that fit now, as rank 0 would admit them (a closed loop)."""
     admitted, taken = [], set()
-    while pending and len(engine.scheduler.running) + len(admitted) < concurrency:
-        slot = engine.scheduler.choose_slot(pending[0].prompt_tokens, taken)
+    while pending and len(engine.running) + len(admitted) < concurrency:
+        slot = engine.choose_slot(pending[0].prompt_tokens, taken)
         if slot is None:
             break
         taken.add(slot)

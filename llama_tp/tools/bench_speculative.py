@@ -24,8 +24,9 @@ from typing import Optional
 import torch
 
 from .. import parallel
+from ..engine import GenerationRequest, run_job
+from ..engine.speculative import SpeculationStats, Speculator
 from ..generation import Llama
-from ..speculative import SpeculationStats, Speculator
 from ..text.chat_format import Dialog
 from . import demo
 from .cli import run
@@ -98,18 +99,21 @@ def decode(llama: Llama, prompt: list[int], new_tokens: int, options: dict,
     """Greedy tokens for prompt, and the seconds after the first (which every way gets from the
     same prefill); the timers count only those seconds' passes."""
     sampling = llama.sampling_options(**options)
-    steps = llama._decode([prompt], new_tokens, sampling, (), sampling.generator(llama.model.rotary.device))
-    next(steps)  # before the prefill
-    batch = next(steps)
+    room = min(new_tokens, llama.model.max_seq_len - len(prompt))
+    request = GenerationRequest("bench", tuple(prompt), room, sampling, frozenset(llama.tokenizer.stop_tokens))
+    steps = run_job(llama.engine(), [(request, sampling.seed or 0)])
+    updates = []
+    while not any(update.delta.tokens or update.delta.finished for update in updates):
+        updates = next(steps)  # the prefill, until it has chosen the first token
     for timer in timers:
         timer.start()
     start = time.perf_counter()
-    for batch in steps:
+    for updates in steps:
         pass
     elapsed = time.perf_counter() - start
     for timer in timers:
         timer.stop()
-    return batch.generated(0), elapsed
+    return updates[-1].sequence.sampling.answer, elapsed
 
 
 def main(

@@ -19,16 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..continuous import JOB_PREFILL_TOKENS, prompt_seeds
+from ..engine import Delta, GenerationRequest, prompt_seeds, run_job
+from ..engine.scheduler import Sequence
 from ..generation import Llama
 from ..logs import logger
 from ..parallel import global_rank
-from ..serve.engine import Engine
 from ..serve.prepare import chat_request, choices, completion_request
 from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
-from ..serve.requests import Delta, GenerationRequest
 from ..serve.responses import Answered, ChatReply, CompletionReply, Reply
-from ..serve.scheduler import Sequence
 from ..text.streaming import cut_at_stop
 from . import demo
 from .job_output import JobProgress
@@ -163,17 +161,19 @@ def answer_all(generator: Llama, model_name: str, lines: list[str], output: Outp
             pending[checked.request.id] = checked
     progress = JobProgress(len(pending), unit="requests")
 
-    def finished(sequence: Sequence, reason: str) -> None:
-        done = pending[sequence.request.id]
-        output.write(done.custom_id, response(200, answer(done, sequence, reason, generator)), None)
-        progress.update(sequence.generated)
-
     requests = list(pending.values())
     seeds = [request.options.seed for request in (p.request for p in requests)]
     drawn = iter(prompt_seeds(None, seeds.count(None)))  # alike on every rank, as Llama.build seeded them
-    engine = Engine(generator, JOB_PREFILL_TOKENS, on_finish=finished)
+    job = run_job(generator.engine(), [(p.request, next(drawn) if seed is None else seed)
+                                       for p, seed in zip(requests, seeds)])
     try:
-        engine.run_job([(p.request, next(drawn) if seed is None else seed) for p, seed in zip(requests, seeds)])
+        for updates in job:
+            for update in updates:
+                if update.delta.finished:
+                    sequence, done = update.sequence, pending[update.sequence.request.id]
+                    output.write(done.custom_id, response(200, answer(done, sequence, update.delta.finish_reason,
+                                                                      generator)), None)
+                    progress.update(sequence.generated)
     finally:
         progress.close()
 

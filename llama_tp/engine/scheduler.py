@@ -35,7 +35,7 @@ class Sequence:
     admitted: int  # the admission's number: older requests' prompts are fed first
     reused: int = 0  # prompt tokens the slot held already
     generated: int = 0
-    sampling: Any = None  # the engine's per-request state: random generator, text decoder
+    sampling: Any = None  # the engine's per-request state (progress.py): random generator, text decoder
     follows: Optional["Sequence"] = None  # the choice whose prefill this one waits for, then copies
     copy: Optional["Copy"] = None  # a start of its prompt held by another slot, copied before the next passes
 
@@ -119,11 +119,13 @@ class Scheduler:
         slot = self.slots[slot_index]
         assert slot.sequence is None, f"slot {slot_index} is taken"
         prompt = request.prompt_tokens
-        reused = self.prefix_cache.reusable(slot_index, prompt)
+        # A prompt whose own log probabilities are asked for is computed whole: they need its logits.
+        reuse = not request.prompt_logprobs
+        reused = self.prefix_cache.reusable(slot_index, prompt) if reuse else 0
         self.prefix_cache.keep(slot_index, reused)
         source, held = self.prefix_cache.longest_start(prompt, [s.index for s in self.slots if s.index != slot_index])
         copy = None
-        if held - reused >= MIN_COPIED_TOKENS:
+        if reuse and held - reused >= MIN_COPIED_TOKENS:
             # Planned now, done first in this step: before any pass writes the source slot again.
             self.prefix_cache.copy(source, slot_index, held)
             copy, reused = Copy(source, slot_index, reused, held), held

@@ -7,13 +7,13 @@ free. Two ways to guess:
 - "draft": a smaller model sharing the tokenizer, or the target itself quantized (draft.py);
 - "lookup": tokens copied from where the row's last tokens appeared before (lookup.py).
 
-rounds.py runs a round over a batch of rows (the generation API's, decoding.py; the server's);
-acceptance.py decides which guesses stand; setup.py checks the options and loads the draft.
+rounds.py runs a round over the engine's generating rows; acceptance.py decides which guesses
+stand; options.py checks the options and makes the speculator (checkpoint/draft.py loads the draft).
 """
 
+from .options import SPECULATE_MODES, check_speculation, guesses_a_round, make_speculator
 from .rounds import SpeculationStats, Speculator
 from .rows import Outcome, Row
-from .setup import SPECULATE_MODES, build_speculator, check_speculation
 
-__all__ = ["SPECULATE_MODES", "Outcome", "Row", "SpeculationStats", "Speculator", "build_speculator",
-           "check_speculation"]
+__all__ = ["SPECULATE_MODES", "Outcome", "Row", "SpeculationStats", "Speculator", "check_speculation",
+           "guesses_a_round", "make_speculator"]

@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..sampling import SamplingOptions, stop_ban
+from ...sampling import SamplingOptions, stop_ban
 
 
 @dataclass
@@ -19,16 +19,13 @@ class Row:
     prompt_length: int  # min_gen_len counts the tokens after it
     stop_tokens: Sequence[int]  # impossible while fewer than min_gen_len tokens are generated
     room: int  # the most tokens this round may add: the row ends after them
-    # Tokens that come next whatever the model says: the rest of a prompt longer than the
-    # batch's shortest (Meta's schedule), taken as guesses that are always right.
-    forced: Sequence[int] = ()
 
 
 @dataclass
 class Outcome:
     """What a round added to a row."""
 
-    tokens: list[int]  # the accepted guesses, then the target's own token (or the prompt's)
+    tokens: list[int]  # the accepted guesses, then the target's own token
     logits: Optional[torch.Tensor] = None  # when asked: the target's logits predicting each, [len(tokens), vocab]
 
 

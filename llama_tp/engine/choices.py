@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import parallel
-from .sampling.sampler import Draw
+from .. import parallel
+from ..sampling.sampler import Draw
 
 Columns = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 

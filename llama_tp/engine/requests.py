@@ -1,10 +1,10 @@
-"""What the HTTP side hands the engine (a checked GenerationRequest) and what comes back (Deltas).
+"""What a door hands the engine (a checked GenerationRequest) and what comes back (Deltas).
 
-The HTTP side validates everything before a request reaches the engine: the engine never refuses
-a request, it only generates, and every request it takes ends with exactly one final Delta.
+Every door (the API, the batch runner, the HTTP side) validates a request before it reaches the
+engine: the engine never refuses a request, it only generates, and every request it takes ends
+with exactly one final Delta.
 """
 
-import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
@@ -27,7 +27,7 @@ class RequestState(enum.Enum):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A request the HTTP side has checked: its prompt fits, its options are in range."""
+    """A request a door has checked: its prompt fits, its options are in range."""
 
     id: str
     prompt_tokens: tuple[int, ...]
@@ -37,6 +37,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # strings that end the answer, cut before them
     logprobs: bool = False  # each generated token's log probability
     top_logprobs: int = 0  # and the most likely alternatives at each step
+    # Each step's likeliest tokens and their probabilities as the sampler saw them (penalties and
+    # temperature applied): the API's show_top
+    top_candidates: int = 0
+    prompt_logprobs: bool = False  # each prompt token's log probability: the prompt is computed whole, none reused
     constraint: Optional[Constraint] = None  # the answer's grammar (structured outputs)
     thinking: Optional[Thinking] = None  # a reasoning model's answer: its constraint holds what follows the thinking
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
@@ -75,43 +79,3 @@ class Delta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-class Overloaded(Exception):
-    """The waiting line is full (--max_waiting): answer 429 at once."""
-
-
-class Unavailable(Exception):
-    """The engine is loading, stopping or has failed: answer 503."""
-
-
-class RequestStream:
-    """The HTTP side's end of one request: the engine's Deltas, in order, up to the last one.
-
-    The engine thread puts deltas in from its own thread; the HTTP side reads them on its event loop.
-    """
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
-        self.request = request
-        self._loop = loop
-        self._deltas: asyncio.Queue[Delta] = asyncio.Queue()
-
-    def put(self, delta: Delta) -> None:
-        """From any thread: hand the HTTP side a delta (dropped if the HTTP side's loop has closed)."""
-        try:
-            self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
-        except RuntimeError:  # the server has stopped: nobody reads this stream, and the engine goes on
-            pass
-
-    async def next(self) -> Delta:
-        return await self._deltas.get()
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        while True:
-            delta = await self.next()
-            yield delta
-            if delta.finished:
-                return

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..sampling.sampler import Generators, inverse_cdf
+from ...sampling.sampler import Generators, inverse_cdf
 
 
 def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor,

@@ -15,11 +15,11 @@ from typing import Optional
 
 import torch
 
-from .. import parallel
+from ... import parallel
 from ..choices import read_back
-from ..kernels import matmul
-from ..model import Transformer
-from ..sampling.sampler import distributions
+from ...kernels import matmul
+from ...model import Transformer
+from ...sampling.sampler import distributions
 from .acceptance import accept_greedy, accept_sampled
 from .draft import Draft
 from .lookup import lookup_guesses
@@ -30,7 +30,7 @@ from .rows import Outcome, Row, batch_histories, batch_suppressed
 class SpeculationStats:
     """Counts since the speculator was made (or reset): how well the guesses fare."""
 
-    proposed: int = 0  # guesses offered (the rest of a longer prompt not counted)
+    proposed: int = 0  # guesses offered
     accepted: int = 0  # of those, accepted
     verified_rows: int = 0  # rows verified, one pass of the target each
     tokens: int = 0  # tokens the rounds added
@@ -70,13 +70,11 @@ class Speculator:
         fits = min(model.max_seq_len - len(row.tokens) for row in rows)  # positions left after the last
         counts = [max(0, min(k, row.room - 1, fits)) for row in rows]
         plain = not want_logits and all(row.options.takes_best_logit for row in rows)
-        forced = [list(row.forced[:count]) for row, count in zip(rows, counts)]
         if self.mode == "lookup":
-            guesses = [f + lookup_guesses(row.tokens + f, count - len(f))
-                       for row, f, count in zip(rows, forced, counts)]
+            guesses = [lookup_guesses(row.tokens, count) for row, count in zip(rows, counts)]
             drawn_from: Optional[torch.Tensor] = None  # certain guesses
         else:
-            guesses, drawn_from = self.draft.propose(rows, counts, forced, plain)
+            guesses, drawn_from = self.draft.propose(rows, counts, plain)
         width = max(map(len, guesses))
         device = model.rotary.device
         # Each row's last token, its guesses, and padding (never accepted) up to the longest.
@@ -86,10 +84,6 @@ class Speculator:
                                slots=[row.slot for row in rows])  # rows, width + 1, vocab (or this rank's slice)
         if plain:
             choices = parallel.vocab_argmax(logits.flatten(0, 1)).view(len(rows), width + 1)
-            for index, row in enumerate(rows):
-                if row.forced:  # the prompt's own tokens, whatever the model prefers
-                    ahead = list(row.forced[: width + 1])
-                    choices[index, : len(ahead)] = torch.tensor(ahead, device=device)
             padded = torch.tensor([g + [-1] * (width - len(g)) for g in guesses], device=device)
             accepted, token = accept_greedy(choices, padded, torch.tensor(list(map(len, guesses)), device=device))
         else:
@@ -98,11 +92,11 @@ class Speculator:
         # the same on every rank: vocab_argmax's winners come from the same gathered pairs).
         verdicts = [(int(taken), int(chosen)) for taken, chosen in read_back([accepted, token])[1]]
         outcomes = []
-        for index, (row, g, f, (taken, token)) in enumerate(zip(rows, guesses, forced, verdicts)):
+        for index, (row, g, (taken, token)) in enumerate(zip(rows, guesses, verdicts)):
             model.prefix_cache.extend(row.slot, len(row.tokens) - 1, [row.tokens[-1], *g[:taken]])
             outcomes.append(Outcome(g[:taken] + [token], logits[index, : taken + 1] if want_logits else None))
-            self.stats.proposed += len(g) - len(f)
-            self.stats.accepted += max(0, taken - len(f))
+            self.stats.proposed += len(g)
+            self.stats.accepted += taken
             self.stats.verified_rows += 1
             self.stats.tokens += taken + 1
         return outcomes
@@ -124,11 +118,6 @@ class Speculator:
         ban = batch_suppressed(rows, [len(row.tokens) for row in rows], positions, vocab, device)
         p = distributions(logits.flatten(0, 1), [row.options for row in rows for _ in range(positions)], history,
                           None if ban is None else ban.flatten(0, 1)).view(count, positions, vocab)
-        if any(row.forced for row in rows):  # the prompt's own tokens, whatever the model prefers
-            ahead = torch.tensor([[*row.forced[:positions], *[-1] * (positions - len(row.forced[:positions]))]
-                                  for row in rows], device=device)  # rows, positions
-            one_hot = torch.nn.functional.one_hot(ahead.clamp(min=0), vocab).to(p.dtype)
-            p = torch.where((ahead >= 0)[..., None], one_hot, p)
         counts = torch.tensor([len(g) for g in guesses], device=device)
         padded = torch.tensor([g + [-1] * (positions - 1 - len(g)) for g in guesses], dtype=torch.long, device=device)
         accepted = torch.empty(count, dtype=torch.long, device=device)

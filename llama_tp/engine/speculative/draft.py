@@ -11,10 +11,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import parallel
+from ... import parallel
 from ..choices import read_back
-from ..model import Transformer
-from ..sampling.sampler import distributions, draw
+from ...model import Transformer
+from ...sampling.sampler import distributions, draw
 from .rows import Row, batch_histories, batch_suppressed
 
 # Rows that lack at most this many tokens are fed together, each from as far back as the one that
@@ -28,10 +28,8 @@ class Draft:
         self.model = model
         self.description = description  # for people: "int8 copy of the target", a folder
 
-    def propose(self, rows: list[Row], counts: list[int], forced: list[list[int]],
-                plain: bool) -> tuple[list[list[int]], Optional[torch.Tensor]]:
-        """counts[r] guesses for each row (its forced tokens first), each drawn as the row's options
-        draw from the draft's logits; and, when some row samples, the distributions the guesses
+    def propose(self, rows: list[Row], counts: list[int], plain: bool) -> tuple[list[list[int]], Optional[torch.Tensor]]:
+        """counts[r] guesses for each row, each drawn as the row's options draw from the draft's logits; and, when some row samples, the distributions the guesses
         were drawn from, [rows, most guesses, vocab] (what a greedy row's hold, or a row's past
         its count, is never read).
 
@@ -47,7 +45,7 @@ class Draft:
         drawn_from = []
         for step in range(steps):
             picks, probs = self._pick([rows[r] for r in chosen], [guesses[r] for r in chosen],
-                                      [forced[r] for r in chosen], [counts[r] for r in chosen], logits, plain)
+                                      [counts[r] for r in chosen], logits, plain)
             drawn_from.append(probs)
             for r, token in zip(chosen, picks):
                 guesses[r].append(token)
@@ -97,15 +95,13 @@ class Draft:
         return logits
 
     @staticmethod
-    def _pick(rows: list[Row], guesses: list[list[int]], forced: list[list[int]], counts: list[int],
-              logits: torch.Tensor, plain: bool) -> tuple[list[int], Optional[torch.Tensor]]:
-        """Each row's next guess from the draft's logits [rows, vocab], all rows at once: forced, or
-        drawn as the row draws (a row past its count draws nothing); and unless plain, the
-        distributions they were drawn from [rows, vocab] (a forced token's is never read: the
-        target's is one-hot on it, so it is always accepted)."""
+    def _pick(rows: list[Row], guesses: list[list[int]], counts: list[int], logits: torch.Tensor,
+              plain: bool) -> tuple[list[int], Optional[torch.Tensor]]:
+        """Each row's next guess from the draft's logits [rows, vocab], all rows at once, drawn as
+        the row draws (a row past its count draws nothing); and unless plain, the distributions
+        they were drawn from [rows, vocab]."""
         if plain:
-            best = parallel.vocab_argmax(logits).tolist()
-            return [f[len(g)] if len(g) < len(f) else b for b, g, f in zip(best, guesses, forced)], None
+            return parallel.vocab_argmax(logits).tolist(), None
         device, vocab = logits.device, logits.shape[-1]
         history = None
         if any(row.options.repetition_penalty != 1.0 for row in rows):
@@ -113,15 +109,11 @@ class Draft:
         ban = batch_suppressed(rows, [len(row.tokens) + len(g) for row, g in zip(rows, guesses)], 1, vocab, device)
         probs = distributions(logits, [row.options for row in rows], history, None if ban is None else ban[:, 0])
         tokens = probs.argmax(dim=-1)  # a greedy row's best token: its distribution is one-hot
-        ahead = [f[len(g)] if len(g) < len(f) else -1 for g, f in zip(guesses, forced)]
-        sampling = [index for index, (row, g, count, token) in enumerate(zip(rows, guesses, counts, ahead))
-                    if not row.options.greedy and token < 0 and len(g) < count]
+        sampling = [index for index, (row, g, count) in enumerate(zip(rows, guesses, counts))
+                    if not row.options.greedy and len(g) < count]
         if sampling:
             drawn = draw(probs, sampling, [row.generator for row in rows])
             tokens = tokens.index_put((torch.tensor(sampling, device=device),), drawn)
-        if any(token >= 0 for token in ahead):  # the verdict takes them whatever their distribution says
-            ahead_tokens = torch.tensor(ahead, device=device)
-            tokens = torch.where(ahead_tokens >= 0, ahead_tokens, tokens)
         # Read back once for every row, as rank 0 drew them: a rank whose draft drew otherwise
         # would record other tokens in its draft's cache and feed it other passes later.
         return [int(row[0]) for row in read_back([tokens])[1]], probs
