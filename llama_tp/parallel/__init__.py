@@ -2,7 +2,8 @@
 
 Everything else asks this package; nothing outside it imports torch.distributed or reads the
 torchrun environment. NCCL and this process's GPU when CUDA is present (group.device_for), gloo
-and CPU otherwise or with LLAMA_TP_DEVICE=cpu; host objects always travel over gloo.
+and CPU otherwise or with LLAMA_TP_DEVICE=cpu (gloo on GPUs with LLAMA_TP_BACKEND=gloo); host
+objects always travel over gloo.
 
 `group`: this process's place, device, dtype and process groups; `failures`: failing and leaving
 together; `layers`: fairscale's parallel layers; `collectives`: their sums and gathers, through
@@ -29,6 +30,7 @@ from .group import (
     gather_objects,
     gather_objects_if_any,
     global_rank,
+    graphs_hold_collectives,
     host_group,
     init,
     model_parallel_rank,
@@ -58,6 +60,7 @@ __all__ = [
     "gather_objects",
     "gather_objects_if_any",
     "global_rank",
+    "graphs_hold_collectives",
     "host_group",
     "init",
     "is_peer_failure",
