@@ -19,6 +19,7 @@ from fairscale.nn.model_parallel import initialize as fairscale_mp
 
 from ..kernels.cpu_kernels import cxx_compiler_found
 from ..logs import set_rank as set_log_rank
+from .watchdog import watch_peers
 
 # How long a rank waits for the others at process-group start-up or in any one collective before
 # giving up with an error instead of hanging; generous because ranks load shards at their own pace.
@@ -265,6 +266,8 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
         if world_size > 1:
             # Made now, on every rank together: creating a group is itself a collective.
             _host_groups.append(dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None)
+            if device.type == "cuda":  # a GPU can wait for a lost rank where no timeout reaches
+                watch_peers(dist.new_group(backend="gloo", timeout=timeout), rank, world_size, timeout.total_seconds())
             _start_launcher_watchdog()
     if not fairscale_mp.model_parallel_is_initialized():
         with _quiet(), _groups_with_timeout(collective_timeout()):
