@@ -72,3 +72,27 @@ def test_ranks_that_leave_together_stop_watching_together(tmp_path):
     for number, rank in enumerate(ranks):
         stderr = (tmp_path / f"rank{number}.err").read_text()
         assert rank.returncode == 0 and "llama_tp error" not in stderr and "Traceback" not in stderr, stderr
+
+
+def test_ranks_that_end_without_leaving_wait_for_each_other(tmp_path):
+    """A program of one's own that never calls parallel.leave: rank 1, still at work seconds after
+    rank 0 has ended, is not taken for lost; they leave together as the interpreter exits."""
+    with plain_ranks([STUCK_RANK, "--wait", "none", "--linger", "8", "--leave", "false"], tmp_path,
+                     LLAMA_TP_TIMEOUT=str(TIMEOUT)) as ranks:
+        wait_for_text(ranks, [tmp_path / "rank0.out", tmp_path / "rank1.out"], "ready", START_LIMIT)
+        for rank in ranks:
+            seconds_to_end(rank, 3 * TIMEOUT)
+    for number, rank in enumerate(ranks):
+        stderr = (tmp_path / f"rank{number}.err").read_text()
+        assert rank.returncode == 0 and "llama_tp error" not in stderr, stderr
+
+
+def test_a_rank_that_ends_on_a_bug_ends_the_others_without_waiting_for_them(tmp_path):
+    with plain_ranks([STUCK_RANK, "--wait", "lock", "--crash_rank", "1"], tmp_path,
+                     LLAMA_TP_TIMEOUT=str(TIMEOUT)) as ranks:
+        wait_for_text(ranks[:1], [tmp_path / "rank0.out"], "ready", START_LIMIT)
+        assert seconds_to_end(ranks[1], 3 * TIMEOUT) < TIMEOUT  # gone at once, its traceback printed
+        seconds = seconds_to_end(ranks[0], 3 * TIMEOUT)
+    stderr = (tmp_path / "rank0.err").read_text()
+    assert "RuntimeError: a bug on this rank" in (tmp_path / "rank1.err").read_text()
+    assert ranks[0].returncode == 1 and seconds < TIMEOUT and LOST in stderr, (seconds, stderr)

@@ -19,6 +19,7 @@ handling, TORCH_NCCL_ASYNC_ERROR_HANDLING=3, skips it for that reason), and a pr
 needs none. NCCL's own handling stays as it is for eager collectives.
 """
 
+import atexit
 import json
 import os
 import sys
@@ -103,6 +104,7 @@ def watch_peers(group: Any, rank: int, world_size: int, timeout_seconds: float) 
     together."""
     global _watch
     _watch = PeerWatch(group, rank, world_size, timeout_seconds)
+    atexit.register(_leave_at_exit)
 
 
 def stop_watching() -> None:
@@ -113,3 +115,11 @@ def stop_watching() -> None:
         _watch.leaving.set()
         _watch.thread.join(_watch.timeout_seconds + MEETING_SECONDS)
         _watch = None
+
+
+def _leave_at_exit() -> None:
+    """A program that ends without parallel.leave (one of the user's own) leaves with the other
+    ranks here, so that a rank still at work, writing its answers, is not taken for lost; unless
+    it ends on an error (reported, or a traceback), which the others are to see at once."""
+    if not _reported.is_set() and getattr(sys, "last_exc", getattr(sys, "last_value", None)) is None:
+        stop_watching()
