@@ -113,12 +113,16 @@ def test_help_mentions_the_hyphenated_spellings_once():
     assert with_hyphen_note(doc) == doc
 
 
+# `if __name__ == "__main__":` and what runs a main through llama_tp.tools.cli: run(main), or
+# run_tool("module", ...) for a python -m llama_tp.* command whose tool module holds it.
+ENTRY = re.compile(r'^if __name__ == "__main__":\n\s+(run\(main\b|run_tool\("(?P<tool>[\w.]+)")', re.MULTILINE)
+
+
 def entry_points() -> list[str]:
-    """Every file that runs a main through llama_tp.tools.cli.run: the launch scripts and the
+    """Every file that runs a main through llama_tp.tools.cli: the launch scripts and the
     python -m llama_tp.* commands."""
     files = sorted(ROOT.glob("launch/*.py")) + sorted(ROOT.glob("llama_tp/**/*.py"))
-    return [str(file.relative_to(ROOT)) for file in files
-            if re.search(r"^\s+run\(main\b", file.read_text(), re.MULTILINE)]
+    return [str(file.relative_to(ROOT)) for file in files if ENTRY.search(file.read_text())]
 
 
 def load_main(relative_path: str):
@@ -126,9 +130,9 @@ def load_main(relative_path: str):
         spec = importlib.util.spec_from_file_location(Path(relative_path).stem, ROOT / relative_path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(relative_path.removesuffix(".py").replace("/", "."))
-    return module.main
+        return module.main
+    tool = ENTRY.search((ROOT / relative_path).read_text())["tool"]
+    return importlib.import_module(tool or relative_path.removesuffix(".py").replace("/", ".")).main
 
 
 def test_every_launch_script_and_command_is_found():

