@@ -14,11 +14,12 @@ from .args import ModelArgs
 from .batch import Generated
 from .checkpoint import load_model, open_checkpoint
 from .checkpoint.record import read_record
+from .context import check_max_seq_len, trained_context
 from .continuous import check_seeds, prompt_seeds
 from .generate_loops import GenerateLoops
 from .kernels import matmul
 from .logs import logger
-from .memory import plan, report
+from .memory import check_fits, plan, report
 from .model import Transformer
 from .quantize import check_quantize_on
 from .sampling import SamplingOptions
@@ -107,10 +108,13 @@ class Llama(GenerateLoops):
             tokenizer.stop_tokens = tokenizer.stop_tokens | set(record.stop_tokens)
             args = args.with_vocab_size(tokenizer.n_words, padded=isinstance(tokenizer, HFTokenizer))
             args.check_model_parallel_size(placement.world_size)
+            check_max_seq_len(max_seq_len, trained_context(args, tokenizer, record))
             dtype = parallel.resolve_dtype(dtype, placement.device)
             checkpoint = open_checkpoint(ckpt_dir, args)  # an int8 checkpoint loads as int8
-            logger.info(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
-                               quantize or checkpoint.quantization)))
+            memory = plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
+                          quantize or checkpoint.quantization)
+            logger.info(report(memory))
+            check_fits(memory, placement.device, placement.processes_here)
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)

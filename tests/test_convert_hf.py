@@ -50,7 +50,7 @@ def hf_folder(folder: Path, tied: bool) -> LlamaForCausalLM:
         vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=200 if tied else 176,  # 200 needs an ffn_dim_multiplier, 176 only multiple_of
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        max_position_embeddings=64, tie_word_embeddings=tied, eos_token_id=0 if tied else 2,
+        max_position_embeddings=2048, tie_word_embeddings=tied, eos_token_id=0 if tied else 2,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float().eval()
@@ -92,6 +92,7 @@ def test_convert_hf_logits_equal_transformers(converted):
         assert llama.tokenizer.stop_tokens == {0, 2}  # <|endoftext|> (eos) and <|im_end|>
     recommended = {"temperature": 0.3, "top_p": 0.8, "repetition_penalty": 1.05} if tied else {}
     assert llama.sampling_defaults == recommended
+    assert json.loads((root / "mp1" / "llama_tp.json").read_text())["context_length"] == 2048  # max_position_embeddings
 
 
 def test_convert_hf_shards_concatenate_to_the_single_shard(converted, tmp_path):

@@ -80,10 +80,11 @@ def test_demo_is_prepared_by_rank_0_while_the_others_wait(tmp_path):
     assert sorted(lines[2:]) == ["0 done", "0 start", "1 done", "1 start", "2 done", "2 start"]
 
 
-def test_demo_converted_before_sampling_was_recorded_gets_it_without_converting_again(tmp_path):
+def test_demo_converted_before_sampling_and_context_were_recorded_gets_them_without_converting_again(tmp_path):
     old = tmp_path / "smollm2-135m-instruct-mp1"
     old.mkdir()
     (old / "llama_tp.json").write_text('{"chat_format": "chatml", "stop_tokens": [2]}')
     assert demo.demo_checkpoint(1, home=tmp_path) == old  # no download: there is no GGUF here
-    assert read_record(old) == ModelRecord(chat_format="chatml", stop_tokens=(2,), sampling=demo.SAMPLING)
+    assert read_record(old) == ModelRecord(chat_format="chatml", stop_tokens=(2,), sampling=demo.SAMPLING,
+                                           context_length=8192)
     assert sorted(p.name for p in old.iterdir()) == ["llama_tp.json"]

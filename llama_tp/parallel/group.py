@@ -49,6 +49,7 @@ class Placement:
     world_size: int
     local_rank: int
     device: torch.device
+    processes_here: int = 1  # this host's processes of the job (LOCAL_WORLD_SIZE), which share its memory
 
     @property
     def is_main(self) -> bool:
@@ -205,7 +206,7 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
     if not fairscale_mp.model_parallel_is_initialized():
         with _quiet(), _groups_with_timeout(collective_timeout()):
             fairscale_mp.initialize_model_parallel(model_parallel_size)
-    return Placement(rank, world_size, local_rank, device)
+    return Placement(rank, world_size, local_rank, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 @contextmanager

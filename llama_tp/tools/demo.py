@@ -34,6 +34,7 @@ WORLD_SIZES = (1, 3)
 # them alone, 9 of 16 answers to launch/chat_completion.py's dialogs (4 seeds, 200 tokens) ended
 # in a loop, with Ollama's repeat penalty of 1.1 besides, none but a repeated list item.
 SAMPLING = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+CONTEXT_LENGTH = 8192  # the GGUF's llama.context_length, for a copy converted before it was recorded
 
 
 def cache_root() -> Path:
@@ -71,11 +72,12 @@ def demo_checkpoint(world_size: int, home: Optional[Path] = None) -> Path:
     home = Path(home) if home is not None else cache_root()
     checkpoint = home / CHECKPOINT_NAME.format(world_size)
     # The converter renames a finished folder into place: a folder that is there is whole.
-    if checkpoint.is_dir() and read_record(checkpoint).sampling:
+    record = read_record(checkpoint) if checkpoint.is_dir() else None
+    if record is not None and record.sampling and record.context_length:
         return checkpoint
     with _locked(home):
-        if checkpoint.is_dir():  # converted before its sampling settings were recorded
-            _record_sampling(checkpoint)
+        if checkpoint.is_dir():  # converted before its sampling settings or context were recorded
+            _complete_record(checkpoint)
         else:
             from .convert.gguf import convert_gguf
 
@@ -87,9 +89,9 @@ def demo_checkpoint(world_size: int, home: Optional[Path] = None) -> Path:
     return checkpoint
 
 
-def _record_sampling(checkpoint: Path) -> None:
-    """Add SAMPLING to a converted demo model's record, replacing the file in one step."""
-    record = dataclasses.replace(read_record(checkpoint), sampling=SAMPLING)
+def _complete_record(checkpoint: Path) -> None:
+    """Add SAMPLING and CONTEXT_LENGTH to a converted demo model's record, replacing the file in one step."""
+    record = dataclasses.replace(read_record(checkpoint), sampling=SAMPLING, context_length=CONTEXT_LENGTH)
     partial = checkpoint / f".{RECORD_FILE}.partial"
     partial.write_text(record.to_json())
     partial.replace(checkpoint / RECORD_FILE)

@@ -75,7 +75,7 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
     recommended = recommended_sampling(metadata) | (sampling or {})
     check_sampling(recommended, "the recommended sampling settings")
     record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=path.name, sampling=recommended,
-                         chat_template=template)
+                         chat_template=template, context_length=context_length(metadata))
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
@@ -96,6 +96,12 @@ class Metadata:
                 raise ValueError(f"{self.path} has no {key!r} metadata; is it a complete Llama GGUF?")
             return default
         return self.fields[key].contents()
+
+
+def context_length(metadata: Metadata) -> Optional[int]:
+    """The context the model was trained for, as the file says."""
+    tokens = metadata.get("{arch}.context_length", None)
+    return int(tokens) if tokens is not None else None
 
 
 # llama.cpp's keys for the sampling settings a model's makers recommend, by our names. Its repeat

@@ -59,7 +59,7 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     sampling = {name: generation[name] for name in SAMPLING_SETTINGS if generation.get(name) is not None}
     check_sampling(sampling, str(src / "generation_config.json"))
     record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=src.name, sampling=sampling,
-                         chat_template=template)
+                         chat_template=template, context_length=config.get("max_position_embeddings"))
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
