@@ -6,9 +6,11 @@ import hashlib
 import json
 import os
 import pickle
+import sys
 import time
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
@@ -16,8 +18,11 @@ from fairscale.nn.model_parallel import initialize as fairscale_mp
 
 from ..optional import MissingExtra
 from .collectives import forget_shared_sum
-from .group import _host_groups, collective_timeout, gather_objects, host_group, launcher_gone_message
+from .group import _host_groups, collective_timeout, gather_objects, global_rank, host_group, launcher_gone_message
 from .shared_memory import is_exchange_timeout
+
+# The folder where, under llama-tp, each rank leaves its line for the launcher to print (launcher.py).
+FAILURE_LINES = "LLAMA_TP_FAILURE_LINES"
 
 @contextmanager
 def agreement(step: str) -> Iterator[None]:
@@ -97,7 +102,15 @@ def describe_peer_failure(error: BaseException) -> str:
 
 
 def report_failure(message: str) -> None:
-    """Hand message to torchrun, which shows it in its failure summary instead of a link to its docs."""
+    """Say message, this rank's one line on why it stops: on stderr, or, under llama-tp (launcher.py),
+    to the launcher, which prints every rank's in rank order once they have all ended. torchrun
+    gets it too, for its failure summary (instead of a link to its docs)."""
+    lines = os.environ.get(FAILURE_LINES)
+    if lines and os.path.isdir(lines):
+        (Path(lines) / str(global_rank())).write_text(message)
+    else:  # line and newline in one write (print makes two): unbuffered, another rank's could come between
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         # The layout torchrun's own @record writes; the summary prints py_callstack as "traceback".
