@@ -9,7 +9,8 @@ import fire
 
 from .. import parallel
 from ..optional import MissingExtra, explained
-from .options import OptionError, checked_command_line, with_hyphen_note
+from .help import help_text
+from .options import OptionError, checked_command_line, wants_help
 
 # What a user can get wrong surfaces as one of these; anything else is our bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)
@@ -19,16 +20,20 @@ INTERRUPTED_EXIT_CODE = 130
 USAGE_EXIT_CODE = 2
 
 
-def run(main: Callable, passes_on: Optional[Callable] = None) -> None:
+def run(main: Callable, passes_on: Optional[Callable] = None, program: Optional[str] = None) -> None:
     """fire.Fire(main), turning a user mistake, Ctrl-C or a lost peer into a short message and a
     non-zero exit on every rank; LLAMA_TP_DEBUG=1 keeps the traceback. The command line is checked
-    first, before anything loads; passes_on is the function main hands its **options to."""
+    first, before anything loads; passes_on is the function main hands its **options to; program,
+    what --help calls the command (default: the script's path)."""
     debug = os.environ.get("LLAMA_TP_DEBUG") == "1"
+    if wants_help(sys.argv[1:]):
+        if parallel.global_rank() == 0:
+            print(help_text(main, program or sys.argv[0], passes_on))
+        sys.exit(0)
     try:
         command = checked_command_line(main, sys.argv[1:], passes_on)
     except OptionError as error:
         _exit(str(error), USAGE_EXIT_CODE, wait_for_others=True)
-    main.__doc__ = with_hyphen_note(main.__doc__)
     try:
         fire.Fire(main, command=command)
         parallel.leave()
@@ -59,7 +64,7 @@ def run_tool(module: str, command: str) -> None:
         main = importlib.import_module(module).main
     except ModuleNotFoundError as error:
         _exit_if_extra_missing(error, command)
-    run(main)
+    run(main, program=command)
 
 
 def _exit_if_extra_missing(error: ModuleNotFoundError, command: str) -> None:

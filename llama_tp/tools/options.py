@@ -29,8 +29,6 @@ def checked_command_line(main: Callable, argv: list[str], passes_on: Optional[Ca
     --nostream), or OptionError naming the first option or value that does not fit. passes_on is
     the function that main hands its **keyword options to, whose options are accepted too."""
     fire_args, fire_flags = _split_at_separator(argv)
-    if "--help" in fire_args or "-h" in fire_args:
-        return ["--", "--help"]  # fire's own flag: help even where **options would take --help
     options = option_types(main)
     positional_names = list(options)
     if passes_on is not None:
@@ -68,14 +66,10 @@ def checked_command_line(main: Callable, argv: list[str], passes_on: Optional[Ca
     return positionals + checked + (["--", *fire_flags] if fire_flags or "--" in argv else [])
 
 
-def with_hyphen_note(doc: Optional[str]) -> Optional[str]:
-    """main's docstring with a line on hyphenated spellings before its Args section, for --help."""
-    if not doc or HYPHEN_NOTE in doc:
-        return doc
-    head, args_header, tail = doc.partition("\n\n    Args:")
-    if not args_header:
-        return f"{doc.rstrip()}\n\n    {HYPHEN_NOTE}\n"
-    return f"{head}\n\n    {HYPHEN_NOTE}{args_header}{tail}"
+def wants_help(argv: list[str]) -> bool:
+    """Whether the command line asks for --help (or -h), whatever else is on it."""
+    script_args, _ = _split_at_separator(argv)
+    return "--help" in script_args or "-h" in script_args
 
 
 def option_types(function: Callable) -> dict[str, Any]:
