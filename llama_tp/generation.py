@@ -48,10 +48,10 @@ class ChatPrediction(TypedDict, total=False):
 class Llama(GenerateLoops):
     @staticmethod
     def build(
-        ckpt_dir: str,
-        tokenizer_path: str,
-        max_seq_len: int,
-        max_batch_size: int,
+        ckpt_dir: Optional[str] = None,
+        tokenizer_path: Optional[str] = None,
+        max_seq_len: int = 512,
+        max_batch_size: int = 4,
         model_parallel_size: Optional[int] = None,
         seed: int = 1,
         dtype: "str | torch.dtype | None" = None,
@@ -63,6 +63,9 @@ class Llama(GenerateLoops):
         draft_quantize: Optional[str] = None,
     ) -> "Llama":
         """Join the process group, load this rank's slice of the checkpoint, and return a generator.
+
+        Without paths, the built-in demo model (fetched and converted on first use); without a
+        tokenizer_path, the tokenizer in the checkpoint folder.
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
@@ -98,6 +101,10 @@ class Llama(GenerateLoops):
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
+        if ckpt_dir is None or tokenizer_path is None:
+            from .tools.demo import model_paths  # the demo's download and conversion: only when asked for
+
+            ckpt_dir, tokenizer_path = model_paths(ckpt_dir, tokenizer_path)
         ckpt_dir = Path(ckpt_dir)
         start = time.perf_counter()
         # Each rank reads its own files: a mistake seen by one rank must stop them all.

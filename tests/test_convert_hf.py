@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_tp import Llama
 from llama_tp.text.chat_format import ChatMLFormat
+from llama_tp.text.hf_tokenizer import HFTokenizer
 from llama_tp.tools.convert.__main__ import main as convert
 from tiny_checkpoint import LLAMA2_TOKENIZER, split_dim
 
@@ -75,6 +76,28 @@ def converted(request, tmp_path_factory):
     convert("hf", str(root / "hf"), str(root / "mp1"), mp=1)
     tokenizer = root / "mp1" / ("tokenizer.json" if tied else "tokenizer.model")
     return reference, root, tokenizer, tied
+
+
+def test_convert_says_what_to_run_next_and_the_folder_needs_no_tokenizer_path(tmp_path, capsys):
+    hf_folder(tmp_path / "hf", tied=True)
+    convert("hf", str(tmp_path / "hf"), str(tmp_path / "my model"), mp=1)
+    assert capsys.readouterr().out == (
+        f"converted into {tmp_path / 'my model'}; chat with it, or serve it:\n"
+        f"  llama-tp --nproc_per_node 1 launch/chat.py --ckpt_dir '{tmp_path / 'my model'}'\n"
+        f"  llama-tp --nproc_per_node 1 launch/serve.py --ckpt_dir '{tmp_path / 'my model'}'\n")
+    llama = Llama.build(str(tmp_path / "my model"), max_seq_len=64, max_batch_size=1)  # its tokenizer.json
+    assert isinstance(llama.tokenizer, HFTokenizer)
+
+
+def test_build_without_paths_runs_the_demo_model(tmp_path, monkeypatch):
+    """A model converted where the demo model lives stands in for it: nothing is downloaded."""
+    hf_folder(tmp_path / "hf", tied=True)
+    convert("hf", str(tmp_path / "hf"), str(tmp_path / "home" / "smollm2-135m-instruct-mp1"))
+    monkeypatch.setenv("LLAMA_TP_HOME", str(tmp_path / "home"))
+    llama = Llama.build()
+    assert llama.model.args.dim == 64 and llama.sampling_defaults == {"temperature": 0.3, "top_p": 0.8,
+                                                                        "repetition_penalty": 1.05}
+    assert llama.model.max_seq_len == 512
 
 
 def test_convert_hf_logits_equal_transformers(converted):

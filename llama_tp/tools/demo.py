@@ -28,6 +28,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "smollm2-135m-instruct"  # what the server calls it
 CHECKPOINT_NAME = MODEL_NAME + "-mp{}"
+# What a checkpoint folder may hold its tokenizer as, without --tokenizer_path, in this order.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # 9 query heads, 3 KV heads, feed-forward 1536 and vocabulary 49152 all divide by these.
 WORLD_SIZES = (1, 3)
 # The GGUF records no sampling settings. Its model card's are temperature 0.2 and top_p 0.9; with
@@ -43,7 +45,9 @@ def cache_root() -> Path:
 
 
 def model_paths(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -> tuple[str, str]:
-    """The paths given, or the demo model's for this job when both are left out."""
+    """The paths given, or the demo model's for this job when both are left out; without a
+    tokenizer path, the tokenizer in the checkpoint folder (as convert writes it, and as Meta
+    ships Llama 3's)."""
     if ckpt_dir is None and tokenizer_path is None:
         require_all(("gguf", "tokenizers"), "the demo model")  # on every rank, before 93 MB are downloaded
         placement = parallel.init()
@@ -53,10 +57,15 @@ def model_paths(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -> tuple
                 demo_checkpoint(placement.world_size)
         checkpoint = demo_checkpoint(placement.world_size)  # ready (another machine prepares its own copy)
         return str(checkpoint), str(checkpoint / "tokenizer.json")
-    if ckpt_dir is None or tokenizer_path is None:
-        missing = "--ckpt_dir" if ckpt_dir is None else "--tokenizer_path"
-        raise ValueError(f"{missing} is missing; pass both --ckpt_dir and --tokenizer_path, or neither "
+    if ckpt_dir is None:
+        raise ValueError("--ckpt_dir is missing; pass both --ckpt_dir and --tokenizer_path, or neither "
                          "to run the built-in demo model")
+    if tokenizer_path is None:
+        inside = [Path(ckpt_dir) / name for name in TOKENIZER_FILES if (Path(ckpt_dir) / name).is_file()]
+        if not inside:
+            raise ValueError(f"--tokenizer_path is missing and {ckpt_dir} holds no {' or '.join(TOKENIZER_FILES)}; "
+                             "pass --tokenizer_path with the tokenizer that came with the checkpoint")
+        return ckpt_dir, str(inside[0])
     return ckpt_dir, tokenizer_path
 
 
