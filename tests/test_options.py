@@ -94,6 +94,17 @@ def test_one_letter_shortcuts_resolve_only_when_unambiguous():
     assert refusal(["run", "-s", "x"]) == "-s: could be any of --stream, --stop; spell the option out"
 
 
+def test_one_letter_shortcuts_prefer_the_one_option_that_must_be_given():
+    def run_batch(input_file: str, output_file: str, overwrite: bool = False, other: int = 1):
+        pass
+
+    assert checked_command_line(run_batch, ["-i", "a", "-o", "b", "--overwrite"]) == [
+        "--input_file=a", "--output_file=b", "--overwrite"]
+    with pytest.raises(OptionError, match="^--output_file is missing: it has no default \\(see --help\\)$"):
+        checked_command_line(run_batch, ["-i", "a"])
+    assert checked_command_line(run_batch, ["a", "b"]) == ["a", "b"]  # or given by place
+
+
 def test_help_is_asked_for_whatever_else_is_on_the_line():
     assert wants_help(["--temprature", "0", "--help"]) and wants_help(["-h"])
     assert not wants_help(["run", "--", "--help"])  # fire's own flags, after a lone --
@@ -173,7 +184,9 @@ def test_every_entry_point_refuses_misspelled_and_unknown_options_and_takes_hyph
         checked_command_line(main, [f"--{misspelled}", "1"])
     with pytest.raises(OptionError, match="^--no_such_option: no such option"):
         checked_command_line(main, ["--no_such_option", "1"])
-    hyphenated = checked_command_line(main, [f"--{option.replace('_', '-')}=1"])
+    required = [f"--{name}=1" for name, parameter in inspect.signature(main).parameters.items()
+                if parameter.default is parameter.empty and name != option and name in options]
+    hyphenated = checked_command_line(main, [*required, f"--{option.replace('_', '-')}=1"])
     assert hyphenated[-1].startswith(f"--{option}=") or hyphenated[-1] in (f"--{option}", f"--no{option}")
 
 

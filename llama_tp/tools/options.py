@@ -31,6 +31,8 @@ def checked_command_line(main: Callable, argv: list[str], passes_on: Optional[Ca
     fire_args, fire_flags = _split_at_separator(argv)
     options = option_types(main)
     positional_names = list(options)
+    required = {name for name, parameter in inspect.signature(main).parameters.items()
+                if parameter.default is parameter.empty and name in options}
     if passes_on is not None:
         options = {**option_types(passes_on), **options}
     checked, positionals, named = [], [], set()
@@ -44,7 +46,7 @@ def checked_command_line(main: Callable, argv: list[str], passes_on: Optional[Ca
         key, has_equals, value = argument.lstrip("-").partition("=")
         name = key.replace("-", "_")
         bare = not has_equals and (index == len(fire_args) or _is_flag(fire_args[index]))
-        name, negated = _resolve(name, argument, options, bare)
+        name, negated = _resolve(name, argument, options, required, bare)
         named.add(name)
         annotation = options[name]
         if bare:
@@ -63,6 +65,9 @@ def checked_command_line(main: Callable, argv: list[str], passes_on: Optional[Ca
                           if positional_names else f"{extra!r}: unexpected argument; this command takes no options")
     for name, value in zip(free_names, positionals):
         _checked_value(name, value, options[name])
+    missing = [name for name in free_names[len(positionals):] if name in required]
+    if missing:
+        raise OptionError(f"--{missing[0]} is missing: it has no default (see --help)")
     return positionals + checked + (["--", *fire_flags] if fire_flags or "--" in argv else [])
 
 
@@ -92,7 +97,7 @@ def _is_flag(argument: str) -> bool:
     return argument.startswith("--") or re.match(r"^-[a-zA-Z]", argument) is not None
 
 
-def _resolve(name: str, argument: str, options: dict[str, Any], bare: bool) -> tuple[str, bool]:
+def _resolve(name: str, argument: str, options: dict[str, Any], required: set[str], bare: bool) -> tuple[str, bool]:
     """The option a flag names, and whether it is a --noNAME that turns a switch off."""
     if name in options:
         return name, False
@@ -100,6 +105,8 @@ def _resolve(name: str, argument: str, options: dict[str, Any], bare: bool) -> t
         return name[2:], True
     if len(name) == 1 and not argument.startswith("--"):  # fire's -x for the one option starting with x
         matches = [option for option in options if option.startswith(name)]
+        if len(matches) > 1 and len(set(matches) & required) == 1:  # -o: run_batch's output_file, not --overwrite
+            matches = [option for option in matches if option in required]
         if len(matches) == 1:
             return matches[0], False
         if matches:
