@@ -4,7 +4,7 @@ rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py); pro
 pass (norm_kernel.cpp, rms_norm); one new token's attention to the cache (attention_kernel.cpp,
 decode_attention), and eagerly the whole step of a few tokens, rotation and cache write included
 (decode_step_attention); every row's next token (sampler_kernel.cpp, sample_rows).
-torch.utils.cpp_extension compiles them on first use (about a minute on 2 cores, then cached in
+torch.utils.cpp_extension compiles them on first use (a minute or more on a few cores, then cached in
 ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
 (parallel/shared_memory.cpp). CPUs with AVX2 but not AVX-512 build the decoding kernels alone:
 the fp32 and quantized products (avx2_float_product.cpp, avx2_kernels.cpp: the same operators on
@@ -105,8 +105,8 @@ def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
     with _build_lock(folder):
         building = _needs_building(folder / f"{name}.so", sources)
         if building:
-            logger.info(f"building llama_tp's CPU kernels ({name}) in {folder}: once, about a minute "
-                        "(LLAMA_TP_CPU_KERNELS=0 runs without them)")
+            logger.info(f"building llama_tp's CPU kernels ({name}) in {folder}: once, a minute or more on a "
+                        "few cores (LLAMA_TP_CPU_KERNELS=0 runs without them)")
         start = time.perf_counter()
         try:
             # OpenMP: at::parallel_for's threads
