@@ -131,7 +131,8 @@ def main(
                                                 **(options | {"seed": batch_seed}))
             first_top.append(results[0].get("top"))
 
-        records = run_job(prompts, answer, lambda result: result["generation"], output_jsonl, resume, seed, overwrite)
+        records = run_job(prompts, answer, lambda result: result["generation"], output_jsonl, resume, seed,
+                          overwrite=overwrite)
         for record in records:
             print0(record["prompt"])
             print0(f"> {record['generation']}")

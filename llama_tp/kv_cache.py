@@ -4,6 +4,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from .kernels import cpu_kernels
 
@@ -32,18 +33,18 @@ class CacheRows(NamedTuple):
     # [bsz] each row's first position, where an eager step attends through our kernel
     # (step_through_kernel; rotary is contiguous then); else None.
     kernel_starts: Optional[torch.Tensor]
-    # [max_batch_size] which cache rows take part, where a step runs every cache row (CUDA graphs:
-    # Transformer.every_row_step); the others keep what their caches hold. None: every row here does.
-    active: Optional[torch.Tensor] = None
+    # Where one token a row reads its cache row only up to its own position (Transformer.decode_step,
+    # block_attention.py): which blocks of positions each cache row sees; mask and end are unused then.
+    block_mask: Optional[BlockMask] = None
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values of one layer: [max_batch_size, local kv heads, max_seq_len, head_dim]."""
+    """Preallocated keys and values of one layer: [cache rows, local kv heads, max_seq_len, head_dim]."""
 
-    def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
+    def __init__(self, cache_rows: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, windowed: bool = False):
         super().__init__()
-        shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
+        shape = (cache_rows, n_kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         for buffer in (self.k, self.v):
@@ -66,9 +67,6 @@ class KVCache(nn.Module):
             return
         # Indexing the whole buffer: compiled, a write into a slice of it copies the whole cache.
         where = (rows.slots[:, None, None], self.heads[None, :, None], rows.positions[:, None, :])
-        if rows.active is not None:  # rows outside the step write back what they hold
-            keep = ~rows.active[:, None, None, None]
-            k, v = torch.where(keep, self.k[where], k), torch.where(keep, self.v[where], v)
         self.k.index_put_(where, k)
         self.v.index_put_(where, v)
 

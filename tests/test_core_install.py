@@ -30,7 +30,7 @@ print(json.dumps({{"texts": [t["generation"] for t in texts], "chats": [c["gener
 """
 
 
-def without_extras(*args: str, keep: tuple[str, ...] = (), timeout: float = 120, **env: str):
+def without_extras(*args: str, keep: tuple[str, ...] = (), timeout: float = 600, **env: str):
     keeping = [word for extra in keep for word in ("--keep", extra)]
     return subprocess.run([sys.executable, str(HELPER), *keeping, *args], cwd=PROJECT_ROOT,
                           env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)

@@ -130,28 +130,42 @@ class DecodeCompilation:
     """How torch.compile runs one-token decoding steps on a device (see Transformer.compile_decoding)."""
 
     options: dict[str, Any]  # torch.compile's keywords
-    static_shapes: bool  # every step the same shapes: attend to the whole cache under a mask
+    graphs: bool  # whole steps at the sizes of a ladder, recorded as CUDA graphs (step_graphs.py)
 
 
 def decode_compilation(device: torch.device) -> DecodeCompilation:
-    """CUDA graphs on GPUs (they replay a step without launching its kernels one by one, but need
-    the same shapes every step); on CPU, code generation for a step whose length may grow, with
+    """CUDA graphs on GPUs (they replay a whole step as one launch, but need the same shapes every
+    time: the step runs at the next size of a ladder); compiled without graphs of the compiler's
+    own, which would replay each group of layers apart; on CPU, code generation for a step whose length may grow, with
     the code that calls the kernels in C++ too (cpp_wrapper): a demo-model step at batch 1 took
     24.1 ms instead of 25.1, for 4 s more of compiling when nothing is cached."""
     if device.type == "cuda":
-        return DecodeCompilation({"mode": "reduce-overhead"}, static_shapes=True)
+        return DecodeCompilation({}, graphs=True)
     require_cxx_compiler("compile=True on CPU", "leave compile off")
-    return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, static_shapes=False)
+    return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, graphs=False)
+
+
+# torch's int4 GPU kernel (tinygemm, kernels/tinygemm.py) multiplies on bf16 tensor cores, which
+# NVIDIA GPUs have from compute capability 8.0 (Ampere) on; on older ones it does not run.
+INT4_MIN_CAPABILITY = (8, 0)
 
 
 def check_int4_device(device: torch.device) -> None:
-    """Refuse int4 layers on an accelerator up front: they multiply on CPUs only (our AVX-512 kernel,
-    elsewhere the weight converted back by torch's operations), and on a GPU that would be slower
-    than its own bf16 products. torch's _weight_int4pack_mm (as gpt-fast uses it) is the way there."""
-    if device.type != "cpu":
+    """Refuse int4 layers up front on a device without an int4 kernel: CPUs have ours, GPUs of
+    compute capability 8.0 or newer torch's tinygemm; other accelerators (MPS, ...) none."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
         raise ValueError(
-            f"quantize='int4' runs on CPUs only, not on {device}; on {device.type} leave quantize unset "
-            "(bf16) or use quantize='int8' to halve the weights' memory"
+            f"quantize='int4' runs on CPUs and on CUDA GPUs of compute capability 8.0 or newer, not on {device}; "
+            "leave quantize unset or use quantize='int8' to halve the weights' memory"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < INT4_MIN_CAPABILITY:
+        raise ValueError(
+            f"quantize='int4' runs on GPUs through torch's tinygemm kernel, which needs compute capability "
+            f"8.0 (Ampere) or newer; {device} is a {torch.cuda.get_device_name(device)} of compute capability "
+            f"{capability[0]}.{capability[1]}: leave quantize unset or use quantize='int8' to halve the weights' memory"
         )
 
 

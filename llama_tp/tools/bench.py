@@ -302,9 +302,9 @@ def main(
     start = time.perf_counter()
     model = load_ours(ckpt_dir, args, placement, torch_dtype, quantize, pack)
     report["load_seconds_in_process"] = time.perf_counter() - start
-    model.setup_caches(max(batch_sizes), max_seq_len, placement.device, torch_dtype)
     if compile:
         compile_decoding(model, placement.device)
+    model.setup_caches(max(batch_sizes), max_seq_len, placement.device, torch_dtype)
     llama = Llama(model, TokenIds(args.vocab_size))
 
     rooflines = [roofline(model, placement.world_size, placement.device)]

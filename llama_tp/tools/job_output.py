@@ -139,11 +139,14 @@ class JobProgress:
 
 
 def run_job(prompts: list, answer: Callable, text_of: Callable[[dict], str], output_jsonl: Optional[str],
-            resume: bool, seed: Optional[int], overwrite: bool = False) -> list[dict[str, Any]]:
+            resume: bool, seed: Optional[int],
+            reasoning_of: Callable[[dict], Optional[str]] = lambda result: None,
+            overwrite: bool = False) -> list[dict[str, Any]]:
     """Answer every prompt that --output_jsonl does not hold yet, writing each as it finishes;
     return every prompt's record, in order.
 
     answer(prompts, seed, on_result): text_completion or chat_completion with the script's options.
+    text_of(result): the record's generation; reasoning_of(result): a reasoning model's thinking, kept apart.
     A resumed job gives the prompts left the seeds of their places in the whole job, so its
     answers are those of an unbroken run.
     """
@@ -159,7 +162,7 @@ def run_job(prompts: list, answer: Callable, text_of: Callable[[dict], str], out
 
     def on_result(position: int, result: dict) -> None:
         index = left[position]
-        records[index] = prompt_record(prompts[index], text_of(result), result["token_ids"])
+        records[index] = prompt_record(prompts[index], text_of(result), result["token_ids"], reasoning_of(result))
         if log is not None:
             log.write(index, records[index])
         progress.update(len(result["token_ids"]))

@@ -77,6 +77,7 @@ def main(
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
     draft_quantize: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ):
     """Answer every request of an OpenAI batch file, as the server would.
 
@@ -103,6 +104,9 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+        reasoning_parser: qwen3 or deepseek_r1: a thinking model's <think>...</think> goes apart
+            from its chat answers (reasoning_content); none: left in them (default: the one the
+            chat template calls for, where it is clear).
     """
     lines = read_lines(input_file)
     check_output(output_file, resume, overwrite, option="-o")
@@ -110,7 +114,8 @@ def main(
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype, quantize=quantize,
                             compile=compile, speculate=speculate, speculate_k=speculate_k,
-                            draft_ckpt_dir=draft_ckpt_dir, draft_quantize=draft_quantize)
+                            draft_ckpt_dir=draft_ckpt_dir, draft_quantize=draft_quantize,
+                            reasoning_parser=reasoning_parser)
     generator.model.prefix_cache.enabled = not no_prefix_cache
     with Output(Path(output_file), resume) as output:
         answer_all(generator, name, lines, output)
@@ -256,6 +261,8 @@ def check_line(line: str, generator: Llama, model_name: str) -> "Pending | tuple
                                "stream", "invalid_value")
         reply = reply_kind(model_name, generator.tokenizer, body.include_usage)
         request = prepare(body, generator, reply.id)
+        if request.thinking is not None:  # a reasoning model's: its thinking goes apart, as the server answers
+            reply.thinking = request.thinking
         if len(choices(body, request, generator)) > 1:  # after choices' own checks of n and best_of
             raise RequestError(400, f"`n` ({body.n}) is not supported in a batch: a line gives one answer; write "
                                f"{body.n} lines", "n", "unsupported_parameter")
