@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
 
+from ..optional import MissingExtra
 from .collectives import forget_shared_sum
 from .group import _host_groups, collective_timeout, gather_objects, host_group, launcher_gone_message
 from .shared_memory import is_exchange_timeout
@@ -42,7 +43,7 @@ def agreement(step: str) -> Iterator[None]:
 
 def _verdict(failure: Exception) -> tuple[type, str]:
     """What the other ranks raise for failure: the same kind of user error, else RuntimeError."""
-    for kind in (FileNotFoundError, ValueError):  # built-in classes: they pickle everywhere
+    for kind in (FileNotFoundError, ValueError, MissingExtra):  # classes every rank can unpickle
         if isinstance(failure, kind):
             return kind, str(failure)
     return RuntimeError, f"{type(failure).__name__}: {failure}"

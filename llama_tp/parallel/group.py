@@ -19,7 +19,7 @@ from fairscale.nn.model_parallel import initialize as fairscale_mp
 
 from ..kernels.cpu_kernels import cxx_compiler_found
 from ..logs import set_rank as set_log_rank
-from .watchdog import watch_peers
+from .watchdog import global_rank, watch_peers
 
 # How long a rank waits for the others at process-group start-up or in any one collective before
 # giving up with an error instead of hanging; generous because ranks load shards at their own pace.
@@ -50,6 +50,7 @@ class Placement:
     world_size: int
     local_rank: int
     device: torch.device
+    processes_here: int = 1  # this host's processes of the job (LOCAL_WORLD_SIZE), which share its memory
 
     @property
     def is_main(self) -> bool:
@@ -272,7 +273,7 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
     if not fairscale_mp.model_parallel_is_initialized():
         with _quiet(), _groups_with_timeout(collective_timeout()):
             fairscale_mp.initialize_model_parallel(model_parallel_size)
-    return Placement(rank, world_size, local_rank, device)
+    return Placement(rank, world_size, local_rank, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 @contextmanager
@@ -291,11 +292,6 @@ def _groups_with_timeout(timeout: timedelta) -> Iterator[None]:
         yield
     finally:
         dist.new_group = original
-
-
-def global_rank() -> int:
-    """This process's rank in the job, before or after the process group exists."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

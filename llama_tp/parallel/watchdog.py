@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -33,13 +34,29 @@ import torch.distributed as dist
 MEETING_SECONDS = 1.0  # how often the ranks meet
 LONGEST_GRACE_SECONDS = 3.0  # how long a rank's own work may take to report a lost peer first
 
+# The folder where, under llama-tp, each rank leaves its line for the launcher to print (launcher.py).
+FAILURE_LINES = "LLAMA_TP_FAILURE_LINES"
+
 _reported = threading.Event()  # this rank has reported its own failure: the watchdog keeps quiet
 
 
+def global_rank() -> int:
+    """This process's rank in the job, before or after the process group exists."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
 def report_failure(message: str) -> None:
-    """Hand message to torchrun, which shows it in its failure summary instead of a link to its
-    docs; the peer watchdog then leaves the reporting to this rank's own message."""
+    """Say message, this rank's one line on why it stops: on stderr, or, under llama-tp (launcher.py),
+    to the launcher, which prints every rank's in rank order once they have all ended. torchrun
+    gets it too, for its failure summary (instead of a link to its docs); the peer watchdog then
+    leaves the reporting to this rank's own message."""
     _reported.set()
+    lines = os.environ.get(FAILURE_LINES)
+    if lines and os.path.isdir(lines):
+        (Path(lines) / str(global_rank())).write_text(message)
+    else:  # line and newline in one write (print makes two): unbuffered, another rank's could come between
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         # The layout torchrun's own @record writes; the summary prints py_callstack as "traceback".
