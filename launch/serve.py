@@ -13,16 +13,16 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from llama_tp import Llama, parallel
+from llama_tp.optional import require_all
 from llama_tp.parallel import print0
-from llama_tp.serve.app import create_app
-from llama_tp.serve.mailbox import Mailbox, ServerState
-from llama_tp.serve.metrics import ServerMetrics
-from llama_tp.serve.server import ServerThread, bind, engine_loop
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
+
+if TYPE_CHECKING:
+    from llama_tp.serve.mailbox import Mailbox
 
 
 def main(
@@ -87,6 +87,12 @@ def main(
         max_stored_responses: Responses API answers kept for previous_response_id and GET
             /v1/responses/{id}, for the server's lifetime; beyond, the oldest are evicted first.
     """
+    require_all(("fastapi", "uvicorn", "prometheus_client", "xgrammar"), "the server")  # every rank, first
+    from llama_tp.serve.app import create_app
+    from llama_tp.serve.mailbox import Mailbox, ServerState
+    from llama_tp.serve.metrics import ServerMetrics
+    from llama_tp.serve.server import ServerThread, bind, engine_loop
+
     placement = parallel.init()
     api_key = api_key if api_key is not None else os.environ.get("LLAMA_TP_API_KEY") or None
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
@@ -130,7 +136,7 @@ def _check_tls(ssl_certfile: Optional[str], ssl_keyfile: Optional[str]) -> None:
             raise ValueError(f"{option} {path} is not a file; pass the PEM file's path")
 
 
-def _stop_on_signals(stopping: threading.Event, mailbox: Optional[Mailbox]) -> None:
+def _stop_on_signals(stopping: threading.Event, mailbox: "Optional[Mailbox]") -> None:
     """Ctrl-C and SIGTERM (torchrun forwards both) end the serving loop cleanly at its next step."""
 
     def stop(signum, frame) -> None:

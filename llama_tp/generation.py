@@ -15,11 +15,12 @@ from .args import ModelArgs
 from .checkpoint import load_model, open_checkpoint
 from .checkpoint.draft import load_draft
 from .checkpoint.record import read_record
+from .context import check_max_seq_len, trained_context
 from .engine import JOB_PREFILL_TOKENS, Engine, GenerationRequest, Observer, prompt_seeds, run_job
 from .engine.speculative import Speculator, check_speculation, guesses_a_round, make_speculator
 from .kernels import matmul
 from .logs import logger
-from .memory import plan, report
+from .memory import check_fits, plan, report
 from .model import Transformer
 from .quantize import check_quantize_on
 from .sampling import SamplingOptions
@@ -58,10 +59,10 @@ class Answer:
 class Llama:
     @staticmethod
     def build(
-        ckpt_dir: str,
-        tokenizer_path: str,
-        max_seq_len: int,
-        max_batch_size: int,
+        ckpt_dir: Optional[str] = None,
+        tokenizer_path: Optional[str] = None,
+        max_seq_len: int = 512,
+        max_batch_size: int = 4,
         model_parallel_size: Optional[int] = None,
         seed: int = 1,
         dtype: "str | torch.dtype | None" = None,
@@ -74,6 +75,9 @@ class Llama:
         reasoning_parser: Optional[str] = None,
     ) -> "Llama":
         """Join the process group, load this rank's slice of the checkpoint, and return a generator.
+
+        Without paths, the built-in demo model (fetched and converted on first use); without a
+        tokenizer_path, the tokenizer in the checkpoint folder.
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
@@ -113,6 +117,10 @@ class Llama:
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
+        if ckpt_dir is None or tokenizer_path is None:
+            from .tools.demo import model_paths  # the demo's download and conversion: only when asked for
+
+            ckpt_dir, tokenizer_path = model_paths(ckpt_dir, tokenizer_path)
         ckpt_dir = Path(ckpt_dir)
         start = time.perf_counter()
         # Each rank reads its own files: a mistake seen by one rank must stop them all.
@@ -124,10 +132,13 @@ class Llama:
             tokenizer.stop_tokens = tokenizer.stop_tokens | set(record.stop_tokens)
             args = args.with_vocab_size(tokenizer.n_words, padded=isinstance(tokenizer, HFTokenizer))
             args.check_model_parallel_size(placement.world_size)
+            check_max_seq_len(max_seq_len, trained_context(args, tokenizer, record))
             dtype = parallel.resolve_dtype(dtype, placement.device)
             checkpoint = open_checkpoint(ckpt_dir, args)  # an int8 checkpoint loads as int8
-            logger.info(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
-                               quantize or checkpoint.quantization)))
+            memory = plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
+                          quantize or checkpoint.quantization)
+            logger.info(report(memory))
+            check_fits(memory, placement.device, placement.processes_here)
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
             if compile and speculate is None:

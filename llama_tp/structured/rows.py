@@ -4,24 +4,31 @@ that applies them all to a step's logits, wherever the engine samples.
 Every rank holds the same RowAdjustments and feeds them the same tokens, so every rank computes
 the same mask itself: filling a mask takes microseconds a row, while sending it from rank 0 would
 add a collective (and vocab / 8 bytes a row) to every step.
+
+xgrammar (the `serve` extra) is imported only where a request asks for a grammar: logit_bias and
+the penalties work without it.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from ..text.reasoning import Thinking
 from .constraint import Constraint
-from .grammars import Grammars, xgrammar
 from .logits import allowed_tokens, bias_logits, mask_logits, penalize_logits
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from .grammars import Grammars
 
 
 @dataclass
 class RowAdjustment:
     """One answer's adjustments: None of each when not asked."""
 
-    matcher: Optional[xgrammar.GrammarMatcher] = None
+    matcher: Optional["xgrammar.GrammarMatcher"] = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -86,6 +93,8 @@ def adjust_rows(rows: Sequence[Optional[RowAdjustment]], logits: torch.Tensor, v
     device = logits.device
     constrained = [index for index, row in enumerate(rows) if row is not None and row.masks]
     if constrained:
+        from .grammars import xgrammar  # a row holds a matcher: its grammar was compiled by xgrammar
+
         bitmask = xgrammar.allocate_token_bitmask(len(constrained), vocab_size)
         for place, index in enumerate(constrained):
             rows[index].matcher.fill_next_token_bitmask(bitmask, place)
