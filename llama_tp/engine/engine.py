@@ -17,7 +17,7 @@ model has them.
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,6 @@ from .. import parallel
 from ..logs import logger
 from ..model import Transformer
 from ..sampling.sampler import TokenHistory, sample
-from ..structured.grammars import Grammars
 from ..structured.rows import adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .choices import agreed_tokens, read_back
@@ -37,6 +36,9 @@ from .scheduler import Chunk, Scheduler, Sequence, prefill_passes
 from .speculative import Row, Speculator
 from .step import (batch_tensors, candidate_columns, logprob_columns, prompt_logprobs, prompt_targets, read_candidates,
                    read_logprob, round_extras, stop_bans)
+
+if TYPE_CHECKING:  # xgrammar (the serve extra), imported where a request asks for a grammar
+    from ..structured.grammars import Grammars
 
 # With speculation, the acceptance so far is logged (debug) each time this many more rows are verified.
 SPECULATION_REPORT_ROWS = 1000
@@ -60,7 +62,7 @@ class Update:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer, max_prefill_tokens: int, speculator: Optional[Speculator] = None,
-                 grammars: Optional[Callable[[], Grammars]] = None, observer: Optional[Observer] = None,
+                 grammars: "Optional[Callable[[], Grammars]]" = None, observer: Optional[Observer] = None,
                  text: bool = False):
         """max_prefill_tokens: prompt tokens fed a step beside the generating rows.
         grammars: the model's structured.grammars.Grammars, made when a first request asks for a
