@@ -3,7 +3,7 @@ checkpoint: checkpoint/quantized.py).
 
 - "int8": weight-only, grouped int8 (kernels/int8.py): the demo model's greedy answers do not
   change, where one grid per output channel changed 7 of 10 (python -m
-  llama_tp.tools.answer_agreement). On a CPU with AVX-512 or AVX2, products of up to int8.MAX_ROWS rows
+  llama_tp.tools.bench.answer_agreement). On a CPU with AVX-512 or AVX2, products of up to int8.MAX_ROWS rows
   (decoding) run our C++ kernel, which reads the int8 weight once. On other CPUs, a one-row
   product runs torch.compile's kernel for grouped_product, which does the same more slowly.
   Other products convert the weight back to the activations' dtype in one compiled pass and
@@ -16,7 +16,7 @@ checkpoint: checkpoint/quantized.py).
 - "int4": weight-only, grouped 4-bit (kernels/int4.py, GGUF's Q4_1 and Q4_0 arithmetic) in the
   transformer's layers, 0.625 bytes per weight; the output head grouped int8, as llama.cpp's
   4-bit files keep theirs at 6-8 bits (the demo model's is Q8_0). The demo model's greedy answers
-  do not change (python -m llama_tp.tools.answer_agreement --quantize int4). On CPUs with
+  do not change (python -m llama_tp.tools.bench.answer_agreement --quantize int4). On CPUs with
   AVX-512 or AVX2 products of up to int4.MAX_ROWS rows (decoding) run our C++ kernel, which reads
   the 4-bit codes as they are stored, and prompts convert each weight back to fp32 with it and
   multiply through oneDNN; on other CPUs torch.compile's code does the same more slowly (a

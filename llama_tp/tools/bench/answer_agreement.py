@@ -1,8 +1,8 @@
 """Does quantization change the model's answers? Ten everyday chat questions answered greedily by
 the full-precision model and by a quantized copy, compared token for token.
 
-    python -m llama_tp.tools.answer_agreement --quantize int8        # the demo model (or int4)
-    torchrun --nproc_per_node 2 -m llama_tp.tools.answer_agreement --ckpt_dir DIR --tokenizer_path FILE
+    python -m llama_tp.tools.bench.answer_agreement --quantize int8        # the demo model (or int4)
+    torchrun --nproc_per_node 2 -m llama_tp.tools.bench.answer_agreement --ckpt_dir DIR --tokenizer_path FILE
 
 Prints each question with whether the two answers agree, and where they part if not; then how
 many of the ten agree. --json_path writes both answers of each question.
@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .. import parallel
-from ..generation import Llama
-from ..quantize import QUANTIZATIONS, check_quantize
-from . import demo
-from .cli import run
+from ... import parallel
+from ...generation import Llama
+from ...quantize import QUANTIZATIONS, check_quantize
+from .. import demo
+from ..cli import run
 
 QUESTIONS = (
     "What is the capital of France?",

@@ -16,11 +16,11 @@ from typing import Optional
 
 import torch
 
-from ..args import ModelArgs
+from ...args import ModelArgs
 from .random_checkpoint import SHAPES
 
 # ../shared/peers/gpt-fast beside the project folder, where the development machines keep it.
-DEFAULT_DIR = Path(__file__).resolve().parents[3] / "shared" / "peers" / "gpt-fast"
+DEFAULT_DIR = Path(__file__).resolve().parents[4] / "shared" / "peers" / "gpt-fast"
 DRIVER = "bench_random.py"
 # Our random_checkpoint shapes under gpt-fast's names (its model.py's transformer_configs).
 SHAPE_NAMES = {"llama2-7b": "7B", "llama3-8b": "llama-3-8b"}
@@ -58,7 +58,7 @@ def gpt_fast_shape(args: ModelArgs, ckpt_dir: Path) -> str:
     raise ValueError(
         f"--compare gpt-fast runs a published shape, and {ckpt_dir} is none of {', '.join(SHAPE_NAMES)} (dim "
         f"{args.dim}, {args.n_layers} layers, {args.n_heads} heads, vocabulary {args.vocab_size}); make one with "
-        "python -m llama_tp.tools.random_checkpoint --shape llama2-7b --out DIR"
+        "python -m llama_tp.tools.bench.random_checkpoint --shape llama2-7b --out DIR"
     )
 
 

@@ -8,7 +8,7 @@ few minutes; it needs cmake and a C++ compiler).
 import multiprocessing
 from pathlib import Path
 
-from ..optional import require
+from ...optional import require
 
 
 class LlamaCpp:

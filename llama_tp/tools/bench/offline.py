@@ -1,7 +1,7 @@
 """A batch job both ways in one run: the chat script's path (continuous batching in process) and
 our server at as many clients as rows, on the same varied dialogs, greedy.
 
-    python -m llama_tp.bench_serve --case offline      # or python -m llama_tp.tools.bench_offline
+    python -m llama_tp.bench_serve --case offline      # or python -m llama_tp.tools.bench.offline
 
 The dialogs ask for anything from one word to about 150 words, so that answers end at very
 different steps. The script's figure is its run_job (what launch/chat_completion.py runs, results
@@ -25,11 +25,11 @@ from typing import Callable, Optional
 
 import httpx
 
-from ..generation import Llama
-from . import demo
-from .bench_servers import LAUNCH_SERVE, free_port, started
-from .cli import run
-from .job_output import run_job
+from ...generation import Llama
+from .. import demo
+from ..cli import run
+from ..job_output import run_job
+from .servers import LAUNCH_SERVE, free_port, started
 from .stream_client import Outcome, send
 
 STYLES = ("Answer in one word: {}", "Answer yes or no, then one sentence why: {}", "In one short sentence: {}",

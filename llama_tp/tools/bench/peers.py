@@ -1,15 +1,15 @@
 """The engines the benchmark times beside ours: Hugging Face transformers on the same weights
-(bench_hf.py) or llama.cpp on the same GGUF file (bench_llamacpp.py), interleaved with ours; and
-gpt-fast on a GPU, which times itself in a process of its own (bench_gpt_fast.py)."""
+(hf.py) or llama.cpp on the same GGUF file (llamacpp.py), interleaved with ours; and
+gpt-fast on a GPU, which times itself in a process of its own (gpt_fast.py)."""
 
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..args import ModelArgs
-from ..checkpoint import load_shard, shard_paths
-from ..generation import Llama
+from ...args import ModelArgs
+from ...checkpoint import load_shard, shard_paths
+from ...generation import Llama
 
 PEERS = ("hf", "llamacpp", "gpt-fast")
 # Greedy choices with nothing else applied, whatever the model recommends (the demo records a
@@ -43,12 +43,12 @@ def open_peer(compare: str, ckpt_dir: Path, gguf: Optional[Path], args: ModelArg
     if compare == "hf":
         import transformers
 
-        from .bench_hf import build_hf_model, hf_generate
+        from .hf import build_hf_model, hf_generate
 
         model = build_hf_model(full_weights(ckpt_dir), args, max_seq_len, dtype).to(device)
         peer = Peer("hf", lambda rows, new: hf_generate(model, rows, new).tolist(), max_batch=2**31, close=lambda: None)
         return peer, {"transformers": transformers.__version__}
-    from .bench_llamacpp import LlamaCpp
+    from .llamacpp import LlamaCpp
 
     if gguf is None:
         raise ValueError(f"--compare llamacpp runs a GGUF file beside {ckpt_dir}: pass --gguf with the file "

@@ -3,9 +3,9 @@ multiplies there: bf16 through cuBLAS; int8 read as it is stored (grouped_produc
 converted back for cuBLAS; int4 through torch's tinygemm and converted back for cuBLAS. Where
 the ways cross sets int8.GPU_SUMMED_MAX_ROWS and tinygemm.MAX_ROWS.
 
-    python -m llama_tp.tools.bench_products --shape llama2-7b --rows 1,2,4,8,16,32,64,128
+    python -m llama_tp.tools.bench.products --shape llama2-7b --rows 1,2,4,8,16,32,64,128
 
-Random weights in the shape of a published model (tools/random_checkpoint.py's SHAPES), several
+Random weights in the shape of a published model (tools/bench/random_checkpoint.py's SHAPES), several
 copies of the layer so that they come from memory, not the GPU's L2 cache: microseconds a layer
 (wqkv, wo, w13 and w2 together), medians of --repeats timings.
 """
@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..args import ModelArgs
-from ..kernels import int4, int8, tinygemm
-from .cli import run
+from ...args import ModelArgs
+from ...kernels import int4, int8, tinygemm
+from ..cli import run
 from .random_checkpoint import SHAPES
 
 # Bytes of weights timed at a time, well past any GPU's L2 cache (50-60 MB on an H100 or H200).
@@ -76,7 +76,7 @@ def main(shape: str = "llama2-7b", rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 
     """Print microseconds a layer's products take, by row count and way, on this machine's GPU.
 
     Args:
-        shape: one of tools/random_checkpoint.py's SHAPES.
+        shape: one of tools/bench/random_checkpoint.py's SHAPES.
         rows: the row counts to time.
         repeats: timings per row count and way (the median is printed).
     """

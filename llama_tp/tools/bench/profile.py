@@ -12,9 +12,10 @@ from typing import Callable
 
 import torch
 
-from ..generation import Llama
-from ..engine import Admission, Engine, GenerationRequest
-from . import demo
+from ...engine import Admission, Engine, GenerationRequest
+from ...generation import Llama
+from .. import demo
+from .workload import PROMPTS, SAMPLINGS
 
 # The decoding steps torch.profiler watches, after these many steps of warm-up.
 PROFILED_STEPS = 30
@@ -23,8 +24,6 @@ WARMUP_STEPS = 20
 
 def profile_engine(quantize: str, sampling: str, concurrency: int, requests: int, max_tokens: int) -> dict:
     """Serve `requests` of bench_serve's requests, `concurrency` at a time; print and return the parts."""
-    from .bench_serve import PROMPTS, SAMPLINGS  # bench_serve imports this module only when asked
-
     checkpoint = demo.demo_checkpoint(1)
     llama = Llama.build(str(checkpoint), str(checkpoint / "tokenizer.json"), max_seq_len=2048,
                         max_batch_size=concurrency, quantize=None if quantize == "fp32" else quantize)

@@ -1,7 +1,7 @@
 """A Meta-layout checkpoint of random weights in a published Llama's shape, for benchmarks where the
 real weights are not at hand (speed depends on the shapes, not on the values).
 
-    python -m llama_tp.tools.random_checkpoint --shape llama2-7b --out /tmp/llama2-7b
+    python -m llama_tp.tools.bench.random_checkpoint --shape llama2-7b --out /tmp/llama2-7b
     python -m llama_tp.bench --ckpt_dir /tmp/llama2-7b --dtype bf16 --compile true
 """
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..args import ModelArgs
-from .cli import run
+from ...args import ModelArgs
+from ..cli import run
 
 # params.json of Meta's releases.
 SHAPES = {

@@ -12,14 +12,14 @@ sent repeat_penalty 1.0); --sampling sampled: temperature 0.7 and every other se
 server's own (ours: the model's recommended top_p and repetition penalty), what chat users get.
 
 It measures the server at --url, or starts servers itself one after the other and measures each
-in the same run (bench_servers.py): ours (--ours fp32,int4) and llama.cpp's C++ server (--peer
+in the same run (servers.py): ours (--ours fp32,int4) and llama.cpp's C++ server (--peer
 llama-server --llama_server PATH), on the demo model and its GGUF:
 
     python -m llama_tp.bench_serve --ours fp32,int4 --peer llama-server --llama_server BIN \
         --sampling greedy,sampled --concurrency 1,16 --requests 48 --max_tokens 64
 
 --profile runs our engine in this process on the same requests (no HTTP) and prints where a
-step's time goes (bench_profile.py).
+step's time goes (profile.py).
 
 Per concurrency: requests/s, output tokens/s (from the usage chunk, else one token per chunk of
 text), time to first token (to the first chunk with text) and time per output token ((last chunk
@@ -39,46 +39,15 @@ from typing import Optional, Union
 
 import httpx
 
-from . import bench_offline
-from .bench_reuse import run_reuse
-from .bench_servers import free_port, server_for
-from .cli import run
+from ..cli import run
+from . import offline
+from .reuse import run_reuse
+from .servers import free_port, server_for
 from .stream_client import Outcome, send
+from .workload import PROMPTS, SAMPLINGS
 
-SAMPLINGS = {
-    "greedy": {"temperature": 0, "repetition_penalty": 1.0},
-    "sampled": {"temperature": 0.7},  # the rest is the server's (the model's) own
-}
 PEERS = ("llama-server",)
 OURS = ("fp32", "int4")
-
-# (prompt, share of --max_tokens): short questions with short answers, explanations, a story, and
-# long texts to summarise or answer, so that prompts and answers both differ in length.
-PROMPTS: tuple[tuple[str, float], ...] = (
-    ("What is the capital of France?", 0.25),
-    ("Explain in simple terms how a refrigerator keeps food cold.", 1.0),
-    ("Write a haiku about autumn leaves.", 0.25),
-    ("Give me three tips for sleeping better.", 0.5),
-    ("Write a short story about a robot who learns to paint.", 1.0),
-    ("Summarise this paragraph in two sentences:\n\nThe city council met on Tuesday evening to discuss the "
-     "proposed changes to the downtown parking rules. Several shop owners spoke against the plan, saying that "
-     "shorter parking limits would drive customers to the shopping centre outside town. Residents of the old "
-     "quarter, on the other hand, welcomed the proposal, because visitors often leave their cars in residential "
-     "streets for the whole day. The council's transport officer presented figures showing that the two large "
-     "car parks near the station are rarely more than half full, even on Saturdays. After a long debate, the "
-     "council agreed to try the new rules for six months, to add signs pointing drivers to the car parks, and to "
-     "review the effect on local businesses at the end of the trial.", 0.5),
-    ("Translate 'Where is the train station?' into Spanish, French and German.", 0.25),
-    ("What are the pros and cons of working from home?", 1.0),
-    ("How do I make a cup of pour-over coffee?", 0.5),
-    ("Why is the sky blue?", 0.5),
-    ("Help me reply politely to this email:\n\nHi, I hope you are well. I wanted to ask whether you could send "
-     "me the slides from last week's meeting, and whether the next meeting is still planned for Thursday at ten. "
-     "Some of the team will be travelling that week, so we might need to move it to Friday or to the week after. "
-     "Could you also remind me who is preparing the budget summary? Thanks a lot, Maria", 0.5),
-    ("List the planets of the solar system in order from the sun.", 0.25),
-)
-
 
 def percentile(values: list[float], q: float) -> Optional[float]:
     """The q-th percentile (0-100) of values, interpolating linearly between ranks; None if empty."""
@@ -226,9 +195,9 @@ def main(
             '{"repeat_penalty": 1.0}' for llama.cpp, whose default penalises repeats.
         case: "load" (the concurrencies above) or "reuse": time to first token with and
             without reusing cached prompts, in a growing conversation and behind a shared system
-            prompt (bench_reuse.py; the other options but url, model, json_path and label unused);
+            prompt (reuse.py; the other options but url, model, json_path and label unused);
             or "offline": 256 dialogs through the chat script's path and through our own server
-            at 16 clients, started here with the demo model (bench_offline.py; json_path only).
+            at 16 clients, started here with the demo model (offline.py; json_path only).
         sampling: "greedy", "sampled" (temperature 0.7, the server's defaults otherwise), or both.
         ours: start our server on the demo model for each of these, in turn: fp32, int4.
         peer: start llama.cpp's C++ server ("llama-server") on the demo model's GGUF too.
@@ -241,7 +210,7 @@ def main(
             the same load unconstrained.
     """
     if case == "offline":
-        bench_offline.main(json_path=json_path)
+        offline.main(json_path=json_path)
         return
     url = url.rstrip("/")
     if case == "reuse":
@@ -270,7 +239,7 @@ def main(
     command = {"concurrency": list(levels), "requests": requests, "max_tokens": max_tokens, "warmup": warmup,
                "extra_body": extra}
     if profile:
-        from .bench_profile import profile_engine  # builds a model in this process: only when asked
+        from .profile import profile_engine  # builds a model in this process: only when asked
         for quantize in quantizations or ("fp32",):
             for chosen in samplings:
                 profile_engine(quantize, chosen, max(levels), requests, max_tokens)
@@ -304,7 +273,7 @@ def _run_servers(servers: list[str], levels: tuple[int, ...], requests: int, max
                  llama_server: Optional[str]) -> list[dict]:
     """Start each server in turn and measure it under each sampling; print a summary of all."""
     if gguf is None:
-        from .demo import demo_gguf  # the download, only when a peer needs the file
+        from ..demo import demo_gguf  # the download, only when a peer needs the file
         gguf = str(demo_gguf())
     runs = []
     for name in servers:

@@ -19,7 +19,7 @@ START_TIMEOUT_SECONDS = 900
 THREADS = len(os.sched_getaffinity(0))  # every core the benchmark may use (`taskset` narrows it), one process
 LLAMA_SERVER_CONTEXT = 16384  # -c: shared by its -np slots, 1024 tokens each at 16 clients
 
-LAUNCH_SERVE = Path(__file__).resolve().parents[2] / "launch" / "serve.py"
+LAUNCH_SERVE = Path(__file__).resolve().parents[3] / "launch" / "serve.py"
 
 
 def free_port() -> int:

@@ -1,8 +1,8 @@
 """Speculative decoding against plain decoding, taking turns in one run: speed, acceptance, and a
 check that greedy tokens are the same.
 
-    python -m llama_tp.tools.bench_speculative --speculate draft --draft_quantize int8
-    python -m llama_tp.tools.bench_speculative --speculate lookup --speculate_k 2,4,6,8
+    python -m llama_tp.tools.bench.speculative --speculate draft --draft_quantize int8
+    python -m llama_tp.tools.bench.speculative --speculate lookup --speculate_k 2,4,6,8
 
 By default the demo model in fp32 at batch 1, greedy (temperature 0, no repetition penalty).
 The draft answers everyday questions; prompt lookup rewrites a 300-token passage, a task that
@@ -23,13 +23,13 @@ from typing import Optional
 
 import torch
 
-from .. import parallel
-from ..engine import GenerationRequest, run_job
-from ..engine.speculative import SpeculationStats, Speculator
-from ..generation import Llama
-from ..text.chat_format import Dialog
-from . import demo
-from .cli import run
+from ... import parallel
+from ...engine import GenerationRequest, run_job
+from ...engine.speculative import SpeculationStats, Speculator
+from ...generation import Llama
+from ...text.chat_format import Dialog
+from .. import demo
+from ..cli import run
 
 EVERYDAY = [
     "What are three tips for staying focused while working from home?",

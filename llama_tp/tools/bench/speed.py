@@ -1,6 +1,6 @@
 """Benchmark: load time, prefill and decode speed, peak memory and this machine's memory-bandwidth
 roofline, optionally interleaved with Hugging Face transformers on the same weights or with
-llama.cpp on the same GGUF file (bench_peers.py), or beside gpt-fast on a GPU (bench_gpt_fast.py).
+llama.cpp on the same GGUF file (peers.py), or beside gpt-fast on a GPU (gpt_fast.py).
 
     python -m llama_tp.bench --ckpt_dir DIR [--compare hf] [--quantize int8|int4] [--json bench.json]
     python -m llama_tp.bench --quantize int4 --compare llamacpp    # the demo model and its GGUF
@@ -24,19 +24,19 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import parallel
-from ..args import ModelArgs
-from ..checkpoint import TOLERATED_EXTRA_KEYS, load_model, shard_paths
-from ..generation import Llama, compile_decoding
-from ..kernels import matmul
-from ..quantize import check_quantize
-from ..text.tokenizer import load_tokenizer
-from . import demo
-from .bench_gpt_fast import CASE as GPT_FAST_CASE
-from .bench_gpt_fast import SAMPLING as GPT_FAST_SAMPLING
-from .bench_gpt_fast import check_gpt_fast, gpt_fast_shape, print_side_by_side, run_gpt_fast, side_by_side
-from .bench_peers import PLAIN_GREEDY, Peer, check_peer, greedy_agreement, open_peer
-from .cli import run
+from ... import parallel
+from ...args import ModelArgs
+from ...checkpoint import TOLERATED_EXTRA_KEYS, load_model, shard_paths
+from ...generation import Llama, compile_decoding
+from ...kernels import matmul
+from ...quantize import check_quantize
+from ...text.tokenizer import load_tokenizer
+from .. import demo
+from ..cli import run
+from .gpt_fast import CASE as GPT_FAST_CASE
+from .gpt_fast import SAMPLING as GPT_FAST_SAMPLING
+from .gpt_fast import check_gpt_fast, gpt_fast_shape, print_side_by_side, run_gpt_fast, side_by_side
+from .peers import PLAIN_GREEDY, Peer, check_peer, greedy_agreement, open_peer
 
 PROMPT_SEED = 1234
 DECODE_PROMPT_LEN = 16  # short, so the decode figures are decode and not prefill

@@ -1,6 +1,6 @@
 """World sizes side by side: the benchmark as torchrun jobs of each world size, taking turns.
 
-    python -m llama_tp.tools.bench_world_sizes --ckpt_dir CKPT --world_sizes 1,2 --rounds 3 --batch_sizes 1
+    python -m llama_tp.tools.bench.world_sizes --ckpt_dir CKPT --world_sizes 1,2 --rounds 3 --batch_sizes 1
 
 Each round runs `python -m llama_tp.bench` once per world size, in the order given, so that a
 shared machine's drifting speed falls on every world size alike. World size 1 keeps torch's
@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from . import bench
-from .cli import run
+from ..cli import run
+from . import speed
 
 
 def bench_command(world_size: int, json_path: Path, ckpt_dir: Optional[str], bench_options: dict) -> list[str]:
@@ -113,4 +113,4 @@ def main(ckpt_dir: Optional[str] = None, world_sizes: tuple[int, ...] = (1, 2), 
 
 
 if __name__ == "__main__":
-    run(main, passes_on=bench.main)
+    run(main, passes_on=speed.main)
