@@ -105,6 +105,12 @@ def test_compiled_quantized_decoding_equals_eager(checkpoints, tokenizer_path, e
     assert_same_greedy(compiled, eager_quantized)
 
 
+# Whole steps compiled on CPU through AOTAutograd alone: Inductor's code for FlexAttention on CPUs
+# cannot read the queries where a step of one row leaves them (a view of the rotation's output),
+# and GPUs run Triton's instead (tests/gpu).
+CPU_BACKEND = "aot_eager"
+
+
 def whole_steps(folder: str, tokenizer_path: str, max_batch_size: int = 3, **compile_options) -> Llama:
     """A model whose one-token steps run as on a GPU (decode_step at the ladder's sizes, through
     block masks), compiled as compile_options say, without CUDA graphs (the CPU has none)."""
@@ -123,7 +129,7 @@ def test_whole_steps_compile_one_step_for_every_position(wide_heads_checkpoint, 
     torch._dynamo.reset()
     monkeypatch.setattr(model, "MAX_LAYERS_PER_CALL", 1)
     expected = step_logits(build(str(wide_heads_checkpoint), tokenizer_path, compile=False))
-    llama = whole_steps(str(wide_heads_checkpoint), tokenizer_path, dynamic=False)
+    llama = whole_steps(str(wide_heads_checkpoint), tokenizer_path, dynamic=False, backend=CPU_BACKEND)
     assert len(llama.model.decode_layer_groups) == 2
     torch._dynamo.utils.counters.clear()
     logits = step_logits(llama)
@@ -145,7 +151,7 @@ def test_whole_steps_serve_staggered_rows_without_recompiling(wide_heads_checkpo
     torch._dynamo.reset()
     folder = str(wide_heads_checkpoint)
     eager_model = build(folder, tokenizer_path, compile=False, max_batch_size=5).model
-    compiled = whole_steps(folder, tokenizer_path, max_batch_size=5, dynamic=False).model
+    compiled = whole_steps(folder, tokenizer_path, max_batch_size=5, dynamic=False, backend=CPU_BACKEND).model
     assert compiled.graphs.rungs == [1, 2, 4, 5]
     tokens = torch.randint(0, 32000, (5, 20), generator=torch.Generator().manual_seed(5))
     prompts = [(0, 0, 6), (1, 0, 3), (2, 0, 9), (3, 0, 4), (4, 0, 2)]  # cache row, start, length
@@ -187,7 +193,7 @@ def test_a_warmed_up_step_compiles_nothing_more_for_greedy_or_sampled_rows(wide_
     greedy step (the vocabulary slice) nor a sampled one (the whole vocabulary) compiles, and the
     warm-up leaves no cache row holding anything."""
     torch._dynamo.reset()
-    compiled = whole_steps(str(wide_heads_checkpoint), tokenizer_path, dynamic=False).model
+    compiled = whole_steps(str(wide_heads_checkpoint), tokenizer_path, dynamic=False, backend=CPU_BACKEND).model
     compiled.warm_up_decoding()
     assert compiled.prefix_cache.rows[0] == []
     tokens = torch.randint(0, 32000, (1, 7), generator=torch.Generator().manual_seed(2))
