@@ -8,7 +8,7 @@ cache row and what a step feeds; engine.py: admitting, stepping, ending; step.py
 a step's tensors and its one read-back; progress.py: a sequence's own state; speculative/: rounds
 of guesses; jobs.py: batch jobs and streams (every rank holds every request); serving.py: the
 server's lockstep loop (rank 0 hears of requests and tells the others); observer.py: what it tells
-a watcher (the server's metrics).
+a watcher (the server's metrics); blocks.py: the KV cache's blocks, free, held or cached.
 """
 
 from .engine import Admission, Engine, Update
