@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Optional, TypedDict
 import torch
 
 from . import parallel
-from .args import ModelArgs
+from .model.args import ModelArgs
 from .checkpoint import load_model, open_checkpoint
 from .checkpoint.draft import load_draft
 from .checkpoint.record import read_record
@@ -20,9 +20,9 @@ from .engine import JOB_PREFILL_TOKENS, Engine, GenerationRequest, Observer, pro
 from .engine.speculative import Speculator, check_speculation, guesses_a_round, make_speculator
 from .kernels import matmul
 from .logs import logger
-from .memory import check_fits, plan, report
-from .model import Transformer
-from .quantize import check_quantize_on
+from .model.memory import check_fits, plan, report
+from .model.transformer import Transformer
+from .model.quantize import check_quantize_on
 from .sampling import SamplingOptions
 from .structured.constraint import Constraint, from_response_format
 from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, encode_dialog
@@ -80,7 +80,7 @@ class Llama:
         tokenizer_path, the tokenizer in the checkpoint folder.
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
-        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
+        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see model/quantize.py.
         compile: run decoding steps through torch.compile (CUDA graphs on GPUs). By default on GPUs,
             where eager steps are bound by launching some 25 kernels a layer (not with
             speculate="lookup", which has no draft to compile); a failure to compile is one warning

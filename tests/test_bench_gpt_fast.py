@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.tools.bench import gpt_fast as bench_gpt_fast
 from llama_tp.tools.bench import speed as bench
 from llama_tp.tools.bench.gpt_fast import check_gpt_fast, gpt_fast_shape, run_gpt_fast, side_by_side

@@ -10,7 +10,7 @@ import torch
 
 from jobs import LAUNCH, PROJECT_ROOT, subprocess_env
 from llama_tp import Llama, generation, memory
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.checkpoint.record import ModelRecord
 from llama_tp.context import Context, trained_context
 from llama_tp.text.tokenizer import load_tokenizer

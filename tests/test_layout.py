@@ -18,7 +18,7 @@ LAYERS = [
     {"engine"},  # the loop under every door
     {"checkpoint"},  # files: loading and writing checkpoints
     {"structured", "sampling", "text"},
-    {"model", "args", "kv_cache", "block_attention", "step_graphs", "quantize", "memory", "prefix_cache"},
+    {"model"},  # the transformer, its cache, its quantized layers, its memory plan
     {"parallel"},
     {"kernels"},
     {"logs", "optional"},
@@ -107,6 +107,13 @@ def test_no_module_imports_itself_round_a_circle():
 
 def test_every_room_has_a_layer():
     assert sorted({room(name) for name in MODULES} - set().union(*LAYERS)) == []
+
+
+def test_few_modules_sit_flat_in_the_package():
+    """Besides the package's own and the API door, the flat modules are the commands' entry points
+    (python -m llama_tp.X) and the bottom layer's two helpers: everything else lives in a room."""
+    flat = sorted(path.stem for path in PACKAGE.glob("*.py"))
+    assert len(flat) <= 12, flat
 
 
 def test_imports_flow_down_the_layers():

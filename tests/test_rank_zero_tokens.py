@@ -8,7 +8,7 @@ import torch
 
 from distributed import run_world
 from llama_tp import Llama
-from llama_tp.model import Transformer
+from llama_tp.model.transformer import Transformer
 from llama_tp.parallel import collectives
 from serve_harness import Harness, request, tokens_of
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint

@@ -1,6 +1,6 @@
 """The scheduler's plan of a step, without a model."""
 
-from llama_tp.prefix_cache import MIN_COPIED_TOKENS, PrefixCache
+from llama_tp.model.prefix_cache import MIN_COPIED_TOKENS, PrefixCache
 from llama_tp.sampling import SamplingOptions
 from llama_tp.engine import GenerationRequest
 from llama_tp.engine.scheduler import Chunk, Copy, Scheduler

@@ -15,7 +15,7 @@ from fake_engine import MODEL, served
 from llama_tp import Llama
 from llama_tp.engine import GenerationRequest
 from llama_tp.engine.scheduler import Copy, Scheduler
-from llama_tp.prefix_cache import PrefixCache
+from llama_tp.model.prefix_cache import PrefixCache
 from llama_tp.sampling import SamplingOptions
 from llama_tp.serve.prepare import choices
 from llama_tp.serve.server import engine_loop

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llama_tp import parallel
-from llama_tp.prefix_cache import PrefixCache
+from llama_tp.model.prefix_cache import PrefixCache
 from llama_tp.sampling import SamplingOptions, choose_next, stop_ban
 from llama_tp.engine.speculative import Row, Speculator
 from llama_tp.engine.speculative.draft import Draft

@@ -7,11 +7,11 @@ from typing import Optional
 import torch
 
 from .. import parallel
-from ..args import ModelArgs
+from ..model.args import ModelArgs
 from ..kernels import matmul
 from ..logs import logger
-from ..memory import GIB, plan
-from ..model import Transformer
+from ..model.memory import GIB, plan
+from ..model.transformer import Transformer
 from ..parallel import Placement
 from .loading import load_model, open_checkpoint
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import parallel
 from ..logs import logger
-from ..model import Transformer
+from ..model.transformer import Transformer
 from ..sampling.sampler import TokenHistory, sample
 from ..structured.rows import adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop

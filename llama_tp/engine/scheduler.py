@@ -21,7 +21,7 @@ then copy what its slot holds of the prompt (a Copy in the step's plan) and feed
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..prefix_cache import MIN_COPIED_TOKENS, PrefixCache
+from ..model.prefix_cache import MIN_COPIED_TOKENS, PrefixCache
 from .requests import GenerationRequest
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ... import parallel
 from ..choices import read_back
-from ...model import Transformer
+from ...model.transformer import Transformer
 from ...sampling.sampler import distributions, draw
 from .rows import Row, batch_histories, batch_suppressed
 

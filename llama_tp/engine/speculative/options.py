@@ -3,10 +3,10 @@ speculator they make once the draft, if any, is loaded (checkpoint/draft.py load
 
 from typing import Optional
 
-from ...kv_cache import MAX_KERNEL_STEP_TOKENS
+from ...model.kv_cache import MAX_KERNEL_STEP_TOKENS
 from ...logs import logger
-from ...model import Transformer
-from ...quantize import QUANTIZATIONS
+from ...model.transformer import Transformer
+from ...model.quantize import QUANTIZATIONS
 from .draft import Draft
 from .rounds import Speculator
 

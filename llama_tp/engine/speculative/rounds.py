@@ -18,7 +18,7 @@ import torch
 from ... import parallel
 from ..choices import read_back
 from ...kernels import matmul
-from ...model import Transformer
+from ...model.transformer import Transformer
 from ...sampling.sampler import distributions
 from .acceptance import accept_greedy, accept_sampled
 from .draft import Draft

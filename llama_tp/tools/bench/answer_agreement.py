@@ -14,7 +14,7 @@ from typing import Optional
 
 from ... import parallel
 from ...generation import Llama
-from ...quantize import QUANTIZATIONS, check_quantize
+from ...model.quantize import QUANTIZATIONS, check_quantize
 from .. import demo
 from ..cli import run
 

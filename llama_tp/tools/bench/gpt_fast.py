@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ...args import ModelArgs
+from ...model.args import ModelArgs
 from .random_checkpoint import SHAPES
 
 # ../shared/peers/gpt-fast beside the project folder, where the development machines keep it.

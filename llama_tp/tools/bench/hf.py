@@ -2,7 +2,7 @@
 
 import torch
 
-from ...args import ModelArgs
+from ...model.args import ModelArgs
 
 # Meta's module names -> transformers' names inside one decoder layer.
 LAYER_NAMES = {

@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ...args import ModelArgs
+from ...model.args import ModelArgs
 from ...checkpoint import load_shard, shard_paths
 from ...generation import Llama
 

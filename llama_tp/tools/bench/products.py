@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...args import ModelArgs
+from ...model.args import ModelArgs
 from ...kernels import int4, int8, tinygemm
 from ..cli import run
 from .random_checkpoint import SHAPES

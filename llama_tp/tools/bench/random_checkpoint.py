@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ...args import ModelArgs
+from ...model.args import ModelArgs
 from ..cli import run
 
 # params.json of Meta's releases.

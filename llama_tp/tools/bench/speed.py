@@ -25,11 +25,11 @@ from typing import Callable, Optional
 import torch
 
 from ... import parallel
-from ...args import ModelArgs
+from ...model.args import ModelArgs
 from ...checkpoint import TOLERATED_EXTRA_KEYS, load_model, shard_paths
 from ...generation import Llama, compile_decoding
 from ...kernels import matmul
-from ...quantize import check_quantize
+from ...model.quantize import check_quantize
 from ...text.tokenizer import load_tokenizer
 from .. import demo
 from ..cli import run
@@ -264,7 +264,7 @@ def main(
         gguf: the GGUF file llama.cpp runs; default: the demo model's, when benchmarking it.
         gpt_fast_dir: the folder with gpt-fast's files and bench_random.py; default:
             ../shared/peers/gpt-fast beside the project.
-        quantize: "int8" or "int4" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see quantize.py.
+        quantize: "int8" or "int4" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see model/quantize.py.
         dtype: compute dtype of both engines.
         json_path: where to write the results.
         repeats: timed repetitions of each case (medians are reported).

@@ -35,10 +35,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import parallel
-from .kernels import cpu_kernels, int4, int8, matmul, tinygemm
-from .kernels.int8 import dequantize, grouped_product, quantize_int8
-from .model import LINEAR_LAYERS
+from .. import parallel
+from ..kernels import cpu_kernels, int4, int8, matmul, tinygemm
+from ..kernels.int8 import dequantize, grouped_product, quantize_int8
+from .transformer import LINEAR_LAYERS
 
 QUANTIZATIONS = ("int8", "int4", "int8_dynamic")
 # The layer int4 keeps in int8: the output head, whose rounding moves every logit.

@@ -13,12 +13,12 @@ from typing import Optional
 
 import torch
 
+from ..kernels import int4
+from ..kernels.int8 import group_size
 from .args import ModelArgs
-from .kernels import int4
-from .kernels.int8 import group_size
 from .kv_cache import BLOCK_POSITIONS, blocks_for
-from .model import local_kv_heads
 from .quantize import check_quantize, layer_quantization
+from .transformer import local_kv_heads
 
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}

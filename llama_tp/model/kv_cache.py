@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from .kernels import cpu_kernels
+from ..kernels import cpu_kernels
 
 # Positions in a block: a block is one part of our CPU kernel's attention (a task of its own for
 # a long context) and one of FlexAttention's blocks on a GPU.

@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_kernels
+from ..logs import logger
+from ..parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, gather_objects,
+                       parallel_embedding, row_parallel_linear)
 from .args import ModelArgs
 from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
-from .kernels import cpu_kernels
 from .kv_cache import BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, blocks_for, places, step_through_kernel
-from .logs import logger
 from .prefix_cache import PrefixCache
-from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, gather_objects,
-                       parallel_embedding, row_parallel_linear)
 from .step_graphs import StepGraphs
 
 
