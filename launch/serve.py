@@ -89,10 +89,9 @@ def main(
     """
     require_all(("fastapi", "uvicorn", "prometheus_client", "xgrammar"), "the server")  # every rank, first
     from llama_tp.serve.app import create_app
-    from llama_tp.serve.engine import Engine
     from llama_tp.serve.mailbox import Mailbox, ServerState
     from llama_tp.serve.metrics import ServerMetrics
-    from llama_tp.serve.server import ServerThread, bind
+    from llama_tp.serve.server import ServerThread, bind, engine_loop
 
     placement = parallel.init()
     api_key = api_key if api_key is not None else os.environ.get("LLAMA_TP_API_KEY") or None
@@ -113,14 +112,14 @@ def main(
                                 draft_quantize=draft_quantize, reasoning_parser=reasoning_parser)
         generator.model.prefix_cache.enabled = not no_prefix_cache
         generator.model.warm_up_decoding()  # before /health says ready, not in the first requests
-        engine = Engine(generator, max_prefill_tokens, mailbox)
+        serving = engine_loop(generator, max_prefill_tokens, mailbox)
         stopping = threading.Event()
         _stop_on_signals(stopping, mailbox)
         if server is not None:
             app.state.generator = generator
             mailbox.set_state(ServerState.READY)
             print0(f"llama_tp serves {name} at {server.url}/v1 (Ctrl-C to stop)")
-        engine.run(stopping.is_set)
+        serving.run(stopping.is_set)
         print0("llama_tp stopped serving: running requests were ended, new ones refused")
     finally:
         if server is not None:

@@ -1,6 +1,6 @@
-"""`python -m llama_tp.bench`: see llama_tp/tools/bench.py."""
+"""`python -m llama_tp.bench`: see llama_tp/tools/bench/speed.py."""
 
 from .tools.cli import run_tool
 
 if __name__ == "__main__":
-    run_tool("llama_tp.tools.bench", "python -m llama_tp.bench")
+    run_tool("llama_tp.tools.bench.speed", "python -m llama_tp.bench")

@@ -9,7 +9,7 @@ published contexts are used, told apart by tokenizer and rotary settings.
 import os
 from typing import NamedTuple, Optional
 
-from .args import ModelArgs
+from .model.args import ModelArgs
 from .checkpoint.record import ModelRecord
 from .text.tokenizer import Llama3Tokenizer, Tokenizer
 

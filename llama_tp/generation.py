@@ -4,31 +4,31 @@ Every rank calls the same methods with the same arguments in lockstep and gets t
 """
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypedDict
 
 import torch
 
 from . import parallel
-from .args import ModelArgs
-from .batch import Generated
+from .model.args import ModelArgs
 from .checkpoint import load_model, open_checkpoint
+from .checkpoint.draft import load_draft
 from .checkpoint.record import read_record
 from .context import check_max_seq_len, trained_context
-from .continuous import check_seeds, prompt_seeds
-from .generate_loops import GenerateLoops
+from .engine import JOB_PREFILL_TOKENS, Engine, GenerationRequest, Observer, prompt_seeds, run_job
+from .engine.speculative import Speculator, check_speculation, guesses_a_round, make_speculator
 from .kernels import matmul
 from .logs import logger
-from .memory import check_fits, plan, report
-from .model import Transformer
-from .quantize import check_quantize_on
+from .model.memory import check_fits, plan, report
+from .model.transformer import Transformer
+from .model.quantize import check_quantize_on
 from .sampling import SamplingOptions
-from .speculative import Speculator, build_speculator, check_speculation
 from .structured.constraint import Constraint, from_response_format
 from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, encode_dialog
 from .text.hf_tokenizer import HFTokenizer
 from .text.reasoning import ReasoningParser, Split, Thinking, check_parser_name, parser_for
-from .text.streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
+from .text.streaming import TextStream, check_stop, cut_at_stop
 from .text.tokenizer import load_tokenizer
 
 class CompletionPrediction(TypedDict, total=False):
@@ -46,7 +46,17 @@ class ChatPrediction(TypedDict, total=False):
     token_ids: list[int]  # with token_ids=True
 
 
-class Llama(GenerateLoops):
+@dataclass
+class Answer:
+    """One prompt's answer as the engine ended it: the returned tokens (the prompt's first, with
+    echo), their log probabilities where asked, and each generated token's likeliest candidates."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[tuple[tuple[int, float], ...]]
+
+
+class Llama:
     @staticmethod
     def build(
         ckpt_dir: Optional[str] = None,
@@ -70,7 +80,7 @@ class Llama(GenerateLoops):
         tokenizer_path, the tokenizer in the checkpoint folder.
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
-        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
+        quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see model/quantize.py.
         compile: run decoding steps through torch.compile (CUDA graphs on GPUs). By default on GPUs,
             where eager steps are bound by launching some 25 kernels a layer (not with
             speculate="lookup", which has no draft to compile); a failure to compile is one warning
@@ -134,8 +144,11 @@ class Llama(GenerateLoops):
             if compile and speculate is None:
                 compile_decoding(model, placement.device)
             model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
-            speculator = build_speculator(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile, ckpt_dir,
-                                          checkpoint.args, placement, dtype, max_batch_size, max_seq_len)
+            k = guesses_a_round(speculate, speculate_k) if speculate is not None else 0
+            draft, description = (load_draft(draft_ckpt_dir, draft_quantize, compile, ckpt_dir, checkpoint.args,
+                                             placement, dtype, max_batch_size, max_seq_len, k)
+                                  if speculate == "draft" else (None, ""))
+            speculator = make_speculator(speculate, k, draft, description)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         logger.info(f"Loaded in {time.perf_counter() - start:.2f} seconds")
         formatter = chat_format_for(tokenizer, record.chat_format, record.default_system_prompt, record.chat_template)
@@ -150,6 +163,20 @@ class Llama(GenerateLoops):
         self.sampling_defaults = dict(sampling_defaults or {})
         self.speculator = speculator  # None: one token a step
         self.reasoning = reasoning  # None: the model does not think, or its thinking is left in its answers
+
+    def engine(self, max_prefill_tokens: int = JOB_PREFILL_TOKENS, observer: Optional[Observer] = None,
+               text: bool = False) -> Engine:
+        """A fresh engine over this model, its cache rows and their record of what they hold, its
+        speculator and grammars: what every door runs through. max_prefill_tokens: prompt tokens
+        fed a step beside the generating rows; observer: told of what it does (a server's metrics);
+        text: every request's deltas carry text (a server's, a stream's)."""
+        return Engine(self.model, self.tokenizer, max_prefill_tokens, self.speculator, self.grammars, observer, text)
+
+    def grammars(self):
+        """This model's compiled grammars (structured outputs), made on first use."""
+        from .structured.grammars import grammars_for  # xgrammar (the serve extra), only when asked for
+
+        return grammars_for(self)
 
     def sampling_options(self, temperature: Optional[float] = None, top_p: Optional[float] = None,
                          top_k: Optional[int] = None, repetition_penalty: Optional[float] = None,
@@ -180,10 +207,11 @@ class Llama(GenerateLoops):
         The prompts run through continuous batching on max_batch_size cache rows: a row whose
         answer ends takes the next prompt at the next step. Each prompt gets the answer it gets
         alone: greedy, the same tokens; sampled, its own generator, seeded for prompt i from
-        seed (continuous.prompt_seed: prompt 0 gets seed itself), or from a list of one seed
-        per prompt. Sampling settings left at None are the model's recommended ones (its
-        llama_tp.json), else Meta's: temperature 0.6, top_p 0.9, no top-k cut, no repetition
-        penalty (see sampling_options).
+        seed (engine.prompt_seed: prompt 0 gets seed itself), or from a list of one seed per
+        prompt (with speculation, a sampled answer depends on the rows beside it: engine/jobs.py).
+        Sampling settings left at None are the model's recommended ones (its llama_tp.json), else
+        Meta's: temperature 0.6, top_p 0.9, no top-k cut, no repetition penalty (see
+        sampling_options).
         Returns the generated tokens (prompt included with echo) and, with logprobs, the log
         probability of each returned token. A row that produces one of the `stop` strings ends
         with the token that completed it (text_completion then cuts the text before the string).
@@ -191,8 +219,11 @@ class Llama(GenerateLoops):
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
         self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo), seed)
-        generated = self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo, seed=seed)
-        return generated.tokens, (generated.logprobs if logprobs else None)
+        answers = [Answer([], [], []) for _ in prompt_tokens]
+        seeds = prompt_seeds(seed, len(prompt_tokens))
+        for index, answer in self._generate(prompt_tokens, max_gen_len, options, stop, seeds, logprobs, echo):
+            answers[index] = answer
+        return [answer.tokens for answer in answers], ([answer.logprobs for answer in answers] if logprobs else None)
 
     def text_completion(
         self,
@@ -229,27 +260,23 @@ class Llama(GenerateLoops):
         constraint = self._constraint(response_format)
         self._check_generate_args(prompt_tokens, max_gen_len, options, (constraint,), seed=seed)
         results: list[CompletionPrediction] = [{} for _ in prompts]
-
-        def completed(row: int, generated: Generated) -> None:
-            tokens = generated.tokens[row]
+        answers = self._generate(prompt_tokens, max_gen_len, options, stop, prompt_seeds(seed, len(prompts)),
+                                 logprobs=logprobs, echo=echo, show_top=show_top, constraint=constraint)
+        for row, answer in answers:
+            tokens = answer.tokens
             # With echo, a stop string inside the prompt does not count.
             start = len(self.tokenizer.decode(prompt_tokens[row])) if echo else 0
             result: CompletionPrediction = {"generation": cut_at_stop(self.tokenizer.decode(tokens), stop, start)}
             if logprobs:
                 result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
-                result["logprobs"] = generated.logprobs[row]
+                result["logprobs"] = answer.logprobs
             if token_ids:
                 result["token_ids"] = tokens
             if show_top:
-                result["top"] = [
-                    [(self.tokenizer.decode([t]), p) for t, p in step] for step in generated.top[row]
-                ]
+                result["top"] = [[(self.tokenizer.decode([t]), p) for t, p in step] for step in answer.top]
             results[row] = result
             if on_result is not None:
                 on_result(row, result)
-
-        self._generate(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top, seed=seed, on_row=completed,
-                       constraint=constraint)
         return results
 
     def chat_completion(
@@ -310,16 +337,14 @@ class Llama(GenerateLoops):
         for row in sorted(set(range(len(dialogs))) - set(safe)):
             answered(row, [], [], UNSAFE_ERROR)
 
-        def completed(index: int, generated: Generated) -> None:
-            tokens = generated.tokens[index]
-            answered(safe[index], tokens, generated.logprobs[index], cut_at_stop(self.tokenizer.decode(tokens), stop),
-                     thinking[index] if thinking else None)
-
         if safe:  # each dialog keeps the seed of its place in the call
             seeds = prompt_seeds(seed, len(dialogs)) if seed is not None else None
-            self._generate(safe_tokens, max_gen_len, options, stop, logprobs, stop_tokens=self.formatter.stop_tokens,
-                           seed=[seeds[row] for row in safe] if seeds else None, on_row=completed,
-                           constraint=constraint, thinking=thinking)
+            seeds = [seeds[row] for row in safe] if seeds else prompt_seeds(None, len(safe))
+            answers = self._generate(safe_tokens, max_gen_len, options, stop, seeds, logprobs=logprobs,
+                                     stop_tokens=self.formatter.stop_tokens, constraint=constraint, thinking=thinking)
+            for index, answer in answers:
+                answered(safe[index], answer.tokens, answer.logprobs,
+                         cut_at_stop(self.tokenizer.decode(answer.tokens), stop), thinking[index] if thinking else None)
         return results
 
     def stream_text_completion(
@@ -368,20 +393,56 @@ class Llama(GenerateLoops):
         self._check_generate_args([prompt_tokens], max_gen_len, options)
 
         def run(stream: TextStream) -> Iterator[str]:
-            decoder = IncrementalDecoder(self.tokenizer, stop)
-            generator = options.generator(self.model.rotary.device)
-            for batch in self._decode([prompt_tokens], max_gen_len, options, stop, generator,
-                                      stop_tokens=stop_tokens):
-                piece = decoder.push(batch.generated(0))
-                if piece:
-                    yield piece
-            stream.tokens = batch.generated(0)
+            requests = self._requests([prompt_tokens], max_gen_len, options, stop, prompt_seeds(options.seed, 1),
+                                      stop_tokens=stop_tokens)
+            for updates in run_job(self.engine(text=True), requests):
+                for update in updates:
+                    if update.delta.text:
+                        yield update.delta.text
+                    if update.delta.finished:
+                        stream.tokens = update.sequence.sampling.answer
             stream.text = cut_at_stop(self.tokenizer.decode(stream.tokens), stop)
-            piece = decoder.finish(stream.text)
-            if piece:
-                yield piece
 
         return TextStream(run)
+
+    def _generate(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions, stop: tuple[str, ...],
+                  seeds: list[int], logprobs: bool = False, echo: bool = False, show_top: int = 0,
+                  stop_tokens: Optional[set[int]] = None, constraint: Optional[Constraint] = None,
+                  thinking: Optional[list[Optional[Thinking]]] = None) -> Iterator[tuple[int, Answer]]:
+        """Each prompt's answer through the engine, as it ends (prompt i's as (i, answer)); a prompt
+        that fills the context answers nothing (its own tokens, with echo)."""
+        requests = self._requests(prompts, max_gen_len, options, stop, seeds, logprobs, echo, show_top, stop_tokens,
+                                  constraint, thinking)
+        held = {request.id for request, _ in requests}
+        for index, prompt in enumerate(prompts):
+            if str(index) not in held:
+                yield index, Answer(list(prompt) if echo else [], [], [])
+        for updates in run_job(self.engine(), requests):
+            for update in updates:
+                if update.delta.finished:
+                    index = int(update.sequence.request.id)
+                    yield index, _answer(prompts[index], update.sequence.sampling, echo)
+
+    def _requests(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions, stop: tuple[str, ...],
+                  seeds: list[int], logprobs: bool = False, echo: bool = False, show_top: int = 0,
+                  stop_tokens: Optional[set[int]] = None, constraint: Optional[Constraint] = None,
+                  thinking: Optional[list[Optional[Thinking]]] = None) -> list[tuple[GenerationRequest, int]]:
+        """The engine's request for each prompt (its id, the prompt's place), with its seed. The
+        answer ends at stop_tokens (by default the tokenizer's; a chat format may add its end of
+        turn), and at a constraint's own. A prompt that leaves no room to generate has none,
+        unless its own log probabilities are asked for (echo with logprobs)."""
+        stop_tokens = set(stop_tokens or self.tokenizer.stop_tokens)
+        if constraint is not None:  # a finished grammar allows only these
+            stop_tokens |= self.grammars().stop_tokens
+        requests = []
+        for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            room = min(max_gen_len, self.model.max_seq_len - len(prompt))
+            if room > 0 or (logprobs and echo):
+                request = GenerationRequest(str(index), tuple(prompt), room, options, frozenset(stop_tokens), stop,
+                                            logprobs, top_candidates=show_top, prompt_logprobs=logprobs and echo,
+                                            constraint=constraint, thinking=thinking[index] if thinking else None)
+                requests.append((request, seed))
+        return requests
 
     def _constraint(self, response_format: Optional[dict]) -> Optional[Constraint]:
         """response_format as a compiled Constraint (None for plain text); ValueError if it is not one."""
@@ -440,6 +501,22 @@ def _refusal(stream: TextStream) -> Iterator[str]:
     yield UNSAFE_ERROR
 
 
+def _answer(prompt: list[int], progress, echo: bool) -> Answer:
+    """A finished sequence's Answer (progress: its engine.progress.Progress)."""
+    logprobs = [entry.logprob for entry in progress.logprobs]
+    if echo:
+        return Answer(list(prompt) + progress.answer, progress.prompt_logprobs + logprobs, progress.candidates)
+    return Answer(list(progress.answer), logprobs, progress.candidates)
+
+
 def _call_seed(seed: "int | list[int] | None") -> Optional[int]:
     """The options' seed: the call's, or None where each prompt's own is given."""
     return None if isinstance(seed, list) else seed
+
+
+def check_seeds(seed: "int | list[int] | None", count: int) -> None:
+    """Refuse a list of seeds that is not one integer per prompt (an int or None is checked with the options)."""
+    if not isinstance(seed, list):
+        return
+    if len(seed) != count or not all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
+        raise ValueError(f"seed must be an integer or a list of one integer per prompt ({count}), found {seed!r}")

@@ -78,7 +78,7 @@ def wide_heads_checkpoint(tmp_path_factory) -> Path:
 def sampler_path(request, monkeypatch):
     """A sampler test twice: through torch's ops (what every device but a CPU with our kernels
     runs) and through sampler_kernel.cpp (CPUs with AVX-512 or AVX2)."""
-    from llama_tp import sampler
+    from llama_tp.sampling import sampler
     from llama_tp.kernels import cpu_kernels
 
     if request.param == "our kernel" and not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")):

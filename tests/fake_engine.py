@@ -17,9 +17,9 @@ from fastapi import FastAPI
 
 from llama_tp.generation import Llama
 from llama_tp.serve.app import create_app
-from llama_tp.serve.mailbox import Cancel, Mailbox, ServerState
+from llama_tp.engine import Cancel, Delta, GenerationRequest, RequestState, TokenLogprob
+from llama_tp.serve.mailbox import Mailbox, RequestStream, ServerState
 from llama_tp.serve.metrics import ServerMetrics
-from llama_tp.serve.requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob
 from llama_tp.serve.server import ServerThread, bind
 from llama_tp.text.streaming import IncrementalDecoder, cut_at_stop
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from llama_tp.kv_cache import BLOCK_POSITIONS
+from llama_tp.model.kv_cache import BLOCK_POSITIONS
 
 
 def by_row(pool: torch.Tensor, model) -> torch.Tensor:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from tiny_checkpoint import split_dim
 
 

@@ -1,6 +1,6 @@
 """Mutation testing of one module against the fast tests that exercise it (CONTRIBUTING.md).
 
-    python tests/mutation.py llama_tp/prefix_cache.py tests/test_prefix_cache.py [more test files]
+    python tests/mutation.py llama_tp/model/prefix_cache.py tests/test_prefix_cache.py [more test files]
 
 mutmut reads one configuration (pyproject.toml's [tool.mutmut], which makes the mutants of every
 scored module once); this runs the module's mutants only, against the given test files only, so

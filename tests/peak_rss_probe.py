@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.checkpoint import load_slice, open_checkpoint
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from llama_tp import Llama
-from llama_tp.speculative import Row
+from llama_tp.engine.speculative import Row
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
 ROUNDS, WARM_UP = 20, 3

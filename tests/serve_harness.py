@@ -8,11 +8,10 @@ from typing import Optional
 
 from llama_tp import Llama
 from llama_tp.serve.app import create_app
-from llama_tp.serve.engine import Engine
-from llama_tp.serve.mailbox import Mailbox, ServerState
+from llama_tp.engine import Delta, GenerationRequest
+from llama_tp.serve.mailbox import Mailbox, RequestStream, ServerState
 from llama_tp.serve.metrics import ServerMetrics
-from llama_tp.serve.requests import Delta, GenerationRequest, RequestStream
-from llama_tp.serve.server import ServerThread, bind
+from llama_tp.serve.server import ServerThread, bind, engine_loop
 
 _ids = itertools.count()
 
@@ -32,7 +31,8 @@ class Harness:
                  mailbox: Optional[Mailbox] = None, model_name: str = "harness"):
         self.generator = generator
         self.mailbox = mailbox or Mailbox(max_waiting, ServerMetrics(model_name))
-        self.engine = Engine(generator, max_prefill_tokens, self.mailbox)
+        self.serving = engine_loop(generator, max_prefill_tokens, self.mailbox)
+        self.engine = self.serving.engine
         self.stopping = threading.Event()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -44,7 +44,7 @@ class Harness:
 
     def _run(self) -> None:
         try:
-            self.engine.run(self.stopping.is_set)
+            self.serving.run(self.stopping.is_set)
         except BaseException as error:  # the test looks at it
             self.error = error
 

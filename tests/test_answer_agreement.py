@@ -5,7 +5,7 @@ import json
 import pytest
 
 from llama_tp import Llama
-from llama_tp.tools.answer_agreement import QUESTIONS, first_difference, main
+from llama_tp.tools.bench.answer_agreement import QUESTIONS, first_difference, main
 
 
 def test_first_difference():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 
 LLAMA2_7B = {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}
 LLAMA3_8B = {

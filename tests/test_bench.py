@@ -12,10 +12,10 @@ from tokenizers import Tokenizer
 
 from distributed import run_world
 from llama_tp import parallel
-from llama_tp.tools import bench_world_sizes
-from llama_tp.args import ModelArgs
-from llama_tp.tools.bench import compare_loading, load_meta_reference, main, weight_bytes_per_token
-from llama_tp.tools.bench_hf import build_hf_model
+from llama_tp.tools.bench import world_sizes as bench_world_sizes
+from llama_tp.model.args import ModelArgs
+from llama_tp.tools.bench.speed import compare_loading, load_meta_reference, main, weight_bytes_per_token
+from llama_tp.tools.bench.hf import build_hf_model
 from llama_tp.checkpoint import TOLERATED_EXTRA_KEYS, load_model
 from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from llama_tp.tools.convert.__main__ import main as convert

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_tp.args import ModelArgs
-from llama_tp.tools import bench, bench_gpt_fast
-from llama_tp.tools.bench_gpt_fast import check_gpt_fast, gpt_fast_shape, run_gpt_fast, side_by_side
-from llama_tp.tools.random_checkpoint import SHAPES
+from llama_tp.model.args import ModelArgs
+from llama_tp.tools.bench import gpt_fast as bench_gpt_fast
+from llama_tp.tools.bench import speed as bench
+from llama_tp.tools.bench.gpt_fast import check_gpt_fast, gpt_fast_shape, run_gpt_fast, side_by_side
+from llama_tp.tools.bench.random_checkpoint import SHAPES
 from tiny_checkpoint import TINY_LLAMA3, full_weights, write_checkpoint
 
 CUDA = torch.device("cuda", 0)
@@ -92,7 +93,7 @@ def test_a_folder_without_gpt_fast_is_refused_with_the_option_to_pass(tmp_path):
 
 
 def test_the_default_folder_is_shared_peers_beside_the_project(tmp_path):
-    project = Path(bench_gpt_fast.__file__).resolve().parents[2]
+    project = Path(bench_gpt_fast.__file__).resolve().parents[3]
     assert bench_gpt_fast.DEFAULT_DIR == project.parent / "shared" / "peers" / "gpt-fast"
     folder = fake_gpt_fast(tmp_path / "gpt-fast", printing(FIGURES))
     assert check_gpt_fast(str(folder), CUDA, torch.bfloat16, "int4") == folder

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llama_tp.tools.bench_offline import alternating, dialogs, main, summed
+from llama_tp.tools.bench.offline import alternating, dialogs, main, summed
 
 
 def test_the_sides_take_turns_so_that_drift_weighs_on_both():

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from fake_engine import ANSWER, MODEL, served
-from llama_tp.tools.bench_serve import PROMPTS, main, percentile, print_table, summarize
-from llama_tp.tools.stream_client import Outcome, send
+from llama_tp.tools.bench.serve import PROMPTS, main, percentile, print_table, summarize
+from llama_tp.tools.bench.stream_client import Outcome, send
 
 
 def test_percentile_interpolates_between_ranks():

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from jobs import LAUNCH, PROJECT_ROOT, subprocess_env
-from llama_tp import Llama, generation, memory
-from llama_tp.args import ModelArgs
+from llama_tp import Llama, generation
+from llama_tp.model import memory
+from llama_tp.model.args import ModelArgs
 from llama_tp.checkpoint.record import ModelRecord
 from llama_tp.context import Context, trained_context
 from llama_tp.text.tokenizer import load_tokenizer

@@ -6,7 +6,7 @@ import pytest
 
 from distributed import run_world
 from llama_tp import Llama
-from llama_tp.continuous import prompt_seed
+from llama_tp.engine import prompt_seed
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
 

@@ -17,7 +17,7 @@ from transformers import Qwen2Config
 
 from hf_families import COMMON, FAMILIES, GGUF_ARCHITECTURES, SEQUENCE, WINDOW, hf_model, write_gguf
 from llama_tp import Llama
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.kernels import int4, int8
 from llama_tp.text.chat_format import MistralChatFormat
 from llama_tp.tools.convert.hf import model_params

@@ -11,7 +11,7 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import quantize
 from transformers.integrations.gguf.dequant import dequantize as transformers_dequantize
 
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.tools.convert.gguf import dequantized, llama31_rope
 from llama_tp.tools.convert.writer import ffn_params, shard_of
 from llama_tp.text.tokenizer import load_tokenizer

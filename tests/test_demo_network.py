@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from llama_tp import Llama
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.tools import demo
 
 pytestmark = pytest.mark.slow  # downloads the demo model once, converts it, runs it at world sizes 1 and 3

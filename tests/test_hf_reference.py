@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_tp import Llama
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from tiny_checkpoint import TINY_LLAMA2, TINY_LLAMA3, full_weights
 
 VOCAB = 32000
@@ -65,7 +65,7 @@ def test_logits_match_transformers(family, params, checkpoints, tokenizer_path):
 
 def test_scaled_rope_really_changes_the_model():
     """Guards the test above: with use_scaled_rope the rotary frequencies must differ."""
-    from llama_tp.model import rotary_frequencies
+    from llama_tp.model.transformer import rotary_frequencies
 
     scaled = ModelArgs.from_dict(TINY_LLAMA3)
     plain = ModelArgs.from_dict({**TINY_LLAMA3, "use_scaled_rope": False})

@@ -16,13 +16,13 @@ from gguf.quants import quantize as gguf_quantize
 from tokenizers import Tokenizer
 
 from llama_tp import Llama
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.checkpoint import load_shard, shard_paths
 from llama_tp.checkpoint.quantized import check_split
 from llama_tp.kernels import int4, int8
-from llama_tp.memory import plan
+from llama_tp.model.memory import plan
 from llama_tp.parallel import check_int4_device
-from llama_tp.quantize import Int4Linear, Int8Linear
+from llama_tp.model.quantize import Int4Linear, Int8Linear
 from llama_tp.tools.convert.__main__ import main as convert
 from llama_tp.tools.convert.gguf_blocks import quantized_weight
 from llama_tp.tools.reshard import reshard

@@ -11,7 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from llama_tp.kernels import cpu_kernels, int4, int8
-from llama_tp.quantize import Int4Linear, Int8Linear
+from llama_tp.model.quantize import Int4Linear, Int8Linear
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
                                   reason="the kernel needs AVX-512 or AVX2")

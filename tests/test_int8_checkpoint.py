@@ -8,13 +8,13 @@ import torch
 from tokenizers import Tokenizer
 
 from llama_tp import Llama
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.checkpoint import load_shard, shard_paths
 from llama_tp.tools.convert.__main__ import main as convert
 from llama_tp.tools.convert.writer import shard_of
 from llama_tp.checkpoint.quantized import check_split
 from llama_tp.kernels.int8 import quantize_int8
-from llama_tp.quantize import Int4Linear, Int8Linear
+from llama_tp.model.quantize import Int4Linear, Int8Linear
 from llama_tp.tools.reshard import reshard
 from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from distributed import run_world

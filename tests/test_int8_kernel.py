@@ -7,7 +7,7 @@ import torch
 
 from llama_tp.kernels import cpu_kernels, int8
 from llama_tp.kernels.int8 import dequantize, quantize_int8
-from llama_tp.quantize import Int8Linear
+from llama_tp.model.quantize import Int8Linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
                                 reason="the kernel needs AVX-512 or AVX2")

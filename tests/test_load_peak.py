@@ -7,9 +7,9 @@ import torch
 
 from device_allocations import DeviceAllocations, held_bytes
 from llama_tp import parallel
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.checkpoint import loading
-from llama_tp.quantize import Int4Linear, Int8Linear
+from llama_tp.model.quantize import Int4Linear, Int8Linear
 from tiny_checkpoint import full_weights, write_checkpoint
 
 META = torch.device("meta")

@@ -7,8 +7,7 @@ import torch
 
 from llama_tp import Llama
 from llama_tp.sampling import SamplingOptions
-from llama_tp.serve.engine import Engine
-from llama_tp.serve.requests import GenerationRequest
+from llama_tp.engine import Engine, GenerationRequest, run_job
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
 VOCAB = 32000
@@ -70,7 +69,7 @@ def test_the_engine_takes_in_prompts_in_the_pass_that_decodes_the_others(llama, 
 
     passes_per_step, mixed_batches = [], []
     model = llama.model
-    forward, forward_segments, step = model.forward, model.forward_segments, Engine._step
+    forward, forward_segments, step = model.forward, model.forward_segments, Engine.step
 
     def counted_forward(*args, **kwargs):
         passes_per_step[-1] += 1
@@ -83,20 +82,18 @@ def test_the_engine_takes_in_prompts_in_the_pass_that_decodes_the_others(llama, 
 
     def counted_step(engine):
         passes_per_step.append(0)
-        step(engine)
+        return step(engine)
 
     monkeypatch.setattr(model, "forward", counted_forward)
     monkeypatch.setattr(model, "forward_segments", counted_segments)
-    monkeypatch.setattr(Engine, "_step", counted_step)
+    monkeypatch.setattr(Engine, "step", counted_step)
     model.prefix_cache.forget()
     answers = {}
-
-    def finished(sequence, reason):
-        answers[sequence.request.id] = sequence.sampling.answer
-
     requests = [(GenerationRequest(str(index), tuple(prompt), length, SamplingOptions(temperature=0), frozenset()), 0)
                 for index, (prompt, length) in enumerate(zip(prompts, lengths))]
-    Engine(llama, 512, on_finish=finished).run_job(requests)
+    for updates in run_job(llama.engine(512), requests):
+        answers |= {update.sequence.request.id: update.sequence.sampling.answer
+                    for update in updates if update.delta.finished}
 
     assert [answers[str(index)] for index in range(len(prompts))] == alone
     assert set(passes_per_step) == {1}

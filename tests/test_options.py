@@ -170,7 +170,7 @@ def test_every_launch_script_and_command_is_found():
     found = set(entry_points())
     assert {"launch/chat.py", "launch/chat_completion.py", "launch/serve.py", "launch/text_completion.py",
             "llama_tp/convert.py", "llama_tp/reshard.py", "llama_tp/plan.py", "llama_tp/bench.py",
-            "llama_tp/bench_serve.py", "llama_tp/tools/bench_world_sizes.py"} <= found
+            "llama_tp/bench_serve.py", "llama_tp/tools/bench/world_sizes.py"} <= found
 
 
 @pytest.mark.parametrize("entry_point", entry_points())

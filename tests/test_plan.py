@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llama_tp import Llama
-from llama_tp.args import ModelArgs
-from llama_tp.memory import params_per_rank, plan
+from llama_tp.model.args import ModelArgs
+from llama_tp.model.memory import params_per_rank, plan
 from llama_tp.tools.plan import main as plan_main
 from llama_tp.tools.reshard import reshard
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint

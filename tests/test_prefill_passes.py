@@ -7,8 +7,8 @@ import torch
 
 from kv_rows import by_row
 from llama_tp import Llama
-from llama_tp.prefix_cache import PrefixCache
-from llama_tp.serve.scheduler import MAX_PADDING, Chunk, Scheduler, prefill_passes
+from llama_tp.model.prefix_cache import PrefixCache
+from llama_tp.engine.scheduler import MAX_PADDING, Chunk, Scheduler, prefill_passes
 from serve_harness import request
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 

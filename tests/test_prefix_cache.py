@@ -10,7 +10,7 @@ import torch
 
 from distributed import run_world
 from llama_tp import Llama
-from llama_tp.prefix_cache import PrefixCache, common_length
+from llama_tp.model.prefix_cache import PrefixCache, common_length
 from serve_harness import Harness, request, tokens_of
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
@@ -99,7 +99,7 @@ def conversation(llama: Llama, reuse: bool, turns: int = 4) -> tuple[list[list[f
     forward = llama.model.forward
 
     def noting(tokens, start_pos, *args, **kwargs):
-        starts.append(start_pos)
+        starts.append(start_pos[0] if isinstance(start_pos, list) else start_pos)  # the engine's: one a row
         return forward(tokens, start_pos, *args, **kwargs)
 
     llama.model.forward = noting

@@ -7,7 +7,7 @@ import torch
 from llama_tp import Llama
 from llama_tp.kernels import cpu_kernels, int4, int8
 from llama_tp.kernels.int8 import dequantize, quantize_int8
-from llama_tp.quantize import DynamicInt8Linear, Int8Linear
+from llama_tp.model.quantize import DynamicInt8Linear, Int8Linear
 from llama_tp.checkpoint.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from distributed import run_world
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from llama_tp import Llama
-from llama_tp.args import ModelArgs
-from llama_tp.tools import random_checkpoint
-from llama_tp.tools.random_checkpoint import SHAPES, random_weights
+from llama_tp.model.args import ModelArgs
+from llama_tp.tools.bench import random_checkpoint
+from llama_tp.tools.bench.random_checkpoint import SHAPES, random_weights
 from tiny_checkpoint import LLAMA2_TOKENIZER
 
 

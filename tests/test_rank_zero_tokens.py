@@ -8,7 +8,7 @@ import torch
 
 from distributed import run_world
 from llama_tp import Llama
-from llama_tp.model import Transformer
+from llama_tp.model.transformer import Transformer
 from llama_tp.parallel import collectives
 from serve_harness import Harness, request, tokens_of
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
@@ -57,11 +57,15 @@ def serve(llama: Llama) -> list[list[int]]:
         served = [tokens_of(harness.deltas(stream)) for stream in streams]
         harness.close()
         return served
-    from llama_tp.serve.engine import Engine  # the other ranks have no mailbox
+    from llama_tp.engine import Observer, Serving  # the other ranks have no mailbox
 
     ended = {}
-    Engine(llama, 16, on_finish=lambda sequence, reason: ended.update(
-        {sequence.request.id: sequence.sampling.answer})).run(lambda: False)  # ends when rank 0 stops
+
+    class Answers(Observer):
+        def finished(self, sequence, reason):
+            ended[sequence.request.id] = sequence.sampling.answer
+
+    Serving(llama.engine(16, Answers()), None).run(lambda: False)  # ends when rank 0 stops
     return [ended[key] for key in sorted(ended, key=lambda key: int(key.rsplit("-", 1)[-1]))]
 
 

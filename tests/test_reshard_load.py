@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from meta_shards import meta_shards, write_shards
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 from llama_tp.checkpoint.sharding import Piece, assemble_slice, pieces_for, shard_ranges
 from meta_shards import meta_shards
 from tiny_checkpoint import TINY_LLAMA2, TINY_LLAMA3, full_weights, split_dim

@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from llama_tp import sampler
-from llama_tp.sampler import TokenHistory, choose, sample
+from llama_tp.sampling import sampler
+from llama_tp.sampling.sampler import TokenHistory, choose, sample
 from llama_tp.sampling import SamplingOptions, adjust_logits, choose_next, distribution
 
 pytestmark = pytest.mark.usefixtures("sampler_path")

@@ -5,7 +5,7 @@ model's settings, and a nucleus found by growing the candidates step by step."""
 import pytest
 import torch
 
-from llama_tp import sampler
+from llama_tp.sampling import sampler
 from llama_tp.kernels import cpu_kernels
 from llama_tp.sampling import SamplingOptions, distribution
 from test_sampler import chi_square_p_value

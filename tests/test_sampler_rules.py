@@ -5,8 +5,8 @@ min-p alone, the full sort's cut, which rows are settled, the history, and the d
 import pytest
 import torch
 
-from llama_tp import sampler
-from llama_tp.sampler import TokenHistory, choose, sample
+from llama_tp.sampling import sampler
+from llama_tp.sampling.sampler import TokenHistory, choose, sample
 from llama_tp.sampling import SamplingOptions
 
 pytestmark = pytest.mark.usefixtures("sampler_path")

@@ -1,9 +1,9 @@
 """The scheduler's plan of a step, without a model."""
 
-from llama_tp.prefix_cache import MIN_COPIED_TOKENS, PrefixCache
+from llama_tp.model.prefix_cache import MIN_COPIED_TOKENS, PrefixCache
 from llama_tp.sampling import SamplingOptions
-from llama_tp.serve.requests import GenerationRequest
-from llama_tp.serve.scheduler import Chunk, Copy, Scheduler
+from llama_tp.engine import GenerationRequest
+from llama_tp.engine.scheduler import Chunk, Copy, Scheduler
 
 
 def test_generating_rows_decode_in_cache_row_order_whatever_order_they_came_in():

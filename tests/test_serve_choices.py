@@ -13,12 +13,12 @@ import torch
 from distributed import run_world
 from fake_engine import MODEL, served
 from llama_tp import Llama
-from llama_tp.prefix_cache import PrefixCache
+from llama_tp.engine import GenerationRequest
+from llama_tp.engine.scheduler import Copy, Scheduler
+from llama_tp.model.prefix_cache import PrefixCache
 from llama_tp.sampling import SamplingOptions
-from llama_tp.serve.engine import Engine
 from llama_tp.serve.prepare import choices
-from llama_tp.serve.requests import GenerationRequest
-from llama_tp.serve.scheduler import Copy, Scheduler
+from llama_tp.serve.server import engine_loop
 from serve_client import CHAT, COMPLETION, GOOD_CHAT, GOOD_COMPLETION, HELLO, client
 from serve_harness import Harness, request, tokens_of
 from test_serve_real_engine import MODEL as REAL_MODEL
@@ -172,7 +172,7 @@ def _choices_on_two_ranks(checkpoint: str) -> list[list[int]]:
     """Rank 0 submits a request's 3 choices while every rank runs the engine."""
     llama = Llama.build(checkpoint, str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=3)
     if torch.distributed.get_rank() != 0:
-        Engine(llama, 16).run(lambda: False)  # ends when rank 0 stops
+        engine_loop(llama, 16, None).run(lambda: False)  # ends when rank 0 stops
         return []
     harness = Harness(llama, start=False)
     streams = [harness.submit(each) for each in choices(SimpleNamespace(n=3), request(llama, LONG_PROMPT, 8, **SAMPLED),

@@ -7,7 +7,7 @@ import torch
 from distributed import run_world
 from llama_tp import Llama
 from llama_tp.serve.mailbox import ServerState
-from llama_tp.serve.requests import Overloaded, Unavailable
+from llama_tp.serve.mailbox import Overloaded, Unavailable
 from serve_harness import Harness, request, text_of, tokens_of
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, successor_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
@@ -167,9 +167,9 @@ def _serve_on_two_ranks(checkpoint: str) -> list[list[int]]:
         answers = [tokens_of(harness.deltas(stream)) for stream in streams]
         harness.close()
         return answers
-    from llama_tp.serve.engine import Engine  # the other ranks have no mailbox
+    from llama_tp.serve.server import engine_loop  # the other ranks have no mailbox
 
-    Engine(llama, 16).run(lambda: False)  # ends when rank 0 stops
+    engine_loop(llama, 16, None).run(lambda: False)  # ends when rank 0 stops
     return []
 
 

@@ -5,7 +5,7 @@ calls, in milliseconds (test_serve_http.py checks the same answers through a ser
 import json
 import time
 
-from llama_tp.serve.requests import Delta, TokenLogprob
+from llama_tp.engine import Delta, TokenLogprob
 from llama_tp.serve.responses import Answered, ChatReply, CompletionReply, event
 from llama_tp.structured.tools import HERMES
 

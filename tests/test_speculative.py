@@ -291,9 +291,9 @@ def _speculate_on_two_ranks(checkpoint: str, draft: str) -> dict[str, list]:
         results["engine"] = [tokens_of(harness.deltas(stream)) for stream in streams]
         harness.close()
     else:
-        from llama_tp.serve.engine import Engine  # the other ranks have no mailbox
+        from llama_tp.serve.server import engine_loop  # the other ranks have no mailbox
 
-        Engine(llama, 16).run(lambda: False)  # ends when rank 0 stops
+        engine_loop(llama, 16, None).run(lambda: False)  # ends when rank 0 stops
     return results
 
 

@@ -4,7 +4,7 @@ test_speculative_rule.py's statistics (which a mutation run cannot afford for ev
 
 import torch
 
-from llama_tp.speculative.acceptance import accept_greedy, accept_sampled
+from llama_tp.engine.speculative.acceptance import accept_greedy, accept_sampled
 
 ROWS = 2000
 

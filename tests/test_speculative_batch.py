@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from llama_tp import parallel
-from llama_tp.prefix_cache import PrefixCache
+from llama_tp.model.prefix_cache import PrefixCache
 from llama_tp.sampling import SamplingOptions, choose_next, stop_ban
-from llama_tp.speculative import Row, Speculator
-from llama_tp.speculative.draft import Draft
+from llama_tp.engine.speculative import Row, Speculator
+from llama_tp.engine.speculative.draft import Draft
 
 VOCAB, K, ROUNDS, STOP = 16, 3, 6, 5
 
@@ -58,16 +58,16 @@ def models(rows: int, stop_boost: float = 3.0) -> tuple[TableModel, Speculator]:
     return TableModel(table, before, rows), Speculator("draft", K, Draft(draft, "the target's table, perturbed"))
 
 
-# Each row: its options, its prompt, tokens it must take next (Meta's schedule's rest of a prompt),
-# and the most tokens it may gain a round (one guess, then the target's own token; or plenty).
+# Each row: its options, its prompt, and the most tokens it may gain a round (one guess, then the
+# target's own token; or plenty).
 ROWS = [
-    (SamplingOptions(temperature=0), [1, 2], (), 100),
-    (SamplingOptions(temperature=0, repetition_penalty=1.5, min_gen_len=4), [3, 4, 3], (8, 9), 100),
-    (SamplingOptions(temperature=0.9, top_p=0.8), [1, 6], (), 100),
-    (SamplingOptions(temperature=1.2, top_p=1.0, top_k=5, repetition_penalty=1.3), [7, 2, 7], (), 100),
-    (SamplingOptions(temperature=0.7, top_p=0.95, min_p=0.1, min_gen_len=3), [9, 9], (4,), 100),
-    (SamplingOptions(temperature=1.0, top_p=0.9), [2, 11, 4], (12, 13, 14, 15), 100),
-    (SamplingOptions(temperature=0.8, top_p=1.0, repetition_penalty=1.2), [6, 3], (), 2),
+    (SamplingOptions(temperature=0), [1, 2], 100),
+    (SamplingOptions(temperature=0, repetition_penalty=1.5, min_gen_len=4), [3, 4, 3], 100),
+    (SamplingOptions(temperature=0.9, top_p=0.8), [1, 6], 100),
+    (SamplingOptions(temperature=1.2, top_p=1.0, top_k=5, repetition_penalty=1.3), [7, 2, 7], 100),
+    (SamplingOptions(temperature=0.7, top_p=0.95, min_p=0.1, min_gen_len=3), [9, 9], 100),
+    (SamplingOptions(temperature=1.0, top_p=0.9), [2, 11, 4], 100),
+    (SamplingOptions(temperature=0.8, top_p=1.0, repetition_penalty=1.2), [6, 3], 2),
 ]
 
 
@@ -76,15 +76,14 @@ def speculate(chosen: list[int], stop_boost: float = 3.0) -> tuple[dict[int, lis
     target, speculator = models(len(chosen), stop_boost)
     rows = []
     for slot, index in enumerate(chosen):
-        options, prompt, forced, room = ROWS[index]
+        options, prompt, room = ROWS[index]
         target.held[slot] = prompt[:-1]  # the target's caches hold all but each row's last token
         target.prefix_cache.extend(slot, 0, prompt[:-1])
         rows.append(Row(slot, list(prompt), options, torch.Generator().manual_seed(100 + index), len(prompt), [STOP],
-                        room, forced))
+                        room))
     for _ in range(ROUNDS):
         for row, outcome in zip(rows, speculator.round(target, rows)):
             row.tokens = row.tokens + outcome.tokens
-            row.forced = row.forced[len(outcome.tokens):]
     return {index: row.tokens[row.prompt_length:] for index, row in zip(chosen, rows)}, speculator
 
 
@@ -104,8 +103,7 @@ def test_each_seeded_row_gains_what_it_gains_alone(together):
         assert speculate([index])[0][index] == tokens[index], index
     assert 0 < speculator.stats.accepted < speculator.stats.proposed  # the draft was right and wrong
     assert all(len(gained) > ROUNDS for gained in tokens.values())  # rounds that accepted guesses, everywhere
-    for index, (options, _, forced, _) in enumerate(ROWS):
-        assert tuple(tokens[index][: len(forced)]) == forced, index  # the prompt's own tokens, whatever the models say
+    for index, (options, _, _) in enumerate(ROWS):
         assert STOP not in tokens[index][: options.min_gen_len], index
 
 
@@ -113,12 +111,9 @@ def test_greedy_rows_in_a_sampled_batch_gain_plain_decodings_tokens(together):
     tokens, _ = together
     target, _ = models(1)
     for index in (0, 1):
-        options, prompt, forced, _ = ROWS[index]
+        options, prompt, _ = ROWS[index]
         plain = list(prompt)
         while len(plain) < len(prompt) + len(tokens[index]):
-            if len(plain) - len(prompt) < len(forced):
-                plain.append(forced[len(plain) - len(prompt)])
-                continue
             ban = stop_ban(torch.tensor([len(plain) - len(prompt)]), options.min_gen_len, [STOP], VOCAB)
             plain.append(int(choose_next(target.logits(plain)[None], options, torch.tensor([plain]), ban)))
         assert tokens[index] == plain[len(prompt):], index
@@ -128,6 +123,6 @@ def test_greedy_rows_in_a_sampled_batch_gain_plain_decodings_tokens(together):
 
 def test_a_stop_token_the_target_always_prefers_comes_as_soon_as_min_gen_len_allows():
     tokens, _ = speculate(list(range(len(ROWS))), stop_boost=30.0)
-    for index, (options, _, forced, _) in enumerate(ROWS):
-        first = max(options.min_gen_len, len(forced))
+    for index, (options, _, _) in enumerate(ROWS):
+        first = options.min_gen_len
         assert STOP not in tokens[index][:first] and tokens[index][first] == STOP, index

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from llama_tp.sampling import SamplingOptions, choose_next, distribution
-from llama_tp.speculative.acceptance import accept_greedy, accept_sampled
-from llama_tp.speculative.lookup import lookup_guesses
+from llama_tp.engine.speculative.acceptance import accept_greedy, accept_sampled
+from llama_tp.engine.speculative.lookup import lookup_guesses
 
 
 def test_greedy_accepts_the_guesses_up_to_the_first_the_target_would_not_choose():

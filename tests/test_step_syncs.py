@@ -1,15 +1,15 @@
-"""A serving step, a step of generate's static batches and a round of speculation read back from
-the device once for all their rows (tokens, log probabilities and the likeliest alternatives
-together): the host waits on the device once a step (issue 31, item 9). generate's continuous
-batching runs the serving engine's steps. Counted on CPU through a TorchFunctionMode that sees
-every read-back a Tensor method does."""
+"""A serving step, a step of generate's batch of ragged prompts and a round of speculation read back
+from the device once for all their rows (tokens, log probabilities and the likeliest alternatives
+together): the host waits on the device once a step (issue 31, item 9). generate runs the engine's
+steps, as the server does. Counted on CPU through a TorchFunctionMode that sees every read-back a
+Tensor method does."""
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 from llama_tp import Llama
-from llama_tp.serve.engine import Admission, Engine, News
+from llama_tp.engine import Admission, run_job
 from serve_harness import request
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
@@ -41,13 +41,14 @@ def llama(tmp_path_factory) -> Llama:
 
 def decode_step_read_backs(llama: Llama, requests) -> list[str]:
     """Admit requests, prefill them, then count the read-backs of one decoding step of them all."""
-    engine = Engine(llama, max_prefill_tokens=64)
-    engine._apply(News(tuple(Admission(r, slot, 7 + slot) for slot, r in enumerate(requests))))
+    engine = llama.engine(max_prefill_tokens=64)
+    for slot, each in enumerate(requests):
+        engine.admit(Admission(each, slot, 7 + slot))
     while any(len(s.pending) > 1 for s in engine.scheduler.running):
-        engine._step()
+        engine.step()
     assert len(engine.scheduler.plan().decode) == len(requests)
     with CountReadBacks() as counter:
-        engine._step()
+        engine.step()
     return counter.calls
 
 
@@ -80,19 +81,17 @@ def test_a_nucleus_wider_than_the_candidates_costs_a_second_read_back_unless_our
 @pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=0, logprobs=True),
                                      dict(temperature=0.8, top_k=50, repetition_penalty=1.2, min_gen_len=3, seed=1)],
                          ids=["greedy", "greedy with logprobs", "sampled"])
-def test_a_step_of_generates_static_batch_reads_back_once(llama, options):
-    """Ragged prompts: rows still reading their prompt share the step's one read-back."""
+def test_a_step_of_generates_batch_reads_back_once(llama, options):
+    """Ragged prompts: the step that takes them all in, and every step after, read back once."""
     logprobs = options.pop("logprobs", False)
-    chosen = llama.sampling_options(**options)
-    steps = llama._decode(PROMPTS, 6, chosen, (), chosen.generator(llama.model.rotary.device), logprobs=logprobs)
-    next(steps)
+    steps = run_job(llama.engine(), [(request(llama, prompt, 6, logprobs=logprobs, **options), 7) for prompt in PROMPTS])
     counts = []
     while True:
         with CountReadBacks() as counter:
             if next(steps, None) is None:
                 break
         counts.append(counter.calls)
-    assert len(counts) == 6 + len(PROMPTS[2]) - len(PROMPTS[3])
+    assert len(counts) == 6
     assert counts == [["tolist"]] * len(counts)
 
 
@@ -106,7 +105,7 @@ def speculating(llama, tmp_path_factory) -> Llama:
 @pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=0, repetition_penalty=1.2),
                                      dict(temperature=0.8, top_k=50, seed=1)], ids=["greedy", "penalty", "sampled"])
 def test_a_round_of_speculation_reads_back_once_for_every_row(speculating, options):
-    from llama_tp.speculative import Row
+    from llama_tp.engine.speculative import Row
 
     model, chosen = speculating.model, speculating.sampling_options(**options)
     prompts = [prompt * 2 for prompt in PROMPTS]  # something for prompt lookup to copy
@@ -131,7 +130,7 @@ def drafting(tmp_path_factory) -> Llama:
 def test_a_round_with_a_draft_reads_back_once_a_guess_and_once_for_the_verdicts(drafting):
     """Rows with their own options and generators: each of the draft's steps draws every row's
     guess in one call, and the target's verdicts come in one more."""
-    from llama_tp.speculative import Row
+    from llama_tp.engine.speculative import Row
 
     model = drafting.model
     options = [dict(temperature=0), dict(temperature=0.8, top_k=50, repetition_penalty=1.2, seed=1),
@@ -154,14 +153,15 @@ def test_a_speculating_step_with_log_probabilities_reads_back_twice_for_every_ro
 
 
 def test_a_rounds_log_probabilities_are_each_gained_tokens_under_the_logits_that_chose_it(llama):
-    from llama_tp.serve.engine import _round_logprobs
-    from llama_tp.speculative import Outcome
+    from llama_tp.engine.speculative import Outcome
+    from llama_tp.engine.step import round_extras
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     outcomes = [Outcome([4, 1], logits[:2]), Outcome([9], logits[2:3]), Outcome([7], logits[3:])]
     requests = [request(llama, PROMPTS[0], 8, logprobs=True, top_logprobs=3), request(llama, PROMPTS[1], 8),
                 request(llama, PROMPTS[2], 8, logprobs=True)]
-    first, second, third = _round_logprobs(requests, outcomes)
+    first, second, third = [None if gained is None else [logprob for logprob, _ in gained]
+                            for gained in round_extras(requests, [None] * 3, outcomes)]
     expected = torch.log_softmax(logits.double(), dim=-1)
     assert second is None
     assert [entry.token for entry in first] == [4, 1] and [entry.token for entry in third] == [7]

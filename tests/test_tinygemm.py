@@ -15,7 +15,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from llama_tp import Llama
 from llama_tp.kernels import int4, tinygemm
 from llama_tp.parallel import check_int4_device
-from llama_tp.quantize import Int4Linear, Int8Linear, TinygemmInt4Linear, use_tinygemm
+from llama_tp.model.quantize import Int4Linear, Int8Linear, TinygemmInt4Linear, use_tinygemm
 from llama_tp.tools.convert.gguf_blocks import quantized_weight
 from test_int4_checkpoint import gguf_models  # noqa: F401  (a fixture: a tiny GGUF model in Q4_0 and Q4_1, converted)
 from test_int4_checkpoint import gguf_tensor

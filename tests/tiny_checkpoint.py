@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from llama_tp.args import ModelArgs
+from llama_tp.model.args import ModelArgs
 
 # Beside the project; LLAMA_TP_TEST_DATA names it where the tests run from a copy (mutmut's mutants/).
 SHARED_DATA = Path(os.environ.get("LLAMA_TP_TEST_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))

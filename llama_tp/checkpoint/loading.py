@@ -16,12 +16,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..args import ModelArgs
+from ..model.args import ModelArgs
 from ..kernels import cpu_kernels, matmul
 from ..logs import logger
-from ..model import LINEAR_LAYERS, Transformer
+from ..model.transformer import LINEAR_LAYERS, Transformer
 from ..parallel import EmbeddingLayout, Placement
-from ..quantize import (QUANTIZED_AT_LOAD, Int4Linear, Int8Linear, check_quantize_on, layer_quantization,
+from ..model.quantize import (QUANTIZED_AT_LOAD, Int4Linear, Int8Linear, check_quantize_on, layer_quantization,
                         quantize_model, replace_linear_layers, use_kernels)
 from . import mapped_pages
 from .quantized import check_quantized_load, stored_quantization, unfilled_layers
@@ -254,7 +254,7 @@ def load_slice(checkpoint: Checkpoint, rank: int, world_size: int, device: torch
 def load_model(ckpt_dir: Path, args: ModelArgs, placement: Placement, dtype: torch.dtype,
                quantize: Optional[str] = None, pack: bool = True, opened: Optional[Checkpoint] = None) -> Transformer:
     """Build the model without initialising it and fill it with this rank's slice, whatever the
-    shard count; linear layers quantized as asked (see quantize.py), or else, with pack, laid out
+    shard count; linear layers quantized as asked (see model/quantize.py), or else, with pack, laid out
     for the device's fastest kernel (see matmul.packing_pays). A quantized checkpoint's layers load
     as they are stored. opened: ckpt_dir's open_checkpoint, if the caller has it already."""
     checkpoint = opened or open_checkpoint(ckpt_dir, args)

@@ -25,12 +25,12 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from ..args import ModelArgs
+from ..model.args import ModelArgs
 from ..kernels import int4
 from ..kernels.int8 import group_size, quantize_int8
 from ..logs import logger
 from ..parallel import check_int4_device, communication_after, require_cxx_compiler
-from ..quantize import QUANTIZATIONS, Int4Linear, Int8Linear, check_quantize, layer_quantization, replace_linear_layers
+from ..model.quantize import QUANTIZATIONS, Int4Linear, Int8Linear, check_quantize, layer_quantization, replace_linear_layers
 from .sharding import COLUMN_PARALLEL, ROW_PARALLEL
 
 # What a checkpoint can store; int8_dynamic rounds the activations too, which only happens at run time.

@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..args import ModelArgs
+from ..model.args import ModelArgs
 from ..parallel import EmbeddingLayout
 
 # Split along the output dimension (dim 0) by fairscale's ColumnParallelLinear ...

@@ -40,7 +40,7 @@ MAX_ROWS = 64
 # (matmul.SUMMED_MAX_ROWS). A GPU converts int8 to fp32 at 16 a cycle per SM (a quarter or an
 # eighth of its multiply-adds), so a row costs about 1.6 ms for a 7B model's 6.5 G weights on an
 # H200, against about 3.5 ms for reading them in bf16 and 9 ms for converting them back: up to 4
-# rows, estimated so, not measured yet (tools/bench_products.py measures it).
+# rows, estimated so, not measured yet (tools/bench/products.py measures it).
 GPU_SUMMED_MAX_ROWS = 4
 
 

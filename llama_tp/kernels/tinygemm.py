@@ -40,7 +40,7 @@ TILE_INPUTS = 16
 # Estimated from torchao's timings of tinygemm on an A6000 (its HQQ README: 4096 x 4096, 16 rows
 # 0.038 ms, 32 0.065, 128 0.25: the weight and the rows read again for every 16 rows) against
 # converting the weight back (2 bytes a weight written and read again); not measured here yet:
-# tools/bench_products.py times both on a GPU.
+# tools/bench/products.py times both on a GPU.
 MAX_ROWS = 32
 
 

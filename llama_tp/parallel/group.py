@@ -174,7 +174,7 @@ class DecodeCompilation:
     """How torch.compile runs one-token decoding steps on a device (see Transformer.compile_decoding)."""
 
     options: dict[str, Any]  # torch.compile's keywords
-    graphs: bool  # whole steps at the sizes of a ladder, recorded as CUDA graphs (step_graphs.py)
+    graphs: bool  # whole steps at the sizes of a ladder, recorded as CUDA graphs (model/step_graphs.py)
 
 
 def decode_compilation(device: torch.device) -> DecodeCompilation:

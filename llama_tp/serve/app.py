@@ -22,14 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from .mailbox import Mailbox, ServerState
+from ..engine.requests import Delta
+from .mailbox import Mailbox, Overloaded, RequestStream, ServerState, Unavailable
 from .messages.protocol import CountTokensRequest, MessagesRequest, messages_error
 from .messages.reply import MessageReply
 from .messages.translate import chat_body
 from .prepare import chat_prompt, chat_request, choices, completion_request, dialog_tokens, text_tokens
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
                        parse_body)
-from .requests import Delta, Overloaded, RequestStream, Unavailable
 from .responses import Answered, ChatReply, CompletionReply, Reply
 from .responses_api import output as responses_output
 from .responses_api.prepare import prepare_turn

@@ -1,19 +1,20 @@
-"""Rank 0's door into the engine, for the HTTP side's thread: submit and cancel requests, know
-whether the engine is ready.
+"""Rank 0's door into the engine, for the HTTP side's thread: submit and cancel requests, read
+each request's deltas from its stream, know whether the engine is ready.
 
-The HTTP side's calls only put messages in; the engine takes them at the start of a step, which
-is when they reach the other ranks. The waiting line is bounded (max_waiting): a request beyond
-it is refused at once, before it costs anything.
+The HTTP side's calls only put messages in; the engine's loop (engine/serving.py, to which the
+mailbox is its Inbox) takes them at the start of a step, which is when they reach the other
+ranks. The waiting line is bounded (max_waiting): a request beyond it is refused at once, before
+it costs anything.
 """
 
 import asyncio
 import enum
 import queue
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
-from .requests import GenerationRequest, Overloaded, RequestStream, Unavailable
+from ..engine.requests import Delta, GenerationRequest
+from ..engine.serving import Cancel
 
 if TYPE_CHECKING:  # prometheus_client (the serve extra) only where a server runs: batch jobs need the engine alone
     from .metrics import ServerMetrics
@@ -26,9 +27,44 @@ class ServerState(enum.Enum):
     FAILED = "failed"  # a rank was lost: nothing more can be generated
 
 
-@dataclass(frozen=True)
-class Cancel:
-    request_id: str
+class Overloaded(Exception):
+    """The waiting line is full (--max_waiting): answer 429 at once."""
+
+
+class Unavailable(Exception):
+    """The engine is loading, stopping or has failed: answer 503."""
+
+
+class RequestStream:
+    """The HTTP side's end of one request: the engine's Deltas, in order, up to the last one.
+
+    The engine thread puts deltas in from its own thread; the HTTP side reads them on its event loop.
+    """
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self._loop = loop
+        self._deltas: asyncio.Queue[Delta] = asyncio.Queue()
+
+    def put(self, delta: Delta) -> None:
+        """From any thread: hand the HTTP side a delta (dropped if the HTTP side's loop has closed)."""
+        try:
+            self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
+        except RuntimeError:  # the server has stopped: nobody reads this stream, and the engine goes on
+            pass
+
+    async def next(self) -> Delta:
+        return await self._deltas.get()
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            delta = await self.next()
+            yield delta
+            if delta.finished:
+                return
 
 
 class Mailbox:
@@ -103,3 +139,14 @@ class Mailbox:
     def set_state(self, state: ServerState, failure: Optional[str] = None) -> None:
         with self._lock:
             self.state, self.failure = state, failure or self.failure
+
+    def stopping(self) -> None:
+        """The engine ends every request and takes no more (Ctrl-C, SIGTERM)."""
+        self.set_state(ServerState.STOPPING)
+
+    def failed(self, reason: str) -> None:
+        """The engine cannot go on: requests are refused with reason from now on."""
+        self.set_state(ServerState.FAILED, reason)
+        with self._lock:
+            self._waiting = 0
+            self.metrics.requests_waiting.set(0)

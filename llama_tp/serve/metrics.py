@@ -1,15 +1,19 @@
 """The server's Prometheus metrics (GET /metrics): requests in each state, tokens, latencies, the
 KV cache's use; and the same again under vLLM's names, for the dashboards that read vLLM's.
 
-A registry of its own per server, so that tests can run several. The engine updates the request
-and token figures on rank 0 as they change; the HTTP side counts what it refuses.
+A registry of its own per server, so that tests can run several. The engine tells rank 0's
+EngineMetrics of its requests and tokens as they change; the HTTP side counts what it refuses.
 """
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from .requests import RequestState
+from ..engine.observer import Observer
+from ..engine.requests import RequestState
+from ..engine.scheduler import Sequence
 
 disable_created_metrics()  # no *_created series: a start time per label is noise here
 
@@ -87,3 +91,39 @@ class VllmNames(Collector):
                     renamed.add_sample(name + sample.name[len(family.name):],
                                        {"model_name": self.model_name, **sample.labels}, sample.value)
                 yield renamed
+
+
+class EngineMetrics(Observer):
+    """The engine's events (rank 0's) as the server's metrics."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def admitted(self, sequence: Sequence) -> None:
+        self.metrics.prompt_tokens.inc(sequence.prompt_length)
+        self.metrics.cached_prompt_tokens.inc(sequence.reused)
+
+    def token(self, sequence: Sequence, at: float) -> None:
+        progress = sequence.sampling
+        if progress.first_token_at is None:
+            self.metrics.time_to_first_token.observe(at - sequence.request.arrival)
+        else:
+            self.metrics.inter_token_latency.observe(at - progress.last_token_at)
+        self.metrics.generation_tokens.inc()
+
+    def finished(self, sequence: Sequence, reason: str) -> None:
+        progress = sequence.sampling
+        if progress.first_token_at is not None and sequence.generated > 1:
+            per_token = (progress.last_token_at - progress.first_token_at) / (sequence.generated - 1)
+            self.metrics.time_per_output_token.observe(per_token)
+        if reason != "cancelled":
+            self.metrics.request_latency.observe(time.monotonic() - sequence.request.arrival)
+        self.ended(RequestState.CANCELLED if reason == "cancelled" else RequestState.FINISHED)
+
+    def ended(self, state: RequestState) -> None:
+        self.metrics.requests_ended.labels(state.value).inc()
+
+    def load(self, running: int, cache_usage: float) -> None:
+        self.metrics.requests_running.set(running)
+        self.metrics.kv_cache_usage.set(cache_usage)
+

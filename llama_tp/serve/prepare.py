@@ -17,7 +17,7 @@ from ..text.jinja_template import check_variables
 from ..text.reasoning import Thinking
 from ..text.streaming import check_stop
 from .protocol import INT64, ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
-from .requests import GenerationRequest
+from ..engine.requests import GenerationRequest
 
 # SamplingOptions.check names the option first in its message; the API's name for each.
 OPTION_PARAMS = {"min_gen_len": "min_tokens"}

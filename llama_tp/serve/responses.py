@@ -17,7 +17,7 @@ from typing import Optional
 from ..structured.tools import parse_tool_calls, tool_format
 from ..text.reasoning import ReasoningSplitter, Split, Thinking
 from .protocol import error_body
-from .requests import Delta, GenerationRequest, TokenLogprob
+from ..engine.requests import Delta, GenerationRequest, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
 

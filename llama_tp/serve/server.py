@@ -1,13 +1,27 @@
 """Running the app: a listening socket taken first (so a busy port fails before the model loads),
-then uvicorn on it in a thread of its own, beside rank 0's engine loop."""
+then uvicorn on it in a thread of its own, beside rank 0's engine loop (engine_loop)."""
 
 import socket
 import threading
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import uvicorn
 from fastapi import FastAPI
+
+from ..engine import Serving
+from .mailbox import Mailbox
+from .metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from ..generation import Llama
+
+
+def engine_loop(generator: "Llama", max_prefill_tokens: int, mailbox: Optional[Mailbox]) -> Serving:
+    """The engine's serving loop over generator's model, on every rank: rank 0's hears of requests
+    through mailbox (None on the others), sends each its text and counts it in the metrics."""
+    observer = EngineMetrics(mailbox.metrics) if mailbox is not None else None
+    return Serving(generator.engine(max_prefill_tokens, observer, text=mailbox is not None), mailbox)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -1,5 +1,5 @@
 """Each answer's adjustments (its grammar's state, logit_bias, penalties) and the one batched call
-that applies them all to a step's logits, wherever the engine or generate samples.
+that applies them all to a step's logits, wherever the engine samples.
 
 Every rank holds the same RowAdjustments and feeds them the same tokens, so every rank computes
 the same mask itself: filling a mask takes microseconds a row, while sending it from rank 0 would
@@ -10,7 +10,7 @@ the penalties work without it.
 """
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -20,6 +20,8 @@ from .logits import allowed_tokens, bias_logits, mask_logits, penalize_logits
 
 if TYPE_CHECKING:
     import xgrammar
+
+    from .grammars import Grammars
 
 
 @dataclass
@@ -64,18 +66,15 @@ class RowAdjustment:
         return True
 
 
-def make_adjustment(generator, constraint: Optional[Constraint] = None, logit_bias: tuple = (),
-                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+def make_adjustment(grammars: "Callable[[], Grammars]", constraint: Optional[Constraint] = None,
+                    logit_bias: tuple = (), presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                     thinking: Optional[Thinking] = None) -> Optional[RowAdjustment]:
-    """A new answer's adjustments for a Llama (generator), or None when it asks for none.
-    thinking: a reasoning model's answer, whose constraint waits for the end of its thinking."""
+    """A new answer's adjustments, or None when it asks for none. grammars: the model's compiled
+    grammars, made when asked for (the first constraint). thinking: a reasoning model's answer,
+    whose constraint waits for the end of its thinking."""
     if constraint is None and not logit_bias and not presence_penalty and not frequency_penalty:
         return None
-    matcher = None
-    if constraint is not None:
-        from .grammars import grammars_for
-
-        matcher = grammars_for(generator).matcher(constraint)
+    matcher = grammars().matcher(constraint) if constraint is not None else None
     if matcher is None or thinking is None:
         return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty)
     return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty, thinking=thinking,

@@ -1,3 +1,3 @@
-"""The command-line side: running a script (cli) and its files (prompts), the demo model, and the
-tools users run with `python -m llama_tp.<tool>`: convert, reshard, plan, bench (and the
-benchmark's helpers), answer_agreement."""
+"""The command-line side: running a script (cli, options, help) and its files (prompts, job_output),
+the demo model, and the commands users run with `python -m llama_tp.<command>`: convert, reshard,
+plan, run_batch; the benchmarks have a room of their own (bench/)."""

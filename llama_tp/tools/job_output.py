@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from tqdm import tqdm
 
-from ..continuous import prompt_seed
+from ..engine import prompt_seed
 from ..logs import logger
 from ..parallel import global_rank
 from .prompts import prompt_record

@@ -3,13 +3,13 @@
     python -m llama_tp.plan --params params/llama-2-70b.json --world_size 8 [--max_batch_size 4] [--max_seq_len 4096] [--dtype bf16] [--quantize int8|int4] [--memory_gib 80]
 
 It exits 1, after the figures, when the world size cannot split the model or the weights and KV
-cache exceed --memory_gib. See llama_tp/memory.py for what the figures count.
+cache exceed --memory_gib. See llama_tp/model/memory.py for what the figures count.
 """
 
 from typing import Optional
 
-from ..args import ModelArgs
-from ..memory import GIB, plan, report
+from ..model.args import ModelArgs
+from ..model.memory import GIB, plan, report
 from .cli import run
 
 LLAMA2_VOCAB_SIZE = 32000  # what params.json's -1 becomes with Llama 2's tokenizer

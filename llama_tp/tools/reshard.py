@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from ..args import ModelArgs
+from ..model.args import ModelArgs
 from ..checkpoint import load_slice, open_checkpoint
 from ..checkpoint.quantized import check_split, check_storable, quantized_tensors
 from ..checkpoint.record import RECORD_FILE

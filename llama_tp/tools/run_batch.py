@@ -21,16 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..continuous import JOB_PREFILL_TOKENS, prompt_seeds
+from ..engine import Delta, GenerationRequest, prompt_seeds, run_job
+from ..engine.scheduler import Sequence
 from ..generation import Llama
 from ..logs import logger
 from ..parallel import global_rank
-from ..serve.engine import Engine
 from ..serve.prepare import chat_request, choices, completion_request
 from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
-from ..serve.requests import Delta, GenerationRequest
 from ..serve.responses import Answered, ChatReply, CompletionReply, Reply
-from ..serve.scheduler import Sequence
 from ..text.streaming import cut_at_stop
 from . import demo
 from .job_output import JobProgress, check_output, whole_lines
@@ -221,14 +219,14 @@ def answer_all(generator: Llama, model_name: str, lines: list[str], output: Outp
         logger.info(f"resuming: {len(pending) - len(jobs)} of {len(pending)} requests answered in {output.path}")
     progress = JobProgress(len(jobs), unit="requests")
 
-    def finished(sequence: Sequence, reason: str) -> None:
-        done = pending[sequence.request.id]
-        output.write(done.custom_id, response(200, answer(done, sequence, reason, generator)), None)
-        progress.update(sequence.generated)
-
-    engine = Engine(generator, JOB_PREFILL_TOKENS, on_finish=finished)
     try:
-        engine.run_job([(p.request, seed) for p, seed in jobs])
+        for updates in run_job(generator.engine(), [(p.request, seed) for p, seed in jobs]):
+            for update in updates:
+                if update.delta.finished:
+                    sequence, done = update.sequence, pending[update.sequence.request.id]
+                    output.write(done.custom_id, response(200, answer(done, sequence, update.delta.finish_reason,
+                                                                      generator)), None)
+                    progress.update(sequence.generated)
     finally:
         progress.close()
 

@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$summary"
 
 checkpoint() {  # a random checkpoint of a published shape in /dev/shm, made once
-    [ -f "/dev/shm/$1/params.json" ] || python3 -m llama_tp.tools.random_checkpoint --shape "$1" --out "/dev/shm/$1" \
+    [ -f "/dev/shm/$1/params.json" ] || python3 -m llama_tp.tools.bench.random_checkpoint --shape "$1" --out "/dev/shm/$1" \
         > "$LOGS/checkpoint-$1.log" 2>&1
 }
 

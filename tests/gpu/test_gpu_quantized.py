@@ -7,7 +7,7 @@ import torch
 
 from llama_tp import Llama
 from llama_tp.kernels import int4, tinygemm
-from llama_tp.quantize import Int8Linear, TinygemmInt4Linear
+from llama_tp.model.quantize import Int8Linear, TinygemmInt4Linear
 from test_tinygemm import cuda_packing
 
 CUDA = torch.device("cuda")

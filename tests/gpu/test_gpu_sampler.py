@@ -6,7 +6,7 @@ distribution sampling.py defines, on both of top-p's paths (its candidates, the 
 import pytest
 import torch
 
-from llama_tp.sampler import sample
+from llama_tp.sampling.sampler import sample
 from llama_tp.sampling import SamplingOptions, distribution
 from test_sampler import FLAT, SHARP, SAMPLES, chi_square_p_value, four_candidates  # noqa: F401 (a fixture)
 

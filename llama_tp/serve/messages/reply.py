@@ -20,7 +20,7 @@ from typing import Optional
 
 from ...structured.tools import parse_tool_calls
 from ...text.reasoning import ReasoningSplitter, Split, Thinking
-from ..requests import Delta
+from ...engine.requests import Delta
 from ..responses import Reply, event, parsed_calls
 from .protocol import error_body
 

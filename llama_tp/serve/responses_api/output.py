@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Optional
 
 from ...structured.tools import parse_tool_calls
 from ...text.reasoning import Split
-from ..requests import Delta
+from ...engine.requests import Delta
 from .prepare import Turn
 from .protocol import ResponsesRequest
 from .store import Stored

@@ -9,7 +9,7 @@ from typing import Optional
 from ...structured.tools import tool_format
 from ..prepare import chat_request
 from ..protocol import ChatCompletionRequest, RequestError
-from ..requests import GenerationRequest
+from ...engine.requests import GenerationRequest
 from .protocol import (FunctionCallItem, FunctionCallOutputItem, FunctionChoice, MessageItem, ReasoningItem,
                        ResponsesRequest)
 from .store import ResponseStore

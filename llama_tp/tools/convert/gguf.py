@@ -16,9 +16,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ...args import ModelArgs
+from ...model.args import ModelArgs
 from ...checkpoint.quantized import QuantizedWeight, tensor_quantization
-from ...model import rotary_frequencies
+from ...model.transformer import rotary_frequencies
 from ...optional import require
 from ...checkpoint.record import ModelRecord, check_sampling
 from . import gguf_blocks, gguf_vocab

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...args import ModelArgs
+from ...model.args import ModelArgs
 from ...checkpoint.quantized import QuantizedWeight, check_split, check_storable, quantized_tensors
 from ...checkpoint.sharding import KV_PROJECTIONS, split_dim
 from ...logs import logger

@@ -1,0 +1,371 @@
+"""The engine: requests in the KV cache's rows, and the step that advances all of them.
+
+Every rank holds the same engine and is told the same admissions and cancellations, so every rank
+decides alike: the scheduler's plan, each step's tokens (rank 0's choices, which reach the others
+with the step's one read-back: choices.py), where answers end. A step feeds the model what each
+sequence's cache row lacks (prompt chunks, and the generating rows' last tokens, in one pass where
+the model can mix them), then chooses every generating row's next token in one call of the
+sampler, each with its own options, generator and adjustments (grammar, logit_bias, penalties:
+llama_tp/structured); with a speculator, the rows free of adjustments gain theirs in a round of
+guesses instead (speculative/). Each step's Updates (one Delta per request) go back to whoever
+drives the engine: a batch job or a stream (jobs.py), or the server's loop (serving.py).
+
+It knows nothing of HTTP, of Llama's API or of files: it is given a model (with its KV cache and
+the cache's record, model.prefix_cache), a tokenizer, and a speculator and grammars where the
+model has them.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import parallel
+from ..logs import logger
+from ..model.transformer import Transformer
+from ..sampling.sampler import TokenHistory, sample
+from ..structured.rows import adjust_rows, make_adjustment
+from ..text.streaming import IncrementalDecoder, cut_at_stop
+from .choices import agreed_tokens, read_back
+from .observer import Observer
+from .progress import Candidates, Progress
+from .requests import Delta, GenerationRequest, TokenLogprob
+from .scheduler import Chunk, Scheduler, Sequence, prefill_passes
+from .speculative import Row, Speculator
+from .step import (batch_tensors, candidate_columns, logprob_columns, prompt_logprobs, prompt_targets, read_candidates,
+                   read_logprob, round_extras, stop_bans)
+
+if TYPE_CHECKING:  # xgrammar (the serve extra), imported where a request asks for a grammar
+    from ..structured.grammars import Grammars
+
+# With speculation, the acceptance so far is logged (debug) each time this many more rows are verified.
+SPECULATION_REPORT_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class Admission:
+    request: GenerationRequest
+    slot: int
+    seed: int  # the request's own, or one rank 0 drew: every rank samples alike
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a step produced for one request: its sequence (the whole answer so far, in
+    sequence.sampling) and the step's Delta (the last one has the finish reason)."""
+
+    sequence: Sequence
+    delta: Delta
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer, max_prefill_tokens: int, speculator: Optional[Speculator] = None,
+                 grammars: "Optional[Callable[[], Grammars]]" = None, observer: Optional[Observer] = None,
+                 text: bool = False):
+        """max_prefill_tokens: prompt tokens fed a step beside the generating rows.
+        grammars: the model's structured.grammars.Grammars, made when a first request asks for a
+        constraint. observer: told of admissions, tokens, ends and the load (the server's metrics).
+        text: every request's deltas carry its text (a server's, a stream's); otherwise only
+        requests with stop strings watch their text."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = model.rotary.device
+        self.scheduler = Scheduler(model.prefix_cache, max_prefill_tokens)
+        self.speculator = speculator  # None: one token a step
+        self.grammars = grammars
+        self.observer = observer
+        self.text = text
+        # Each cache row's tokens, for the repetition penalty: kept on the device, grown a token a step.
+        self.history = TokenHistory(model.max_batch_size, model.max_seq_len, self.device)
+        self.next_report = SPECULATION_REPORT_ROWS
+        self.updates: list[Update] = []  # the current step's
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    def find(self, request_id: str) -> Optional[Sequence]:
+        return self.scheduler.find(request_id)
+
+    def choose_slot(self, prompt: tuple[int, ...], taken: set[int]) -> Optional[int]:
+        """The free cache row a new request should take, not one of those taken this step (rank 0
+        decides; the others are told): the one holding the longest start of its prompt, else the
+        least recently used; None if there is none."""
+        return self.scheduler.choose_slot(prompt, taken)
+
+    # Admitting and cancelling
+
+    def admit(self, admission: Admission) -> Sequence:
+        """Start a request in its free cache row, reusing what the row holds of its prompt."""
+        request = admission.request
+        # `n`'s later choices copy the first's prefill (scheduler.Copy) when it still runs
+        follows = self.scheduler.find(request.shares_prefill_with) if request.shares_prefill_with else None
+        sequence = self.scheduler.admit(request, admission.slot, follows)
+        if sequence.reused:
+            logger.debug(f"reusing the cache: {sequence.reused} of {sequence.prompt_length} prompt tokens held "
+                         "from a request before")
+        generator = torch.Generator(device=self.device).manual_seed(admission.seed)
+        watches_text = self.text or bool(request.stop)
+        decoder = IncrementalDecoder(self.tokenizer, request.stop) if watches_text else None
+        # structured outputs (llama_tp/structured): each rank keeps its own grammar state
+        adjustment = make_adjustment(self.grammars, request.constraint, request.logit_bias, request.presence_penalty,
+                                     request.frequency_penalty, request.thinking)
+        sequence.sampling = Progress(generator, decoder, adjustment)
+        if request.prompt_logprobs:
+            # the prompt's first token, which nothing predicts (a one-token prompt is fed as a step, never scored)
+            sequence.sampling.prompt_logprobs.append(0.0)
+        self.history.reset(admission.slot, request.prompt_tokens)
+        if self.observer is not None:
+            self.observer.admitted(sequence)
+            self._report_load()
+        return sequence
+
+    def cancel(self, request_id: str) -> list[Update]:
+        """End a running request now (its client left): its last Update, "cancelled"."""
+        sequence = self.scheduler.find(request_id)
+        if sequence is not None:
+            self._finish(sequence, "cancelled", [])
+        return self._take_updates()
+
+    def end_all(self) -> list[Update]:
+        """End every running request cleanly with what it has (the server stopping)."""
+        for sequence in self.scheduler.running:
+            self._finish(sequence, "cancelled", [])
+        return self._take_updates()
+
+    # Steps
+
+    @torch.inference_mode()
+    def step(self) -> list[Update]:
+        """Feed every running sequence what its cache row lacks (within the prefill budget), and
+        advance each one whose pending tokens are all fed: what the step produced."""
+        plan = self.scheduler.plan()
+        for copy in plan.copies:  # a shared start of a prompt, or a prompt prefilled once for several choices
+            self.model.copy_cache_positions(copy.source, copy.dest, copy.start, copy.end)
+        # A prompt whose own log probabilities are asked for needs every position's logits: a pass of its own.
+        scored = [chunk for chunk in plan.prefill if chunk.sequence.request.prompt_logprobs]
+        prefill = [chunk for chunk in plan.prefill if not chunk.sequence.request.prompt_logprobs]
+        for chunk in scored:
+            self._prefill([chunk], every_position=True)
+        if self.speculator is None and self.model.can_mix_batches:
+            # One pass for all: every prompt chunk (unpadded) and the generating rows read the
+            # weights once together, instead of once in a prompt pass and again in a decoding pass.
+            batches = [[chunk] for chunk in prefill] + ([plan.decode] if plan.decode else [])
+            if batches:
+                self._feed(*batches)
+        else:
+            # Compiled steps (fixed shapes) and speculation's rounds: prompt chunks first, in passes
+            # of their own, so that a new request's first token waits for its own prefill only, not
+            # also for the batch's decoding pass (chunks are at most max_prefill_tokens long).
+            for chunks in prefill_passes(prefill, self.model.max_seq_len):
+                self._prefill(chunks)
+            if plan.decode:
+                self._decode(plan.decode)
+        if self.observer is not None:
+            self._report_load()  # the running requests' answers grew
+        return self._take_updates()
+
+    def _prefill(self, chunks: list[Chunk], every_position: bool = False) -> None:
+        """One pass over prompt chunks; the draft (if any) reads them too, chunk by chunk, rather
+        than all at once in the sequence's first round, which would hold up the other rows' round."""
+        self._feed(chunks, every_position=every_position)
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.catch_up([chunk.sequence.slot.index for chunk in chunks],
+                                           [chunk.sequence.tokens[: chunk.start + len(chunk.tokens)] for chunk in chunks],
+                                           plain=True)
+
+    def _decode(self, chunks: list[Chunk]) -> None:
+        """The generating sequences' next tokens: in a round of speculation, or a step."""
+        if self.speculator is None:
+            self._feed(chunks)
+            return
+        # structured outputs (llama_tp/structured): a draft's guesses are not checked against a
+        # grammar, so adjusted rows decode a token a step beside the rounds
+        adjusted = [chunk for chunk in chunks if chunk.sequence.sampling.adjustment is not None]
+        free = [chunk for chunk in chunks if chunk.sequence.sampling.adjustment is None]
+        if free:
+            self._speculate(free)
+        if adjusted:
+            self._feed(adjusted)
+
+    def _feed(self, *batches: list[Chunk], every_position: bool = False) -> None:
+        """One pass over batches of chunks (prompt chunks, the shorter padded to the longest; or one
+        token of each generating request), then the next token of each sequence whose pending tokens
+        it fed. Several batches share the pass (Transformer.forward_segments). every_position: one
+        batch of one prompt chunk, whose positions' logits give its prompt's log probabilities."""
+        chunks = [chunk for batch in batches for chunk in batch]
+        plain_greedy = not every_position and all(_takes_best_logit(c.sequence.request) for c in chunks if c.completes)
+        if len(batches) == 1:
+            tokens, starts, slots, lengths = batch_tensors(chunks, self.device)
+            width = tokens.shape[1]
+            logits = self.model.forward(tokens, starts, last_only=not every_position, vocab_slice=plain_greedy,
+                                        slots=slots, lengths=None if min(lengths) == width else lengths)
+        else:
+            logits = self.model.forward_segments([batch_tensors(batch, self.device)[:3] for batch in batches],
+                                                 vocab_slice=plain_greedy)
+        for chunk in chunks:
+            self.scheduler.fed(chunk)
+        if every_position:
+            self._keep_prompt_logprobs(chunks[0], logits[0])
+            logits = logits[:, -1:]
+        completing = [row for row, chunk in enumerate(chunks) if chunk.completes]
+        full = [row for row in completing if self._is_full(chunks[row].sequence)]
+        for row in full:  # a prompt that fills the context: nothing more to choose
+            self._finish(chunks[row].sequence, "length", [])
+        completing = [row for row in completing if row not in full]
+        if not completing:  # prompts' chunks before their last: nothing to choose yet
+            return
+        sequences = [chunks[row].sequence for row in completing]
+        logits = logits[completing, -1] if len(completing) < len(chunks) else logits[:, -1]  # bsz, vocab (or a slice)
+        # structured outputs, logit_bias, penalties (llama_tp/structured): free rows pay nothing
+        logits = adjust_rows([s.sampling.adjustment for s in sequences], logits,
+                             parallel.model_parallel_rank() * logits.shape[-1] if plain_greedy else 0,
+                             self.model.args.vocab_size)
+        if plain_greedy:  # each rank offers the best of its slice: no logits gathered, and every
+            # rank picks the winner from the same gathered pairs, so they agree without rank 0's word
+            picks = [(token, None, ()) for token in parallel.vocab_argmax(logits).tolist()]
+        else:
+            picks = self._choose(sequences, logits)
+        now = time.monotonic()
+        for sequence, (token, logprob, candidates) in zip(sequences, picks):
+            self._advance(sequence, token, logprob, now, candidates)
+
+    def _keep_prompt_logprobs(self, chunk: Chunk, logits: torch.Tensor) -> None:
+        """The log probability of each prompt token the chunk's logits [width, vocab] predict, read
+        back as rank 0 computed it."""
+        progress = chunk.sequence.sampling
+        targets = prompt_targets(chunk)
+        if targets:
+            progress.prompt_logprobs += [line[0] for line in read_back([prompt_logprobs(logits, targets)])[1]]
+
+    def _choose(self, sequences: list[Sequence], logits: torch.Tensor) -> list[tuple[int, Optional[TokenLogprob], Candidates]]:
+        """The next token of every sequence from its logits [rows, vocab], each with its own options
+        and generator, in one call; its log probability under the model and the sampler's likeliest
+        candidates where asked. The host reads the step back once (tokens and what is asked beside
+        them, as rank 0 chose them: choices.py), twice in a step where some row's nucleus needed
+        the full sort."""
+        slots = torch.tensor([s.slot.index for s in sequences], device=self.device)
+        requests = [s.request for s in sequences]
+        options = [request.options for request in requests]
+        lengths = [len(s.tokens) for s in sequences]
+        history = None
+        if any(o.repetition_penalty != 1.0 for o in options):
+            history = self.history.ids[slots, : max(lengths)]
+        ban = stop_bans(requests, [s.generated for s in sequences], logits.shape[-1], self.device)
+        draw = sample(logits, options, [s.sampling.generator for s in sequences], history, ban)
+        top = max(request.top_logprobs for request in requests)
+        most = max(request.top_candidates for request in requests)
+        asks_logprobs = any(request.logprobs for request in requests)
+        logprobs = F.log_softmax(logits.float(), dim=-1) if asks_logprobs else None
+        candidates = candidate_columns(requests, logits, history, ban) if most else []
+        tokens, rows = agreed_tokens(draw, lambda chosen: [*logprob_columns(chosen, logprobs, top), *candidates])
+        self.history.append(slots, torch.tensor(lengths, device=self.device), tokens)
+        picks = []
+        after = 3 + 2 * top if asks_logprobs else 2  # where the candidates' columns start
+        for request, row in zip(requests, rows):
+            token = int(row[0])
+            logprob = read_logprob(row[2:], token, top, request.top_logprobs) if request.logprobs else None
+            shown = read_candidates(row[after:], most, request.top_candidates) if request.top_candidates else ()
+            picks.append((token, logprob, shown))
+        return picks
+
+    def _speculate(self, chunks: list[Chunk]) -> None:
+        """A round of guesses for the generating sequences (each chunk the one token its slot
+        lacks): one pass of the target verifies them all, each sequence gains a token or more."""
+        sequences = [chunk.sequence for chunk in chunks]
+        rows = [Row(s.slot.index, s.tokens, s.request.options, s.sampling.generator, s.prompt_length,
+                    sorted(s.request.stop_tokens),
+                    min(s.request.max_tokens - s.generated, self.model.max_seq_len - len(s.tokens)))
+                for s in sequences]
+        requests = [s.request for s in sequences]
+        outcomes = self.speculator.round(self.model, rows,
+                                         want_logits=any(r.logprobs or r.top_candidates for r in requests))
+        extras = round_extras(requests, rows, outcomes)
+        now = time.monotonic()
+        for sequence, outcome, gained in zip(sequences, outcomes, extras):
+            self.history.write(sequence.slot.index, len(sequence.tokens), outcome.tokens)
+            previous = sequence.sampling.last_token_at or now
+            for index, token in enumerate(outcome.tokens):
+                at = previous + (now - previous) * (index + 1) / len(outcome.tokens)  # the round's time, shared
+                logprob, candidates = gained[index] if gained else (None, ())
+                if self._advance(sequence, token, logprob, at, candidates):
+                    break
+        stats = self.speculator.stats
+        if stats.verified_rows >= self.next_report:
+            logger.debug(f"speculation ({self.speculator.mode}) so far: {stats.describe()}")
+            self.next_report = stats.verified_rows + SPECULATION_REPORT_ROWS
+
+    def _advance(self, sequence: Sequence, token: int, logprob: Optional[TokenLogprob], at: float,
+                 candidates: Candidates = ()) -> bool:
+        """Append a chosen token and end the sequence where it ends (then True). at: when the token
+        counts as made (time.monotonic), for the latencies."""
+        request, progress = sequence.request, sequence.sampling
+        if progress.adjustment is not None:  # structured outputs (llama_tp/structured)
+            progress.adjustment.accept(token)
+        sequence.tokens.append(token)
+        sequence.generated += 1
+        stopped = token in request.stop_tokens
+        if not stopped:
+            progress.answer.append(token)
+            if logprob is not None:
+                progress.logprobs.append(logprob)
+            if request.top_candidates:
+                progress.candidates.append(candidates)
+        piece = progress.decoder.push(progress.answer) if progress.decoder is not None and not stopped else ""
+        stopped = stopped or (progress.decoder is not None and progress.decoder.stopped)
+        if self.observer is not None:  # before the times move on: it reads the last token's
+            self.observer.token(sequence, at)
+        if progress.first_token_at is None:
+            progress.first_token_at = at
+        progress.last_token_at = at
+        delta = Delta(piece, () if token in request.stop_tokens else (token,), (logprob,) if logprob else ())
+        if stopped or self._is_full(sequence):
+            self._finish(sequence, "stop" if stopped else "length", [delta])
+            return True
+        self.updates.append(Update(sequence, delta))
+        return False
+
+    def _is_full(self, sequence: Sequence) -> bool:
+        """Whether sequence has reached its token limit, or the end of its cache row."""
+        return sequence.generated >= sequence.request.max_tokens or len(sequence.tokens) >= self.model.max_seq_len
+
+    # Ends
+
+    def _finish(self, sequence: Sequence, reason: str, deltas: list[Delta]) -> None:
+        """End a running sequence on every rank: its last deltas, the last with its text's end and counts."""
+        self.scheduler.release(sequence)
+        progress = sequence.sampling
+        if progress.decoder is not None:
+            text = cut_at_stop(self.tokenizer.decode(progress.answer), sequence.request.stop)
+            deltas = deltas or [Delta()]
+            deltas[-1] = _with_text(deltas[-1], deltas[-1].text + progress.decoder.finish(text))
+        deltas = deltas or [Delta()]
+        self.updates += [Update(sequence, delta) for delta in deltas[:-1]]
+        last = Delta(deltas[-1].text, deltas[-1].tokens, deltas[-1].logprobs, reason, sequence.prompt_length,
+                     sequence.generated, sequence.reused,
+                     stop_string=progress.decoder.matched if progress.decoder is not None else None)
+        self.updates.append(Update(sequence, last))
+        if self.observer is not None:
+            self.observer.finished(sequence, reason)
+            self._report_load()
+
+    def _take_updates(self) -> list[Update]:
+        updates, self.updates = self.updates, []
+        return updates
+
+    def _report_load(self) -> None:
+        """The observer's gauges of the running requests: how many, and the cache positions they hold."""
+        running = self.scheduler.running
+        held = sum(len(sequence.tokens) for sequence in running)
+        self.observer.load(len(running), held / (self.model.max_batch_size * self.model.max_seq_len))
+
+
+def _takes_best_logit(request: GenerationRequest) -> bool:
+    """Whether a request's next token is the model's best logit, with nothing read beside it."""
+    return request.options.takes_best_logit and not request.logprobs and not request.top_candidates
+
+
+def _with_text(delta: Delta, text: str) -> Delta:
+    return Delta(text, delta.tokens, delta.logprobs, delta.finish_reason)

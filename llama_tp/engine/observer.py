@@ -1,0 +1,25 @@
+"""What the engine tells whoever watches it (the server's metrics, serve/metrics.py): requests
+admitted, tokens made, requests ended, the load. The engine keeps no figures itself."""
+
+from .requests import RequestState
+from .scheduler import Sequence
+
+
+class Observer:
+    """The engine's events, each a no-op here: a watcher overrides those it counts."""
+
+    def admitted(self, sequence: Sequence) -> None:
+        """sequence took a cache row (its prompt and what of it the row held already)."""
+
+    def token(self, sequence: Sequence, at: float) -> None:
+        """sequence gained a token at time.monotonic() `at` (a speculation round's time is shared
+        by the tokens it adds); its progress still holds the times of the tokens before."""
+
+    def finished(self, sequence: Sequence, reason: str) -> None:
+        """sequence ended: "stop", "length" or "cancelled"."""
+
+    def ended(self, state: RequestState) -> None:
+        """A request ended in state, running or not (one that waited, refused as the server stops)."""
+
+    def load(self, running: int, cache_usage: float) -> None:
+        """The running requests, and the fraction of the KV cache's positions they hold."""

@@ -1,0 +1,81 @@
+"""What a door hands the engine (a checked GenerationRequest) and what comes back (Deltas).
+
+Every door (the API, the batch runner, the HTTP side) validates a request before it reaches the
+engine: the engine never refuses a request, it only generates, and every request it takes ends
+with exactly one final Delta.
+"""
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..sampling import SamplingOptions
+from ..structured.constraint import Constraint
+from ..text.reasoning import Thinking
+
+
+class RequestState(enum.Enum):
+    """A request's life: waiting for a slot, generating, then one of the three ends."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"  # ended by a stop token, a stop string or its token limit
+    CANCELLED = "cancelled"  # its client left, or the server stopped
+    FAILED = "failed"  # the engine could not go on (a rank was lost)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A request a door has checked: its prompt fits, its options are in range."""
+
+    id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int  # prompt_tokens plus max_tokens fit max_seq_len
+    options: SamplingOptions  # min_gen_len is OpenAI's min_tokens; seed None: one drawn for it
+    stop_tokens: frozenset[int]  # tokens that end the answer (the tokenizer's, a chat format's end of turn)
+    stop: tuple[str, ...] = ()  # strings that end the answer, cut before them
+    logprobs: bool = False  # each generated token's log probability
+    top_logprobs: int = 0  # and the most likely alternatives at each step
+    # Each step's likeliest tokens and their probabilities as the sampler saw them (penalties and
+    # temperature applied): the API's show_top
+    top_candidates: int = 0
+    prompt_logprobs: bool = False  # each prompt token's log probability: the prompt is computed whole, none reused
+    constraint: Optional[Constraint] = None  # the answer's grammar (structured outputs)
+    thinking: Optional[Thinking] = None  # a reasoning model's answer: its constraint holds what follows the thinking
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each generated token's logit
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time the token was generated
+    # `n`'s later choices: the id of the first, whose prompt's keys and values they copy once it
+    # is prefilled instead of prefilling it again (the scheduler's Copy)
+    shares_prefill_with: Optional[str] = None
+    arrival: float = field(default_factory=time.monotonic)  # for time to first token
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model, and the likeliest tokens at its step."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one engine step produced for one request: new text (whole characters, never past a
+    stop string), its tokens, and on the last delta the finish reason and the counts."""
+
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked
+    finish_reason: Optional[str] = None  # "stop" or "length" on a normal end; "cancelled"; "error"
+    prompt_tokens: int = 0  # on the last delta
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values were reused, not computed
+    error: Optional[str] = None  # with finish_reason "error": what went wrong, for the client
+    stop_string: Optional[str] = None  # with finish_reason "stop": the stop string that ended it, if one did
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

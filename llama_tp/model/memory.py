@@ -1,0 +1,177 @@
+"""How much memory each process needs, before anything is loaded (python -m llama_tp.plan prints it).
+
+The figures count exactly what llama_tp allocates per process: its slice of every weight matrix
+(int8 and int4 layers with their scales and zeros or mins), the replicated norms, and the KV cache (KV heads are
+copied when there are more processes than KV heads). Activations and the framework's own
+overhead come on top. Weights and cache are allocated at load, whatever the prompts: a job
+whose weights and cache exceed the memory free on its machine is refused before loading.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..kernels import int4
+from ..kernels.int8 import group_size
+from .args import ModelArgs
+from .kv_cache import BLOCK_POSITIONS, blocks_for
+from .quantize import check_quantize, layer_quantization
+from .transformer import local_kv_heads
+
+GIB = 1024**3
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    args: ModelArgs
+    world_size: int
+    max_batch_size: int
+    max_seq_len: int
+    dtype_bytes: int
+    params_total: int
+    params_per_rank: int
+    kv_heads_per_rank: int
+    quantize: Optional[str] = None  # of the linear layers: "int8", "int4" or "int8_dynamic"
+
+    @property
+    def weight_bytes(self) -> int:
+        if self.quantize is None:
+            return self.params_per_rank * self.dtype_bytes
+        linear = linear_params_per_rank(self.args, self.world_size)
+        quantized = sum(_quantized_bytes(width, n, layer_quantization(name, self.quantize)) for name, width, n in linear)
+        return (self.params_per_rank - sum(n for _, _, n in linear)) * self.dtype_bytes + quantized
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Keys and values of every layer: blocks enough for max_batch_size rows of max_seq_len
+        positions (kv_cache.py), local kv heads x head_dim a position."""
+        positions = self.max_batch_size * blocks_for(self.max_seq_len) * BLOCK_POSITIONS
+        per_layer = 2 * positions * self.kv_heads_per_rank * self.args.head_dim
+        return self.args.n_layers * per_layer * self.dtype_bytes
+
+    @property
+    def logits_bytes(self) -> int:
+        """The largest activation: fp32 logits over the whole vocabulary for a full-length prompt."""
+        return self.max_batch_size * self.max_seq_len * self.args.vocab_size * 4
+
+
+def _quantized_bytes(width: int, n: int, quantization: str) -> int:
+    """Bytes of n weights of a linear layer `width` inputs wide (on this rank), quantized so."""
+    if quantization == "int8":  # a byte per weight, fp32 scales and zeros per group of a slice's inputs
+        return n + 8 * n // group_size(width)
+    if quantization == "int4":  # half a byte per weight, fp16 scales and mins per group of 32
+        return n // 2 + 4 * n // int4.GROUP_SIZE
+    return n  # fbgemm's packed int8, whose per-output-channel scales are negligible
+
+
+def params_per_rank(args: ModelArgs, world_size: int) -> int:
+    """Parameters one of world_size processes holds: its slice of each split matrix plus the norms."""
+    linear = sum(n for _, _, n in linear_params_per_rank(args, world_size))
+    embedding = args.vocab_size * args.dim // world_size
+    norms = (2 * args.n_layers + 1) * args.dim  # two per layer and the last
+    return linear + embedding + norms
+
+
+def linear_params_per_rank(args: ModelArgs, world_size: int) -> list[tuple[str, int, int]]:
+    """(name, input width on one of world_size processes, parameters there) of the linear layers."""
+    q, kv = args.n_heads * args.head_dim // world_size, local_kv_heads(args, world_size) * args.head_dim
+    ffn = args.ffn_hidden_dim // world_size
+    return [
+        ("wq, wk, wv, w1, w3", args.dim, args.n_layers * args.dim * (q + 2 * kv + 2 * ffn)),
+        ("wo", q, args.n_layers * args.dim * q),
+        ("w2", ffn, args.n_layers * args.dim * ffn),
+        ("output", args.dim, args.vocab_size * args.dim // world_size),
+    ]
+
+
+def plan(args: ModelArgs, world_size: int, max_batch_size: int, max_seq_len: int,
+         dtype: "str | torch.dtype", quantize: Optional[str] = None) -> MemoryPlan:
+    """The per-process memory of args split over world_size processes with these runtime limits,
+    the linear layers quantized as given."""
+    check_quantize(quantize)
+    if args.vocab_size < 1:
+        raise ValueError("the vocabulary size must be known to plan memory; fill it from the tokenizer")
+    for name, value in (("world_size", world_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, found {value!r}")
+    if isinstance(dtype, torch.dtype):
+        dtype_bytes = dtype.itemsize
+    elif dtype in DTYPE_BYTES:
+        dtype_bytes = DTYPE_BYTES[dtype]
+    else:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return MemoryPlan(args, world_size, max_batch_size, max_seq_len, dtype_bytes,
+                      params_per_rank(args, 1), params_per_rank(args, world_size), local_kv_heads(args, world_size),
+                      quantize)
+
+
+def report(memory: MemoryPlan) -> str:
+    """The plan as a few lines for people."""
+    args, world_size = memory.args, memory.world_size
+    total = memory.weight_bytes + memory.kv_cache_bytes + memory.logits_bytes
+    weights = f"{memory.dtype_bytes}-byte weights"
+    if memory.quantize:
+        head = layer_quantization("output", memory.quantize)
+        exception = f" (the output head {head})" if head != memory.quantize else ""
+        weights = f"{memory.quantize} linear layers{exception}, other {weights}"
+    lines = [
+        f"Memory per process ({world_size} process{'es' * (world_size > 1)}, {weights}, "
+        f"batch {memory.max_batch_size} x {memory.max_seq_len} tokens):",
+        f"  weights   {memory.weight_bytes / GIB:9.2f} GiB  ({_count(memory.params_per_rank)} of "
+        f"{_count(memory.params_total)} parameters)",
+        f"  KV cache  {memory.kv_cache_bytes / GIB:9.2f} GiB  ({args.n_layers} layers x "
+        f"{memory.kv_heads_per_rank} KV head{'s' * (memory.kv_heads_per_rank > 1)} here)",
+        f"  logits    {memory.logits_bytes / GIB:9.2f} GiB  (fp32, for a prompt filling the context)",
+        f"  total     {total / GIB:9.2f} GiB  plus activations and framework overhead",
+    ]
+    if args.kv_heads < world_size and world_size % args.kv_heads == 0:
+        lines.append(f"  each of the {args.kv_heads} KV heads is copied on {world_size // args.kv_heads} processes")
+    if args.splits_over(world_size):
+        lines.append(
+            f"  {world_size} divides the {args.n_heads} query heads, {args.kv_heads} KV heads, "
+            f"ffn size {args.ffn_hidden_dim} and vocabulary {args.vocab_size}: OK"
+        )
+    else:
+        working = [n for n in range(1, args.n_heads + 1) if args.splits_over(n)]
+        lines.append(
+            f"  {world_size} processes cannot split this model ({args.n_heads} query heads, {args.kv_heads} "
+            f"KV heads, ffn size {args.ffn_hidden_dim}, vocabulary {args.vocab_size}); world sizes that "
+            f"work: {', '.join(map(str, working))}"
+        )
+    return "\n".join(lines)
+
+
+def check_fits(memory: MemoryPlan, device: torch.device, processes_here: int) -> None:
+    """Refuse a plan whose weights and KV cache do not fit in the memory free for this process: its
+    GPU's, or on CPU the machine's, shared by the job's processes_here processes on it."""
+    per_process = memory.weight_bytes + memory.kv_cache_bytes
+    sharing = processes_here if device.type == "cpu" else 1
+    free, where = free_memory(device)
+    if per_process * sharing <= free:
+        return
+    processes = f"{sharing} processes x " if sharing > 1 else ""
+    raise ValueError(
+        f"the weights and KV cache need {processes}{per_process / GIB:.2f} GiB ({memory.weight_bytes / GIB:.2f} + "
+        f"{memory.kv_cache_bytes / GIB:.2f} for batch {memory.max_batch_size} x {memory.max_seq_len} tokens), "
+        f"but {where} has {free / GIB:.2f} GiB free; lower --max_seq_len or --max_batch_size, quantize "
+        "(--quantize int8 or int4), or split the model over more machines"
+    )
+
+
+def free_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes free for new allocations on device, and what to call it in a message."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"GPU {device.index}"
+    try:  # Linux: what can be had without swapping, page cache included
+        with open("/proc/meminfo") as meminfo:
+            available = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(available.split()[1]) * 1024, "this machine"
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} billion" if n >= 1e8 else f"{n:,}"

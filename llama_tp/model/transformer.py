@@ -1,0 +1,598 @@
+"""The Llama transformer, with each rank holding its slice of every weight matrix.
+
+The math is Meta's reference; parallel layers come from `parallel`, and the model never talks
+to other processes itself.
+"""
+
+import math
+import time
+from functools import partial
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import cpu_kernels
+from ..logs import logger
+from ..parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, gather_objects,
+                       parallel_embedding, row_parallel_linear)
+from .args import ModelArgs
+from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
+from .kv_cache import BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, blocks_for, places, step_through_kernel
+from .prefix_cache import PrefixCache
+from .step_graphs import StepGraphs
+
+
+# The model's linear layers, by attribute name: what quantization replaces and packing lays out.
+LINEAR_LAYERS = ("wqkv", "wo", "w13", "w2", "output")
+
+# The most layers one compiled decoding call runs (see Transformer.compile_decoding).
+MAX_LAYERS_PER_CALL = 10
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype:  # one call instead of three
+            if cpu_kernels.decoding_kernels_run_on(x.device) and not torch.compiler.is_compiling():
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)  # one pass instead of six
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Normalise in fp32 whatever the weights' dtype, as the reference does.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_frequencies(args: ModelArgs) -> torch.Tensor:
+    """The rotation speed of each pair of channels in a head, [head_dim // 2], in fp32."""
+    exponents = torch.arange(0, args.head_dim, 2)[: args.head_dim // 2].float() / args.head_dim
+    freqs = 1.0 / (args.rope_theta**exponents)
+    if args.use_scaled_rope:
+        freqs = _llama31_scaled(freqs, args.rope_scaling_factor, args.rope_high_freq_factor,
+                                args.rope_low_freq_factor, args.rope_original_context)
+    return freqs
+
+
+def _llama31_scaled(freqs: torch.Tensor, factor: float, high_freq_factor: float, low_freq_factor: float,
+                    original_context: int) -> torch.Tensor:
+    """Llama 3.1's rescaling: slow rotations stretched by factor, fast ones kept, a ramp between."""
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    ramp = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > original_context / low_freq_factor, freqs / factor, ramp)
+    return torch.where(wavelen < original_context / high_freq_factor, freqs, scaled)
+
+
+def rotary_table(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
+    """cos and sin of every position's angles: [max_seq_len, head_dim // 2, 2], fp32."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rotary_frequencies(args))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) of x [bsz, seqlen, heads, head_dim] by the angles of table
+    [1 or bsz, seqlen, head_dim // 2, 2] (one for every row, or each row its own)."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # bsz, seqlen, heads, head_dim // 2, 2
+    if torch.compiler.is_compiling():
+        # Real arithmetic, which the compiler fuses into one kernel (it has none for complex numbers).
+        even, odd = pairs[..., 0], pairs[..., 1]
+        cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]  # 1 or bsz, seqlen, 1, head_dim // 2
+        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+        return rotated.flatten(-2).type_as(x)
+    # Eagerly, a pair is a complex number and the rotation one complex product: 2x faster for one
+    # token and 8x for a 512-token prompt than the eight real operations above.
+    turns = torch.view_as_complex(table)[:, :, None, :]  # 1 or bsz, seqlen, 1, head_dim // 2: cos + i sin
+    return torch.view_as_real(torch.view_as_complex(pairs) * turns).flatten(-2).type_as(x)
+
+
+def local_kv_heads(args: ModelArgs, model_parallel_size: int) -> int:
+    """KV heads per rank; with more ranks than KV heads each rank keeps a copy of the one it needs."""
+    return max(1, args.kv_heads // model_parallel_size)
+
+
+class Attention(nn.Module):
+    # wq, wk and wv of the checkpoint, held side by side in one weight: one product per step
+    # instead of three (fewer, larger kernel calls, and one pass over x).
+    FUSED = ("wqkv", ("wq", "wk", "wv"))
+
+    def __init__(self, args: ModelArgs, model_parallel_size: int):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_local_heads = args.n_heads // model_parallel_size
+        self.n_local_kv_heads = local_kv_heads(args, model_parallel_size)
+        stored_kv_heads = self.n_local_kv_heads * model_parallel_size
+        self.local_widths = (self.n_local_heads * self.head_dim,) + 2 * (self.n_local_kv_heads * self.head_dim,)
+        self.qk_v_widths = (self.local_widths[0] + self.local_widths[1], self.local_widths[2])
+        self.wqkv = column_parallel_linear(args.dim, (args.n_heads + 2 * stored_kv_heads) * self.head_dim,
+                                           gather_output=False)
+        self.wo = row_parallel_linear(args.n_heads * self.head_dim, args.dim)
+        # Qwen2's biases of wq, wk and wv, side by side as wqkv's rows (checkpoint_layout): held
+        # here, not in wqkv, so that quantizing or packing wqkv leaves them as they are.
+        self.qkv_bias = nn.Parameter(torch.empty(sum(self.local_widths))) if args.qkv_bias else None
+        # Qwen3's RMSNorm over each head's queries and keys: one weight for all heads, on every rank.
+        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.cache: Optional[KVCache] = None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The queries, keys and values of x side by side, [bsz, seqlen, sum(local_widths)], with the
+        bias and head norms of the models that have them; not yet rotated."""
+        qkv = self.wqkv(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        if self.q_norm is not None:
+            q, k, v = qkv.split(self.local_widths, dim=-1)
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim)).contiguous())  # bsz, seqlen, heads, head_dim
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim)).contiguous())  # bsz, seqlen, kv heads, head_dim
+            qkv = torch.cat((q.flatten(-2), k.flatten(-2), v), dim=-1)
+        return qkv
+
+    def forward(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+        return self.wo(self.attend_projected(self.project(x), rows))
+
+    def attend_projected(self, qkv: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+        """The attention of projected queries, keys and values [bsz, seqlen, sum(local_widths)]
+        placed in the cache as rows says, before wo: [bsz, seqlen, local heads x head_dim].
+
+        Eagerly, where our CPU kernel attends (rows.kernel_starts), all of it is one call of that
+        kernel: 12 us a layer at batch 1, 36 at batch 8, against 59 and 103 for the 20 or so small
+        operations below (compiled, they are fused)."""
+        if rows.kernel_starts is not None and not torch.compiler.is_compiling():
+            return cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary, self.cache.k, self.cache.v,
+                                                     rows.tables, rows.kernel_starts, self.n_local_heads,
+                                                     BLOCK_POSITIONS)
+        bsz, seqlen, _ = qkv.shape
+        one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
+        qk, v = qkv.split(self.qk_v_widths, dim=-1)
+        # Queries and keys rotate alike: one rotation for both heads' worth.
+        qk = apply_rotary(qk.view(bsz, seqlen, -1, self.head_dim), rows.rotary)  # bsz, seqlen, heads + kv heads, head_dim
+        q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
+        v = v.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        self.cache.write(rows, k, v)
+        if rows.block_mask is not None:  # a step of Transformer.decode_step: each row reads what it holds
+            out = attend_own_blocks(q, self.cache.k, self.cache.v, rows.block_mask)
+        elif one_token_through_kernel:  # compiled: each row reads its cache row up to its own position
+            lengths = (rows.positions[:, 0] + 1).expand(bsz)
+            out = cpu_kernels.decode_attention(q, self.cache.k, self.cache.v, rows.tables, lengths, BLOCK_POSITIONS)
+        else:
+            # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
+            # masked half), and a single new token sees everything cached up to end.
+            keys, values = self.cache.read(rows)
+            out = attend(q, keys, values, rows.mask)
+        return out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention of q [bsz, heads, seqlen, head_dim] to keys and values [bsz, kv heads, end, head_dim],
+    query head h reading KV head h // (heads // kv heads); causal from position 0 without a mask,
+    else each query sees where mask [1 or bsz, 1, seqlen, end] is True.
+
+    On GPUs, torch's fast kernels (flash, memory-efficient, cuDNN) refuse a mask together with
+    enable_gqa, which would leave only the math kernel: there a masked step folds its groups
+    (folded_attention). CPUs' flash kernel takes both, and runs faster than on folded queries."""
+    grouped = q.shape[1] != keys.shape[1]
+    if mask is not None and grouped and q.device.type != "cpu":
+        return folded_attention(q, keys, values, mask)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+                                          enable_gqa=grouped)
+
+
+def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """attend's masked grouped attention with each KV head's group of query heads folded into the
+    query axis, as if one head asked all their queries: no enable_gqa, which every kernel takes."""
+    bsz, heads, seqlen, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    folded = q.reshape(bsz, kv_heads, group * seqlen, head_dim)  # the group's queries one after another
+    mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).flatten(2, 3)  # 1 or bsz, 1, group * seqlen, end
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # bsz, kv heads, group * seqlen, head_dim
+    return out.reshape(bsz, heads, seqlen, head_dim)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), with w1 and w3 held side by side as one weight."""
+
+    FUSED = ("w13", ("w1", "w3"))
+
+    def __init__(self, dim: int, hidden_dim: int, model_parallel_size: int):
+        super().__init__()
+        self.local_widths = 2 * (hidden_dim // model_parallel_size,)
+        self.w13 = column_parallel_linear(dim, 2 * hidden_dim, gather_output=False)
+        self.w2 = row_parallel_linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.local_widths, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, model_parallel_size: int):
+        super().__init__()
+        self.attention = Attention(args, model_parallel_size)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, model_parallel_size)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+        """x [bsz, seqlen, dim] placed in the caches as rows says."""
+        if rows.kernel_starts is not None and not torch.compiler.is_compiling():
+            return self._step_through_kernels(x, rows)
+        h = x + self.attention(self.attention_norm(x), rows)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward_segments(self, x: torch.Tensor, segments: list[tuple[int, int, CacheRows]]) -> torch.Tensor:
+        """x [1, tokens, dim]: several batches' tokens one after another (Transformer.forward_segments),
+        each segment's (bsz, seqlen, rows) saying how many are its and where they sit. Every product
+        takes all the tokens at once; each segment attends on its own."""
+        attention = self.attention
+        qkv = attention.project(self.attention_norm(x))[0]  # tokens, sum(local_widths)
+        outs, first = [], 0
+        for bsz, seqlen, rows in segments:
+            part = qkv[first : first + bsz * seqlen].view(bsz, seqlen, -1)
+            first += bsz * seqlen
+            outs.append(attention.attend_projected(part, rows).flatten(0, 1))
+        h = x + attention.wo(torch.cat(outs)[None])
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def _step_through_kernels(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+        """Eagerly, a step of a few tokens a row where our CPU kernels attend (fp32): the same
+        operations, with our kernels' norms and attention (Attention.attend_projected), and the
+        layer's parts called as functions rather than through their modules: 0.8-1.0 ms less
+        Python in a 6 ms step of the demo model in int4. Forward hooks on the parts do not run here."""
+        attention, feed_forward = self.attention, self.feed_forward
+        norm = self.attention_norm
+        x_normed = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
+        plain = attention.qkv_bias is None and attention.q_norm is None
+        qkv = attention.wqkv.forward(x_normed) if plain else attention.project(x_normed)
+        h = x + attention.wo.forward(attention.attend_projected(qkv, rows))
+        norm = self.ffn_norm
+        gate, up = feed_forward.w13.forward(cpu_kernels.rms_norm(h, norm.weight, norm.eps)).split(
+            feed_forward.local_widths, dim=-1)
+        return h + feed_forward.w2.forward(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, model_parallel_size: int, embedding_layout: EmbeddingLayout):
+        super().__init__()
+        if args.vocab_size < 1:
+            raise ValueError("ModelArgs.vocab_size must be known (fill it from the tokenizer) before building")
+        self.args = args
+        self.tok_embeddings = parallel_embedding(args.vocab_size, args.dim, embedding_layout)
+        self.layers = nn.ModuleList(TransformerBlock(args, model_parallel_size) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        # Each rank's slice of the vocabulary, gathered in run_head unless the caller picks from slices.
+        self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=False)
+        self.max_batch_size = 0
+        self.max_seq_len = 0
+        self.window: Optional[int] = None  # the sliding window where it hides positions (setup_caches)
+        # One new token per row: eager, or compile_decoding's (which runs the layers in groups).
+        self.decode_eagerly()
+
+    def checkpoint_layout(self) -> dict[str, list[tuple[str, torch.Size]]]:
+        """Each tensor of this model as the checkpoint tensors it is made of, stacked along dim 0,
+        with the shape each has on this rank."""
+        layout = {name: [(name, tensor.shape)] for name, tensor in self.state_dict().items()}
+        for prefix, module in self.named_modules():
+            if isinstance(module, (Attention, FeedForward)):
+                fused, parts = module.FUSED
+                for tensor in getattr(module, fused).state_dict():  # weight; an int8 layer's scales, zeros too
+                    name = f"{prefix}.{fused}.{tensor}"
+                    columns = layout[name][0][1][1]
+                    layout[name] = [(f"{prefix}.{part}.{tensor}", torch.Size([rows, columns]))
+                                    for part, rows in zip(parts, module.local_widths)]
+            if isinstance(module, Attention) and module.qkv_bias is not None:
+                layout[f"{prefix}.qkv_bias"] = [(f"{prefix}.{part}.bias", torch.Size([rows]))
+                                                for part, rows in zip(module.FUSED[1], module.local_widths)]
+        return layout
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the KV caches (kv_cache.py: blocks enough for every row's max_seq_len
+        positions) and the rotary table for these runtime limits; where decoding steps run at the
+        sizes of a ladder (compile_decoding's graphs), one cache row more, which the padding rows
+        write (spare_slot), its every position in one block of its own."""
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        blocks_per_row = blocks_for(max_seq_len)
+        blocks = max_batch_size * blocks_per_row + self.whole_steps
+        # A sliding window as long as the caches hides nothing: then attention runs as without one.
+        window = self.args.sliding_window
+        self.window = window if window is not None and window < max_seq_len else None
+        self.register_buffer("rotary", rotary_table(self.args, max_seq_len).to(device), persistent=False)
+        self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
+        self.register_buffer("slot_ids", torch.arange(max_batch_size, device=device), persistent=False)
+        self.prefix_cache = PrefixCache(max_batch_size)
+        self.block_tables = BlockTables(max_batch_size + self.whole_steps, blocks_per_row, device)
+        for layer in self.layers:
+            attention = layer.attention
+            attention.cache = KVCache(blocks, attention.n_local_kv_heads, attention.head_dim, device, dtype,
+                                      windowed=self.window is not None)
+        if self.whole_steps:
+            self.block_tables.give(self.spare_slot, [blocks - 1])
+            self.step_masks = StepMasks(max_batch_size, blocks * BLOCK_POSITIONS, device)
+            self.graphs = StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device,
+                                     record=device.type == "cuda", after_compiling=self._agree_on_compiling)
+
+    @property
+    def spare_slot(self) -> int:
+        """The cache row that decode_step's padding rows write and no row reads."""
+        return self.max_batch_size
+
+    @torch.no_grad()
+    def copy_cache_positions(self, source: int, dest: int, start: int, end: int) -> None:
+        """Cache row dest takes row source's keys and values at positions [start, end) in every
+        layer: a prompt prefilled once serves several rows (the server's `n` choices)."""
+        positions = torch.arange(start, end, device=self.positions.device)[None]
+        tables = self.block_tables.tables
+        source_places, dest_places = (places(tables[row : row + 1], positions)[0] for row in (source, dest))
+        for layer in self.layers:
+            layer.attention.cache.copy_positions(source_places, dest_places)
+
+    @property
+    def exact_steps(self) -> bool:
+        """Whether a step of up to MAX_KERNEL_STEP_TOKENS tokens a row gives each token the bits of a
+        one-token step of its row alone, whatever shares the batch: where our kernels take every
+        product and the attention. With AVX2 alone, fp32 weights only: its int4 passes of one or
+        two rows split their sums (avx2_kernels.cpp)."""
+        if not self.layers[0].attention.cache.kernel_attends:
+            return False
+        weights = (self.layers[0].attention.wqkv.weight, self.output.weight)
+        return cpu_kernels.runs_on(self.positions.device) or all(weight.dtype == torch.float32 for weight in weights)
+
+    def compile_decoding(self, graphs: bool, **compile_options) -> None:
+        """Run one-token steps through torch.compile, in equal groups of consecutive layers, then
+        the output head.
+
+        Every group shares one compiled graph, so compiling costs one group's time: about 1 s a
+        layer when nothing is cached. Each call of a compiled function costs 100-200 us of checks
+        before it runs, which is 15% of a step of the demo model at one layer per call, and 2% in
+        three groups of ten (MAX_LAYERS_PER_CALL).
+
+        graphs: run each step whole (decode_step) at the batch sizes of a ladder, as CUDA graphs
+        on a GPU (step_graphs.py), each row reading its cache up to its own position
+        (block_attention.py); otherwise each step at its own size, attending to the positions
+        filled so far. Call before setup_caches (else the caches are made again). Heads narrower
+        than the block masks' kernels take (tests' tiny models) compile without graphs.
+        """
+        size = layers_per_call(len(self.layers))
+        self.decode_layer_groups = [self.layers[first : first + size] for first in range(0, len(self.layers), size)]
+        # Before each call, skip checking the parameters of modules whose attributes are unchanged
+        # since the call before: a group's checks take half the time.
+        fewer_checks = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)
+        self.compile_failure: Optional[Exception] = None
+        self.run_decode_layers = fewer_checks(torch.compile(run_layers, **compile_options))
+        self.run_decode_head = fewer_checks(torch.compile(run_head, **compile_options))
+        self.whole_steps = graphs and self.args.head_dim >= MIN_HEAD_DIM and self.args.sliding_window is None
+        if graphs and not self.whole_steps:
+            logger.info(f"heads of {self.args.head_dim} channels (FlexAttention takes {MIN_HEAD_DIM} or more) or a "
+                        f"sliding window ({self.args.sliding_window}): decoding steps compile without CUDA graphs")
+        if self.whole_steps and self.max_batch_size:
+            self.setup_caches(self.max_batch_size, self.max_seq_len, self.rotary.device,
+                              self.layers[0].attention.cache.k.dtype)
+
+    @torch.inference_mode()
+    def warm_up_decoding(self) -> None:
+        """Compile the one-token step now (and record its CUDA graphs), for greedy steps (this
+        rank's vocabulary slice) and sampled ones (the whole vocabulary), rather than in the first
+        requests' steps: compiling takes seconds (11 s for a 7B on an H200), which a server's
+        first clients would wait. Every rank calls it together; only the spare cache row is written."""
+        if self.run_decode_layers is run_layers:  # not compiled
+            return
+        start = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.prepare(keys=(True, False))
+        else:
+            token = torch.zeros(1, 1, dtype=torch.long, device=self.rotary.device)
+            for vocab_slice in (True, False):
+                self.forward(token, 0, last_only=True, vocab_slice=vocab_slice, slots=[0])
+        logger.info(f"compiled the decoding step in {time.perf_counter() - start:.1f} seconds")
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: "int | Sequence[int]", last_only: bool = False,
+                vocab_slice: bool = False, slots: Optional[Sequence[int]] = None,
+                lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen], row r placed in cache row
+        slots[r] (by default r) from position start_pos: one for every row, or one per row.
+
+        last_only: only the last position's logits, [bsz, 1, vocab]: all that picking the next
+        token needs, and it spares a prompt's worth of the largest matrix product.
+        lengths: rows padded on the right to seqlen (several prompts' chunks in one pass): row r's
+        own tokens are its first lengths[r], and last_only takes each row's logits at its own last
+        token. The padding's keys and values land in the cache after the row's tokens, where
+        nothing reads them before the row's next tokens overwrite them.
+        vocab_slice: only this rank's slice of the vocabulary, [..., vocab // world size] from
+        column rank * vocab // world size, not gathered from the other ranks (parallel.vocab_argmax).
+        """
+        bsz, seqlen = tokens.shape
+        starts, slots = self.checked_rows(bsz, seqlen, start_pos, slots)
+        self._overwrite(slots, starts)
+        if seqlen == 1 and self.graphs is not None:
+            logits = self.graphs.run(tokens[:, 0], slots, starts, vocab_slice)[:, None]
+            self._fall_back_if_compiling_failed()
+            return logits
+        rows = self.cache_rows(bsz, seqlen, starts, slots)
+        last = None if lengths is None else torch.tensor(lengths, device=tokens.device) - 1
+        h = self.tok_embeddings(tokens)
+        if seqlen == 1 and self.run_decode_layers is not run_layers:
+            logits = self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
+            self._fall_back_if_compiling_failed()
+            return logits
+        return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice, last=last)
+
+    @torch.inference_mode()
+    def forward_segments(self, batches: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
+                         vocab_slice: bool = False) -> torch.Tensor:
+        """One pass over several batches, each (tokens [bsz, seqlen], start positions, cache rows)
+        as forward takes them (a step's generating rows, and each prompt chunk on its own): the
+        logits of every row's last token, [rows, 1, vocab] in the batches' order.
+
+        Every product reads the weights once for all their tokens, where a pass a batch would read
+        them once a batch: a continuous batch that takes in a prompt does it in the pass that
+        decodes the others. Eager only (can_mix_batches)."""
+        segments, last, first = [], [], 0
+        for tokens, starts, slots in batches:
+            bsz, seqlen = tokens.shape
+            segments.append((bsz, seqlen, self.cache_rows(bsz, seqlen, starts, slots)))
+            self._overwrite(slots, starts)
+            last += range(first + seqlen - 1, first + bsz * seqlen, seqlen)
+            first += bsz * seqlen
+        h = self.tok_embeddings(torch.cat([tokens.flatten() for tokens, _, _ in batches]))[None]  # 1, tokens, dim
+        for layer in self.layers:
+            h = layer.forward_segments(h, segments)
+        h = h[0, torch.tensor(last, device=h.device)][:, None]  # rows, 1, dim
+        return run_head(self.norm, self.output, h, gather=not vocab_slice)
+
+    def _overwrite(self, slots: Sequence[int], starts: Sequence[int]) -> None:
+        """Tell the prefix cache that each cache row in slots is written from its start on."""
+        for slot, start in zip(slots, starts):
+            self.prefix_cache.keep(slot, start)
+
+    @property
+    def can_mix_batches(self) -> bool:
+        """Whether forward_segments serves one-token steps as forward would: where they run
+        eagerly, not through compile_decoding's graphs."""
+        return self.run_decode_layers is run_layers
+
+    def decode_step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                    vocab_slice: bool) -> torch.Tensor:
+        """One token a row, all given as tensors [rows] on the device (StepGraphs records it whole):
+        the logits [rows, vocab] in fp32, or this rank's slice of them."""
+        tables = self.block_tables.tables.index_select(0, slots)
+        rows = CacheRows(slots, positions[:, None], self.rotary[positions[:, None]], self.max_seq_len, None, tables,
+                         None, None, self.step_masks.block_mask(tables, positions))
+        h = self.tok_embeddings(tokens[:, None])  # rows, 1, dim
+        for layers in self.decode_layer_groups:
+            h = self._compiled_or_eager(self.run_decode_layers, run_layers, layers, h, rows)
+        return self._compiled_or_eager(self.run_decode_head, run_head, self.norm, self.output, h, not vocab_slice)[:, 0]
+
+    def _compiled_or_eager(self, compiled: Callable, eager: Callable, *args) -> torch.Tensor:
+        """compiled(*args), or eager(*args) where compiling has failed on this rank: this call's
+        part of the step runs all the same, with the same exchanges between ranks as the compiled
+        code's, so that ranks whose compiling went otherwise stay in step (the failure is dealt
+        with after the step: _fall_back_if_compiling_failed)."""
+        if self.compile_failure is None:
+            try:
+                return compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                self.compile_failure = error
+        return eager(*args)
+
+    def _fall_back_if_compiling_failed(self) -> None:
+        """After a compiled step: if compiling failed on this rank, say so once and decode eagerly
+        from now on."""
+        error = self.compile_failure
+        if error is not None and self.run_decode_layers is not run_layers:
+            self._fall_back(f"{type(error).__name__}: {' '.join(str(error).split())[:400]}")
+
+    def _agree_on_compiling(self) -> bool:
+        """After every rank compiled and recorded a step for a new rung (StepGraphs, at the same
+        step on every rank): if compiling failed on any rank, every rank decodes eagerly from now
+        on, rather than ranks running different code. Whether compiled steps go on."""
+        cause = None if self.compile_failure is None else f"{type(self.compile_failure).__name__}: {self.compile_failure}"
+        failed = [f"on rank {rank}: {cause}" for rank, cause in enumerate(gather_objects(cause)) if cause]
+        if failed:
+            self._fall_back(" ".join(failed[0].split())[:400])
+        return not failed
+
+    def _fall_back(self, cause: str) -> None:
+        """After compiling failed (cause: one line): say so once, and decode eagerly from now on."""
+        logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {cause}")
+        self.decode_eagerly()
+
+    def _run(self, h: torch.Tensor, rows: CacheRows, compiled: bool, last_only: bool, vocab_slice: bool,
+             last: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """forward's layers and head on the embedded tokens h, through compile_decoding's functions
+        or eagerly."""
+        run, groups, head = run_layers, [self.layers], run_head
+        if compiled:
+            run = partial(self._compiled_or_eager, self.run_decode_layers, run_layers)
+            groups, head = self.decode_layer_groups, partial(self._compiled_or_eager, self.run_decode_head, run_head)
+        for layers in groups:
+            h = run(layers, h, rows)
+        if last_only:  # bsz, 1, dim
+            h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]
+        return head(self.norm, self.output, h, not vocab_slice)
+
+    def decode_eagerly(self) -> None:
+        """Undo compile_decoding: one-token steps run eagerly again."""
+        self.run_decode_layers, self.run_decode_head = run_layers, run_head
+        self.decode_layer_groups = [self.layers]
+        self.whole_steps = False  # whether one-token steps run as decode_step, through self.graphs
+        self.graphs: Optional[StepGraphs] = None
+
+    def checked_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
+                     slots: Optional[Sequence[int]]) -> tuple[list[int], list[int]]:
+        """Each row's start position and cache row for tokens [bsz, seqlen] from start_pos (see
+        forward), checked against the caches."""
+        starts = [start_pos] * bsz if isinstance(start_pos, int) else list(start_pos)
+        slots = list(range(bsz)) if slots is None else list(slots)
+        if len(starts) != bsz or len(slots) != bsz or len(set(slots)) != bsz:
+            raise ValueError(f"a batch of {bsz} rows needs {bsz} start positions and {bsz} distinct cache rows, "
+                             f"found {starts} and {slots}")
+        end = max(starts) + seqlen
+        if min(starts) < 0 or min(slots) < 0 or max(slots) >= self.max_batch_size or end > self.max_seq_len:
+            raise ValueError(
+                f"a batch of {bsz} rows at cache rows {slots}, {seqlen} tokens from positions {starts}, does "
+                f"not fit the caches ({self.max_batch_size} x {self.max_seq_len}); raise max_batch_size/max_seq_len"
+            )
+        return starts, slots
+
+    def cache_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
+                   slots: Optional[Sequence[int]]) -> CacheRows:
+        """Where tokens [bsz, seqlen] from start_pos go in the caches (see forward), checked."""
+        starts, slots = self.checked_rows(bsz, seqlen, start_pos, slots)
+        end = max(starts) + seqlen
+        device = self.positions.device
+        first = slots[0] if slots == list(range(slots[0], slots[0] + bsz)) else None
+        slot_ids = self.slot_ids[first : first + bsz] if first is not None else torch.tensor(slots, device=device)
+        tables = self.block_tables.of(slots, slot_ids)
+        one_start = len(set(starts)) == 1
+        if one_start:  # views
+            positions = self.positions[starts[0] : starts[0] + seqlen][None]  # 1, seqlen
+            rotary = self.rotary[starts[0] : starts[0] + seqlen][None]  # 1, seqlen, head_dim // 2, 2
+        else:
+            positions = torch.tensor(starts, device=device)[:, None] + self.positions[None, :seqlen]  # bsz, seqlen
+            rotary = self.rotary[positions]  # bsz, seqlen, head_dim // 2, 2
+        # Our kernel reads each row up to each token's own position: no mask (compiled one-token steps too).
+        kernel_attends = step_through_kernel(seqlen, self.layers[0].attention.cache)
+        mask = None
+        if self.window is not None or not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
+            mask = self.attention_mask(positions, end)  # 1 or bsz, 1, seqlen, end
+        kernel_starts = None
+        if kernel_attends:
+            rotary = rotary.contiguous()
+            kernel_starts = positions[:, 0].expand(bsz)
+        return CacheRows(slot_ids, positions, rotary, end, mask, tables, self.block_tables.run_start(slots),
+                         kernel_starts)
+
+    def attention_mask(self, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """Which of the cached positions [0, end) each query at positions [1 or bsz, seqlen] sees,
+        [1 or bsz, 1, seqlen, end]: those of its row up to itself, and within the sliding window."""
+        keys, queries = self.positions[None, None, None, :end], positions[:, None, :, None]
+        mask = keys <= queries
+        if self.window is not None:
+            mask &= keys > queries - self.window
+        return mask
+
+
+def layers_per_call(n_layers: int) -> int:
+    """The most layers, up to MAX_LAYERS_PER_CALL, that split n_layers into equal groups."""
+    return max(n for n in range(1, MAX_LAYERS_PER_CALL + 1) if n_layers % n == 0)
+
+
+def run_layers(layers: nn.ModuleList, h: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+    """Consecutive layers' step, as a function of the layers: what compile_decoding compiles."""
+    for layer in layers:
+        h = layer(h, rows)
+    return h
+
+
+def run_head(norm: RMSNorm, output: nn.Module, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
+    """The last norm and the vocabulary projection: logits in fp32, of the whole vocabulary
+    (gathered from every rank) or of this rank's slice."""
+    logits = output(norm(h))
+    return (all_gather_last_dim(logits) if gather else logits).float()
