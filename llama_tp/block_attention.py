@@ -23,24 +23,42 @@ MIN_HEAD_DIM = 16
 class RowEnds:
     """The last position each cache row's query sees this step, [cache rows] on the device, kept in
     one tensor for the life of the caches: the mask's rule reads it, and a rule that closes over
-    the same tensor every step is the same function to the compiler (no recompiles)."""
+    the same tensor every step is the same function to the compiler (no recompiles).
 
-    def __init__(self, cache_rows: int, cache_positions: int, window: Optional[int], device: torch.device):
+    chunk: Llama 4's chunked layers see only the positions of their own chunk of this many
+    (their mask: chunk_block_mask), the model's other layers every position up to their own."""
+
+    def __init__(self, cache_rows: int, cache_positions: int, window: Optional[int], device: torch.device,
+                 chunk: Optional[int] = None):
         """cache_positions: the caches' length, a whole number of blocks."""
         self.ends = torch.zeros(cache_rows, dtype=torch.long, device=device)
         self.cache_positions = cache_positions
-        blocks = cache_positions // BLOCK_POSITIONS
-        self.block_ids = torch.arange(blocks, dtype=torch.int32, device=device).expand(cache_rows, 1, 1, blocks)
+        self.blocks = cache_positions // BLOCK_POSITIONS
+        self.block_ids = torch.arange(self.blocks, dtype=torch.int32, device=device).expand(cache_rows, 1, 1, self.blocks)
         self.rule = _window_rule(self.ends, window) if window is not None else _causal_rule(self.ends)
+        self.chunk = chunk
+        self.chunk_rule = _chunk_rule(self.ends, chunk) if chunk is not None else None
+        self.taking_part = torch.zeros_like(self.ends, dtype=torch.bool)
 
     def block_mask(self, slots: torch.Tensor, positions: torch.Tensor) -> BlockMask:
         """The mask of a step whose rows [bsz] sit in cache rows slots at positions: each of those
         cache rows sees its positions up to its own, the rest nothing (no block at all)."""
         self.ends.zero_().index_copy_(0, slots, positions)
-        taking_part = torch.zeros_like(self.ends, dtype=torch.bool).index_fill_(0, slots, True)
-        blocks = torch.where(taking_part, self.ends // BLOCK_POSITIONS + 1, 0).to(torch.int32)
-        return BlockMask.from_kv_blocks(blocks[:, None, None], self.block_ids, BLOCK_SIZE=(BLOCK_POSITIONS, BLOCK_POSITIONS),
-                                        mask_mod=self.rule, seq_lengths=(1, self.cache_positions), compute_q_blocks=False)
+        self.taking_part.zero_().index_fill_(0, slots, True)
+        blocks = torch.where(self.taking_part, self.ends // BLOCK_POSITIONS + 1, 0).to(torch.int32)
+        return self._mask(blocks, self.block_ids, self.rule)
+
+    def chunk_block_mask(self) -> BlockMask:
+        """After block_mask, the same step's mask for chunked layers: each row reads the blocks of
+        its own chunk only, from the one that holds the chunk's first position."""
+        first = (self.ends // self.chunk * self.chunk // BLOCK_POSITIONS).to(torch.int32)  # cache rows
+        blocks = torch.where(self.taking_part, self.ends // BLOCK_POSITIONS + 1 - first, 0).to(torch.int32)
+        ids = (self.block_ids + first[:, None, None, None]).clamp(max=self.blocks - 1)
+        return self._mask(blocks, ids, self.chunk_rule)
+
+    def _mask(self, blocks: torch.Tensor, ids: torch.Tensor, rule: Callable) -> BlockMask:
+        return BlockMask.from_kv_blocks(blocks[:, None, None], ids, BLOCK_SIZE=(BLOCK_POSITIONS, BLOCK_POSITIONS),
+                                        mask_mod=rule, seq_lengths=(1, self.cache_positions), compute_q_blocks=False)
 
 
 def _causal_rule(ends: torch.Tensor) -> Callable:
@@ -53,6 +71,13 @@ def _causal_rule(ends: torch.Tensor) -> Callable:
 def _window_rule(ends: torch.Tensor, window: int) -> Callable:
     def sees(row, head, query, position):
         return (position <= ends[row]) & (position > ends[row] - window)
+
+    return sees
+
+
+def _chunk_rule(ends: torch.Tensor, chunk: int) -> Callable:
+    def sees(row, head, query, position):
+        return (position <= ends[row]) & (position // chunk == ends[row] // chunk)
 
     return sees
 

@@ -1,6 +1,7 @@
-"""Llama's cousins (Llama 3.2, Mistral with and without a sliding window, Qwen2, Qwen3), built by
-transformers and converted from their Hugging Face folders and from GGUF files laid out as
-llama.cpp's converter writes them: their logits and greedy tokens are transformers' own."""
+"""Llama's cousins (Llama 3.2, Mistral with and without a sliding window, Qwen2, Qwen3, and the
+mixtures of experts Mixtral, Qwen3-MoE and Llama 4), built by transformers and converted from their
+Hugging Face folders and from GGUF files laid out as llama.cpp's converter writes them: their
+logits and greedy tokens are transformers' own."""
 
 import copy
 import json
@@ -15,7 +16,8 @@ import torch
 
 from transformers import Qwen2Config
 
-from hf_families import COMMON, FAMILIES, GGUF_ARCHITECTURES, SEQUENCE, WINDOW, hf_model, write_gguf
+from hf_families import (CHUNK, COMMON, FAMILIES, GGUF_ARCHITECTURES, SEQUENCE, WINDOW, hf_model, transformers_greedy,
+                         up_to_stop, write_gguf)
 from llama_tp import Llama
 from llama_tp.args import ModelArgs
 from llama_tp.kernels import int4, int8
@@ -51,18 +53,6 @@ def batch() -> torch.Tensor:
     return torch.randint(0, 300, (2, SEQUENCE), generator=torch.Generator().manual_seed(3))
 
 
-def reference_greedy(model: torch.nn.Module, prompt: list[int], steps: int = STEPS) -> list[int]:
-    """transformers' greedy tokens for prompt, with no stop token."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-def up_to_stop(tokens: list[int], stop_tokens: set[int]) -> list[int]:
-    """tokens before the first stop token, as generate returns them."""
-    return next((tokens[:i] for i, token in enumerate(tokens) if token in stop_tokens), tokens)
-
-
 def build(ckpt: Path, **options) -> Llama:
     return Llama.build(str(ckpt), str(ckpt / "tokenizer.json"), max_seq_len=64, max_batch_size=2, **options)
 
@@ -88,17 +78,20 @@ def test_converted_greedy_tokens_equal_transformers(families, case):
     llama = build(ckpt)
     prompt = batch()[0, :PROMPT_LENGTH].tolist()
     generated, _ = llama.generate([prompt], max_gen_len=STEPS, temperature=0.0)
-    expected_tokens = up_to_stop(reference_greedy(model, prompt), llama.tokenizer.stop_tokens)
+    expected_tokens = up_to_stop(transformers_greedy(model, prompt, STEPS), llama.tokenizer.stop_tokens)
     assert generated[0] == expected_tokens
     assert PROMPT_LENGTH + len(expected_tokens) > WINDOW + 8, "the tokens should go past the sliding window"
 
 
-def test_sliding_window_holds_in_chunks_in_rows_at_their_own_positions_and_one_token_steps(families):
+@pytest.mark.parametrize("family", ["mistral_window", "llama4"])
+def test_sliding_window_and_chunks_hold_in_chunks_in_rows_at_their_own_positions_and_one_token_steps(families, family):
     """Chunked prefill, rows at different positions (as prefix reuse and continuous batching put
-    them) and one-token steps each see only the window: the full forward's logits."""
-    model, _, ckpt = families["mistral_window"]
+    them) and one-token steps each see only the window, or Llama 4's chunked layers only their own
+    chunk of CHUNK positions: the full forward's logits."""
+    model, _, ckpt = families[family]
     llama = build(ckpt)
-    assert llama.model.window == WINDOW and not llama.model.layers[0].attention.cache.kernel_attends
+    hides = {"mistral_window": (WINDOW, None), "llama4": (None, CHUNK)}[family]
+    assert (llama.model.window, llama.model.chunk) == hides and not llama.model.layers[0].attention.cache.kernel_attends
     tokens = batch()
     with torch.no_grad():
         expected = model(tokens).logits
@@ -146,28 +139,42 @@ def test_qwen2_gguf_reads_as_transformers_reads_it(families):
         torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, atol=1e-5, rtol=0)
 
 
+def rounded(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """weight [out, in] rounded as llama_tp's `kind` rounds a layer's weight, in fp32."""
+    if kind == "int8":
+        return int8.dequantize(*int8.quantize_int8(weight, int8.group_size(weight.shape[1])), torch.float32)
+    return int4.dequantize(*int4.quantize_int4(weight), torch.float32)
+
+
 def rounded_like_llama_tp(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
     """A copy of transformers' model with each linear weight rounded as llama_tp's `quantize` rounds
-    it (by rows, so Hugging Face's row order does not matter; int4 keeps the output head in int8)."""
-    rounded = copy.deepcopy(model)
-    for name, module in rounded.named_modules():
-        if isinstance(module, torch.nn.Linear):
+    it (by rows, so Hugging Face's row order does not matter; int4 keeps the output head in int8),
+    each expert's too; routers stay as they are, as llama_tp keeps them."""
+    rounded_model = copy.deepcopy(model)
+    for name, module in rounded_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("router"):  # Llama 4's is a Linear
             kind = "int8" if name == "lm_head" else quantize
-            weight = module.weight.detach()
-            if kind == "int8":
-                values = int8.dequantize(*int8.quantize_int8(weight, int8.group_size(weight.shape[1])), torch.float32)
-            else:
-                values = int4.dequantize(*int4.quantize_int4(weight), torch.float32)
-            module.weight = torch.nn.Parameter(values)  # untied from the embedding, which stays
-    return rounded
+            module.weight = torch.nn.Parameter(rounded(module.weight.detach(), kind))  # untied from the embedding
+        elif name.endswith("experts"):  # every expert in one tensor: [experts, out, in], Llama 4's [experts, in, out]
+            inputs_first = type(module).__name__ == "Llama4TextExperts"
+            for projection in ("gate_up_proj", "down_proj"):
+                weights = getattr(module, projection).detach()
+                per_expert = [rounded(w.T if inputs_first else w, quantize) for w in weights]
+                setattr(module, projection, torch.nn.Parameter(
+                    torch.stack([w.T for w in per_expert] if inputs_first else per_expert)))
+    return rounded_model
+
+
+# The families whose quantized, resharded and served runs are checked beside the plain ones.
+CHECKED_FURTHER = ["qwen2", "mistral_window", "mixtral", "llama4"]
 
 
 @pytest.mark.slow  # int8 and int4 compile their products on first use
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-@pytest.mark.parametrize("family", ["qwen2", "mistral_window"])
+@pytest.mark.parametrize("family", CHECKED_FURTHER + ["qwen3_moe"])
 def test_quantized_cousins_equal_transformers_on_the_same_rounded_weights(families, family, quantize):
-    """Biases and the sliding window survive quantization: int8 and int4 give transformers' logits
-    for weights rounded alike."""
+    """Biases, the sliding window, experts (each quantized as a layer of its own) and Llama 4's
+    chunks survive quantization: int8 and int4 give transformers' logits for weights rounded alike."""
     model, _, ckpt = families[family]
     tokens = batch()
     with torch.no_grad():
@@ -183,7 +190,7 @@ def worlds(families, tmp_path_factory) -> dict[int, dict]:
     cases = [{"name": case, "ckpt": str(ckpt), "quantize": None, "world_sizes": [2, 4]}  # 1: the tests above
              for case, (_, _, ckpt) in families.items()]
     # Shards written by the converter and by the reshard tool, loaded at their own and other world sizes.
-    for family in ("qwen2", "mistral_window"):
+    for family in CHECKED_FURTHER:
         convert("hf", str(families[family][1]), str(root / f"{family}-mp2"), mp=2)
         cases.append({"name": f"{family}/mp2", "ckpt": str(root / f"{family}-mp2"), "quantize": None, "world_sizes": [1, 2]})
         reshard(families[family][2], root / f"{family}-mp4", 4)
@@ -213,7 +220,7 @@ def test_every_world_size_gives_transformers_logits_and_tokens(families, worlds,
     with torch.no_grad():
         expected = model(batch()).logits
     stop_tokens = build(ckpt).tokenizer.stop_tokens
-    expected_tokens = up_to_stop(reference_greedy(model, batch()[0, :PROMPT_LENGTH].tolist()), stop_tokens)
+    expected_tokens = up_to_stop(transformers_greedy(model, batch()[0, :PROMPT_LENGTH].tolist(), STEPS), stop_tokens)
     for world_size in (2, 4):
         got = worlds[world_size][case]
         torch.testing.assert_close(got["logits"], expected, atol=1e-4, rtol=0, msg=f"world size {world_size}")
@@ -221,7 +228,7 @@ def test_every_world_size_gives_transformers_logits_and_tokens(families, worlds,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "mistral_window"])
+@pytest.mark.parametrize("family", CHECKED_FURTHER)
 def test_resharded_and_quantized_cousins_at_world_sizes_1_and_2(families, worlds, family):
     """The converter's and the reshard tool's shards give the same logits and tokens at any world
     size; int8 and int4 (quantized at load, or an int8 checkpoint) the same at world sizes 1 and 2."""
@@ -239,7 +246,7 @@ def test_resharded_and_quantized_cousins_at_world_sizes_1_and_2(families, worlds
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "mistral_window"])
+@pytest.mark.parametrize("family", CHECKED_FURTHER)
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_the_server_answers_as_the_model_does(families, family, quantize):
     """Continuous batching on 2 cache rows, prompts past the window prefilled in chunks of 16
@@ -262,7 +269,7 @@ def test_the_server_answers_as_the_model_does(families, family, quantize):
         alone, _ = llama.generate([prompt], max_gen_len=12, temperature=0)
         assert answer == alone[0]
         if quantize is None:
-            assert answer == up_to_stop(reference_greedy(model, prompt, 12), llama.tokenizer.stop_tokens)
+            assert answer == up_to_stop(transformers_greedy(model, prompt, 12), llama.tokenizer.stop_tokens)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -303,14 +310,15 @@ def test_mistral_chat_prompt_is_the_templates(families):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mistral_window", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral_window", "qwen3", "mixtral", "llama4"])
 def test_compiled_decoding_gives_transformers_greedy_tokens(families, family):
-    """The compiled one-token step with a sliding window (a mask, not our kernel) and with q/k norms."""
+    """The compiled one-token step with a sliding window (a mask, not our kernel), with q/k norms,
+    with experts (routed eagerly between compiled parts) and with Llama 4's chunks and NoPE layers."""
     model, _, ckpt = families[family]
     llama = build(ckpt, compile=True)
     prompt = batch()[0, :PROMPT_LENGTH].tolist()
     generated, _ = llama.generate([prompt], max_gen_len=STEPS, temperature=0.0)
-    assert generated[0] == up_to_stop(reference_greedy(model, prompt), llama.tokenizer.stop_tokens)
+    assert generated[0] == up_to_stop(transformers_greedy(model, prompt, STEPS), llama.tokenizer.stop_tokens)
 
 
 def test_the_switches_default_to_metas_llama_and_refuse_nonsense():
@@ -320,7 +328,7 @@ def test_the_switches_default_to_metas_llama_and_refuse_nonsense():
     for bad, message in (({"sliding_window": 0}, "sliding_window must be positive or null, found 0"),
                          ({"head_size": -2}, "head_size must be positive"),
                          ({"qk_norm": 1}, "qk_norm must be bool, found 1"),
-                         ({"use_scaled_rope": True, "rope_low_freq_factor": 4.0}, "must exceed rope_low_freq_factor")):
+                         ({"use_scaled_rope": True, "rope_low_freq_factor": 5.0}, "must not be below rope_low_freq_factor")):
         with pytest.raises(ValueError, match=message):
             ModelArgs.from_dict({"dim": 64, "n_layers": 1, "n_heads": 4} | bad)
 
@@ -338,9 +346,11 @@ def test_gguf_vocabulary_encodes_as_the_hugging_face_tokenizer(families, family)
 
 
 @pytest.mark.slow
-def test_prompt_lookup_speculation_past_the_window_gives_plain_decodings_tokens(families):
-    """Guesses verified several at a time, each row at its own position, under the sliding window."""
-    _, _, ckpt = families["mistral_window"]
+@pytest.mark.parametrize("family", ["mistral_window", "llama4"])
+def test_prompt_lookup_speculation_past_the_window_gives_plain_decodings_tokens(families, family):
+    """Guesses verified several at a time, each row at its own position, under the sliding window
+    or Llama 4's chunks, through experts."""
+    _, _, ckpt = families[family]
     tokens = batch()
     prompts = [tokens[0, :20].tolist() * 2, tokens[1, :8].tolist()]  # a repeat for lookup to guess from
     plain, _ = build(ckpt).generate(prompts, max_gen_len=16, temperature=0)
