@@ -48,7 +48,7 @@ FAMILIES = {
     # Llama 4 (text): top-1 of 4 experts and a shared one every second layer (dense layers of
     # intermediate_size_mlp between), the fourth layer NoPE with temperature-tuned queries from
     # position 3 (floor_scale 4), the others chunked, Llama 4 Scout's rope scaling (equal factors).
-    "llama4": (Llama4TextConfig, dict(head_dim=16, intermediate_size=64, intermediate_size_mlp=96, num_hidden_layers=4,
+    "llama4": (Llama4TextConfig, dict(head_dim=16, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=4,
                                       num_local_experts=4, interleave_moe_layer_step=2, attention_chunk_size=CHUNK,
                                       floor_scale=4, rope_parameters={
                                           "rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
@@ -114,9 +114,10 @@ def llama_cpp_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path: Path, model: torch.nn.Module, family: str, tokenizer_json: Path) -> None:
-    """model's weights as llama.cpp's convert_hf_to_gguf.py writes them for `family` (f32)."""
-    from gguf import GGUFWriter
+def write_gguf(path: Path, model: torch.nn.Module, family: str, tokenizer_json: Path, experts_as=None) -> None:
+    """model's weights as llama.cpp's convert_hf_to_gguf.py writes them for `family` (f32; the
+    experts' tensors quantized by gguf's own code to the GGMLQuantizationType experts_as, if given)."""
+    from gguf import GGUFWriter, quants
 
     arch, config = GGUF_ARCHITECTURES[family], model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -169,7 +170,12 @@ def write_gguf(path: Path, model: torch.nn.Module, family: str, tokenizer_json: 
             layer, kind = experts.groups()
             parts = {"ffn_down_exps": tensor} if kind == "down" else dict(zip(("ffn_gate_exps", "ffn_up_exps"), tensor.chunk(2, dim=1)))
             for gguf_name, part in parts.items():
-                writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", part.contiguous().numpy())
+                values = part.contiguous().numpy()
+                if experts_as is None:
+                    writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", values)
+                else:
+                    writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", quants.quantize(values, experts_as),
+                                      raw_dtype=experts_as)
             continue
         match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
         if match is None:

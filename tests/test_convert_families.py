@@ -6,6 +6,7 @@ logits and greedy tokens are transformers' own."""
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from hf_families import (CHUNK, COMMON, FAMILIES, GGUF_ARCHITECTURES, SEQUENCE, 
                          up_to_stop, write_gguf)
 from llama_tp import Llama
 from llama_tp.args import ModelArgs
+from llama_tp.checkpoint import load_shard, shard_paths
+from llama_tp.checkpoint.quantized import GRID_TENSORS
 from llama_tp.kernels import int4, int8
 from llama_tp.text.chat_format import MistralChatFormat
 from llama_tp.tools.convert.hf import model_params
@@ -137,6 +140,32 @@ def test_qwen2_gguf_reads_as_transformers_reads_it(families):
     tokens = batch()
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("quantize, gguf_type", [("int4", "Q4_1"), ("int8", "Q8_0")])
+def test_gguf_experts_in_4_and_8_bit_blocks_come_in_as_stored(families, tmp_path, quantize, gguf_type):
+    """Each expert's slice of llama.cpp's merged expert tensors is kept as its blocks: over two
+    shards, each expert's stored weights are gguf's own dequantisation of the whole tensor's slice."""
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+
+    model, folder, _ = families["qwen3_moe"]
+    write_gguf(tmp_path / "experts.gguf", model, "qwen3_moe", folder / "tokenizer.json",
+               experts_as=GGMLQuantizationType[gguf_type])
+    convert("gguf", str(tmp_path / "experts.gguf"), str(tmp_path / quantize), mp=2, quantize=quantize)
+    assert type(build(tmp_path / quantize).model.layers[1].feed_forward.experts[7].w13).__name__ == f"Int{quantize[-1]}Linear"
+    shards = [load_shard(path) for path in shard_paths(tmp_path / quantize)]
+    for tensor in GGUFReader(str(tmp_path / "experts.gguf")).tensors:
+        merged = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", tensor.name)
+        if merged is None:
+            continue
+        projection = {"gate": "w1", "up": "w3", "down": "w2"}[merged.group(2)]
+        whole = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type))  # experts, out, in
+        for expert, expected in enumerate(whole):
+            layer = f"layers.{merged.group(1)}.feed_forward.experts.{expert}.{projection}"
+            parts = [[shard[f"{layer}.{end}"] for shard in shards] for end in ("weight", *GRID_TENSORS[quantize])]
+            stored = [torch.cat(part, dim=1 if projection == "w2" else 0) for part in parts]
+            got = int4.dequantize(*stored, torch.float32) if quantize == "int4" else int8.dequantize(*stored, torch.float32)
+            assert torch.equal(got, expected), layer
 
 
 def rounded(weight: torch.Tensor, kind: str) -> torch.Tensor:
