@@ -375,13 +375,16 @@ def test_gguf_vocabulary_encodes_as_the_hugging_face_tokenizer(families, family)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mistral_window", "llama4"])
-def test_prompt_lookup_speculation_past_the_window_gives_plain_decodings_tokens(families, family):
+@pytest.mark.parametrize("family, speculation", [
+    ("mistral_window", {"speculate": "lookup", "speculate_k": 4}), ("llama4", {"speculate": "lookup", "speculate_k": 4}),
+    ("mixtral", {"speculate": "draft", "draft_quantize": "int8"}),  # the draft's experts compiled
+])
+def test_speculation_past_the_window_gives_plain_decodings_tokens(families, family, speculation):
     """Guesses verified several at a time, each row at its own position, under the sliding window
     or Llama 4's chunks, through experts."""
     _, _, ckpt = families[family]
     tokens = batch()
     prompts = [tokens[0, :20].tolist() * 2, tokens[1, :8].tolist()]  # a repeat for lookup to guess from
     plain, _ = build(ckpt).generate(prompts, max_gen_len=16, temperature=0)
-    speculated, _ = build(ckpt, speculate="lookup", speculate_k=4).generate(prompts, max_gen_len=16, temperature=0)
+    speculated, _ = build(ckpt, **speculation).generate(prompts, max_gen_len=16, temperature=0)
     assert speculated == plain

@@ -21,6 +21,7 @@ from llama_tp.text.chat_format import Llama4ChatFormat
 from llama_tp.text.tokenizer import Llama4Tokenizer, load_tokenizer
 from llama_tp.tools.convert.__main__ import main as convert
 from llama_tp.tools.convert.hf import model_params
+from llama_tp.tools.reshard import reshard
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 24
@@ -223,13 +224,15 @@ def test_metas_eight_shards_load_at_one_process_with_transformers_logits_and_tok
 
 @pytest.mark.slow
 def test_metas_eight_shards_load_at_two_and_four_processes_with_transformers_logits_and_tokens(meta, tmp_path):
+    """As Meta wrote them, and resharded into four shards of our names by the reshard tool."""
     model, folder = meta
     tokens = batch(200000)
     prompt = Llama4ChatFormat(load_tokenizer(str(folder / "tokenizer.model"))).encode_dialog_prompt(DIALOG)
-    case = {"name": "meta", "ckpt": str(folder), "tokenizer": str(folder / "tokenizer.model"), "quantize": None,
-            "world_sizes": [2, 4]}
+    reshard(folder, tmp_path / "mp4", 4)
+    cases = [{"name": name, "ckpt": str(ckpt), "tokenizer": str(ckpt / "tokenizer.model"), "quantize": None,
+              "world_sizes": [2, 4]} for name, ckpt in (("meta", folder), ("meta/mp4", tmp_path / "mp4"))]
     manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps({"cases": [case], "tokens": tokens.tolist(), "prompt": prompt, "steps": STEPS,
+    manifest.write_text(json.dumps({"cases": cases, "tokens": tokens.tolist(), "prompt": prompt, "steps": STEPS,
                                     "out": str(tmp_path)}))
     env = os.environ | {"PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
     job = subprocess.run([sys.executable, str(TESTS / "families_worker.py"), str(manifest)], cwd=TESTS.parent,
@@ -240,6 +243,24 @@ def test_metas_eight_shards_load_at_two_and_four_processes_with_transformers_log
     stop_tokens = load_tokenizer(str(folder / "tokenizer.model")).stop_tokens
     expected_tokens = up_to_stop(transformers_greedy(model, prompt, STEPS), stop_tokens)
     for world_size in (2, 4):
-        got = torch.load(tmp_path / f"world{world_size}.pt", weights_only=True)["meta"]
-        torch.testing.assert_close(got["logits"], expected, atol=1e-4, rtol=0, msg=f"world size {world_size}")
-        assert got["tokens"] == expected_tokens, f"world size {world_size}"
+        for case in ("meta", "meta/mp4"):
+            got = torch.load(tmp_path / f"world{world_size}.pt", weights_only=True)[case]
+            torch.testing.assert_close(got["logits"], expected, atol=1e-4, rtol=0, msg=f"{case} at world size {world_size}")
+            assert got["tokens"] == expected_tokens, f"{case} at world size {world_size}"
+
+
+def test_a_batch_job_answers_a_llama4_chat_as_chat_completion_does(meta, tmp_path):
+    """run_batch through the engine (continuous batching, the experts, Meta's chat format)."""
+    from llama_tp.tools.run_batch import Output, answer_all
+
+    _, folder = meta
+    llama = build(folder, "tokenizer.model")
+    body = {"model": "llama4", "messages": DIALOG, "max_tokens": 8, "temperature": 0}
+    lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions", "body": body})
+             for i in range(3)]
+    with Output(tmp_path / "out.jsonl") as output:
+        answer_all(llama, "llama4", lines, output)
+    expected = llama.chat_completion([DIALOG], max_gen_len=8, temperature=0)[0]["generation"]["content"]
+    records = [json.loads(text) for text in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(record["response"]["status_code"] == 200 for record in records)
+    assert {record["response"]["body"]["choices"][0]["message"]["content"] for record in records} == {expected}
