@@ -6,7 +6,8 @@ to other processes itself.
 
 import math
 import time
-from typing import Optional, Sequence
+from functools import partial
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +20,11 @@ from .kernels import cpu_kernels
 from .kv_cache import CacheRows, KVCache, step_through_kernel
 from .logs import logger
 from .prefix_cache import PrefixCache
-from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, parallel_embedding,
-                       row_parallel_linear)
+from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, gather_objects,
+                       parallel_embedding, row_parallel_linear)
+from .step_graphs import StepGraphs
 
 __all__ = ["FeedForward", "MixtureOfExperts", "Transformer"]
-from .step_graphs import StepGraphs
 
 
 # The model's linear layers, by attribute name: what quantization replaces and packing lays out.
@@ -337,7 +338,8 @@ class Transformer(nn.Module):
             record = device.type == "cuda" and self.args.n_experts is None
             if device.type == "cuda" and not record:
                 logger.info("a mixture of experts decodes without CUDA graphs: its routing reads back token counts")
-            self.graphs = StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device, record=record)
+            self.graphs = StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device, record=record,
+                                     after_compiling=self._agree_on_compiling)
 
     @property
     def spare_slot(self) -> int:
@@ -382,6 +384,7 @@ class Transformer(nn.Module):
         # Before each call, skip checking the parameters of modules whose attributes are unchanged
         # since the call before: a group's checks take half the time.
         fewer_checks = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)
+        self.compile_failure: Optional[Exception] = None
         self.run_decode_layers = fewer_checks(torch.compile(run_layers, **compile_options))
         self.run_decode_head = fewer_checks(torch.compile(run_head, **compile_options))
         self.whole_steps = graphs and self.args.head_dim >= MIN_HEAD_DIM
@@ -429,18 +432,16 @@ class Transformer(nn.Module):
         starts, slots = self.checked_rows(bsz, seqlen, start_pos, slots)
         self._overwrite(slots, starts)
         if seqlen == 1 and self.graphs is not None:
-            try:
-                return self.graphs.run(tokens[:, 0], slots, starts, vocab_slice)[:, None]
-            except torch._dynamo.exc.TorchDynamoException as error:
-                self._fall_back(error)
+            logits = self.graphs.run(tokens[:, 0], slots, starts, vocab_slice)[:, None]
+            self._fall_back_if_compiling_failed()
+            return logits
         rows = self.cache_rows(bsz, seqlen, starts, slots)
         last = None if lengths is None else torch.tensor(lengths, device=tokens.device) - 1
         h = self.tok_embeddings(tokens)
         if seqlen == 1 and self.run_decode_layers is not run_layers:
-            try:
-                return self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
-            except torch._dynamo.exc.TorchDynamoException as error:  # compiling failed, not the step itself
-                self._fall_back(error)
+            logits = self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
+            self._fall_back_if_compiling_failed()
+            return logits
         return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice, last=last)
 
     @torch.inference_mode()
@@ -487,27 +488,56 @@ class Transformer(nn.Module):
                          block_mask, chunk_block_mask=chunk_block_mask)
         h = self.tok_embeddings(tokens[:, None])  # rows, 1, dim
         for layers in self.decode_layer_groups:
-            h = self.run_decode_layers(layers, h, rows)
-        return self.run_decode_head(self.norm, self.output, h, gather=not vocab_slice)[:, 0]
+            h = self._compiled_or_eager(self.run_decode_layers, run_layers, layers, h, rows)
+        return self._compiled_or_eager(self.run_decode_head, run_head, self.norm, self.output, h, not vocab_slice)[:, 0]
 
-    def _fall_back(self, error: Exception) -> None:
-        """After compiling failed: say so once, and decode eagerly from now on."""
-        cause = " ".join(str(error).split())[:400]  # one line
-        logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {type(error).__name__}: {cause}")
+    def _compiled_or_eager(self, compiled: Callable, eager: Callable, *args) -> torch.Tensor:
+        """compiled(*args), or eager(*args) where compiling has failed on this rank: this call's
+        part of the step runs all the same, with the same exchanges between ranks as the compiled
+        code's, so that ranks whose compiling went otherwise stay in step (the failure is dealt
+        with after the step: _fall_back_if_compiling_failed)."""
+        if self.compile_failure is None:
+            try:
+                return compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                self.compile_failure = error
+        return eager(*args)
+
+    def _fall_back_if_compiling_failed(self) -> None:
+        """After a compiled step: if compiling failed on this rank, say so once and decode eagerly
+        from now on."""
+        error = self.compile_failure
+        if error is not None and self.run_decode_layers is not run_layers:
+            self._fall_back(f"{type(error).__name__}: {' '.join(str(error).split())[:400]}")
+
+    def _agree_on_compiling(self) -> bool:
+        """After every rank compiled and recorded a step for a new rung (StepGraphs, at the same
+        step on every rank): if compiling failed on any rank, every rank decodes eagerly from now
+        on, rather than ranks running different code. Whether compiled steps go on."""
+        cause = None if self.compile_failure is None else f"{type(self.compile_failure).__name__}: {self.compile_failure}"
+        failed = [f"on rank {rank}: {cause}" for rank, cause in enumerate(gather_objects(cause)) if cause]
+        if failed:
+            self._fall_back(" ".join(failed[0].split())[:400])
+        return not failed
+
+    def _fall_back(self, cause: str) -> None:
+        """After compiling failed (cause: one line): say so once, and decode eagerly from now on."""
+        logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {cause}")
         self.decode_eagerly()
 
     def _run(self, h: torch.Tensor, rows: CacheRows, compiled: bool, last_only: bool, vocab_slice: bool,
              last: Optional[torch.Tensor] = None) -> torch.Tensor:
         """forward's layers and head on the embedded tokens h, through compile_decoding's functions
-        or eagerly. Run again eagerly after a compiled attempt, a step rewrites the same cache entries."""
+        or eagerly."""
         run, groups, head = run_layers, [self.layers], run_head
         if compiled:
-            run, groups, head = self.run_decode_layers, self.decode_layer_groups, self.run_decode_head
+            run = partial(self._compiled_or_eager, self.run_decode_layers, run_layers)
+            groups, head = self.decode_layer_groups, partial(self._compiled_or_eager, self.run_decode_head, run_head)
         for layers in groups:
             h = run(layers, h, rows)
         if last_only:  # bsz, 1, dim
             h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]
-        return head(self.norm, self.output, h, gather=not vocab_slice)
+        return head(self.norm, self.output, h, not vocab_slice)
 
     def decode_eagerly(self) -> None:
         """Undo compile_decoding: one-token steps run eagerly again."""

@@ -29,8 +29,13 @@ class StepGraphs:
     """A step function of (tokens, cache rows, positions) [rows] each and a key (which head the
     step ends in), run at the next rung's size; with record=True, as a CUDA graph per rung and key."""
 
-    def __init__(self, step: StepFunction, max_rows: int, spare_slot: int, device: torch.device, record: bool):
+    def __init__(self, step: StepFunction, max_rows: int, spare_slot: int, device: torch.device, record: bool,
+                 after_compiling: Callable[[], bool]):
+        """after_compiling: called after the step compiled for a new rung and key (and its graph was
+        recorded), at the same step on every rank, where the ranks can agree on how it went: whether
+        compiled steps go on."""
         self.step, self.spare_slot, self.device, self.record = step, spare_slot, device, record
+        self.after_compiling = after_compiling
         self.rungs = ladder(max_rows)
         # Each rung's inputs, where its graphs read them: tokens, cache rows and positions.
         self.inputs = {rung: self._padding(rung).to(device) for rung in self.rungs}
@@ -60,6 +65,7 @@ class StepGraphs:
             return self.step(*inputs, key)[:rows]
         if (rung, key) not in self.graphs:
             self.graphs[rung, key] = self._recorded(rung, key)
+            self.after_compiling()
         graph, output = self.graphs[rung, key]
         graph.replay()
         return output[:rows].clone()
@@ -74,6 +80,8 @@ class StepGraphs:
                         self.step(*inputs, key)
                 elif (rung, key) not in self.graphs:
                     self.graphs[rung, key] = self._recorded(rung, key)
+                if not self.after_compiling():
+                    return
 
     def _recorded(self, rung: int, key: Hashable) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """A graph of the step on the rung's inputs, and the tensor it writes its output to. The

@@ -7,10 +7,12 @@ import threading
 from typing import Optional
 
 from llama_tp import Llama
+from llama_tp.serve.app import create_app
 from llama_tp.serve.engine import Engine
 from llama_tp.serve.mailbox import Mailbox, ServerState
 from llama_tp.serve.metrics import ServerMetrics
 from llama_tp.serve.requests import Delta, GenerationRequest, RequestStream
+from llama_tp.serve.server import ServerThread, bind
 
 _ids = itertools.count()
 
@@ -27,9 +29,9 @@ class Harness:
     """An engine serving generator's model in a thread; submit requests as the HTTP side would."""
 
     def __init__(self, generator: Llama, max_prefill_tokens: int = 16, max_waiting: int = 64, start: bool = True,
-                 mailbox: Optional[Mailbox] = None):
+                 mailbox: Optional[Mailbox] = None, model_name: str = "harness"):
         self.generator = generator
-        self.mailbox = mailbox or Mailbox(max_waiting, ServerMetrics())
+        self.mailbox = mailbox or Mailbox(max_waiting, ServerMetrics(model_name))
         self.engine = Engine(generator, max_prefill_tokens, self.mailbox)
         self.stopping = threading.Event()
         self.loop = asyncio.new_event_loop()
@@ -82,6 +84,21 @@ class Harness:
         if self.thread.is_alive():
             self.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class HttpHarness(Harness):
+    """The HTTP side on a port the OS chose, with the real engine behind it; app_options as
+    create_app takes them."""
+
+    def __init__(self, generator: Llama, model_name: str, mailbox: Optional[Mailbox] = None, **app_options):
+        super().__init__(generator, mailbox=mailbox, model_name=model_name)
+        self.app = create_app(self.mailbox, generator, model_name, **app_options)
+        self.http = ServerThread(self.app, bind("127.0.0.1", 0)).start()
+        self.url = self.http.url
+
+    def close(self) -> None:
+        super().close()
+        self.http.stop()
 
 
 def tokens_of(deltas: list[Delta]) -> list[int]:

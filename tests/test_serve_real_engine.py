@@ -31,7 +31,7 @@ class GatedMailbox(Mailbox):
     they do behind long answers, without racing the model's speed."""
 
     def __init__(self, max_waiting: int, open_gate: bool):
-        super().__init__(max_waiting, ServerMetrics())
+        super().__init__(max_waiting, ServerMetrics(MODEL))
         self.gate = threading.Event()
         if open_gate:
             self.gate.set()

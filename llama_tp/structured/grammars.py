@@ -17,7 +17,7 @@ from ..text.hf_tokenizer import HFTokenizer
 from ..text.tokenizer import Llama3Tokenizer, Tokenizer
 from .constraint import Constraint
 
-xgrammar = require("xgrammar", "structured outputs", 'pip install "llama-tp[serve]"')
+xgrammar = require("xgrammar", "structured outputs (response_format, tool_choice)")
 
 # Most compiled grammars kept; a schema sent again after it was evicted compiles again.
 CACHE_SIZE = 256

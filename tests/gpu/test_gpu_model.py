@@ -1,6 +1,6 @@
 """The model on a GPU: logits against the CPU's, bf16 greedy tokens across world sizes, compiled
-steps (CUDA graphs) against eager ones, attention through the fast kernels only, the load peak,
-and int4 refused before anything is allocated."""
+steps (CUDA graphs) against eager ones and the load peak (int8 and int4 too:
+test_gpu_quantized.py has the rest of them), attention through the fast kernels only."""
 
 import pytest
 import torch
@@ -34,12 +34,14 @@ def test_bf16_greedy_tokens_are_the_same_at_world_sizes_1_and_2(checkpoints, tok
     assert two == one * 2
 
 
-def test_compiled_steps_equal_eager_ones_without_recompiles(wide_heads_checkpoint, tokenizer_path):
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_compiled_steps_equal_eager_ones_without_recompiles(wide_heads_checkpoint, tokenizer_path, quantize):
     """Compiled by default on CUDA: each step one CUDA graph of the ladder's rung, recorded at the
-    warm-up for greedy and sampled steps; afterwards nothing compiles, whatever the batch size."""
+    warm-up for greedy and sampled steps; afterwards nothing compiles, whatever the batch size.
+    Also with int8 (3 rows: read as stored) and int4 (tinygemm) layers."""
     torch._dynamo.reset()
-    eager = build(wide_heads_checkpoint, tokenizer_path, dtype="fp32", compile=False)
-    compiled = build(wide_heads_checkpoint, tokenizer_path, dtype="fp32")
+    eager = build(wide_heads_checkpoint, tokenizer_path, dtype="fp32", quantize=quantize, compile=False)
+    compiled = build(wide_heads_checkpoint, tokenizer_path, dtype="fp32", quantize=quantize)
     graphs = compiled.model.graphs
     assert graphs is not None and graphs.record and graphs.rungs == [1, 2, 3]
     expected = eager.generate(PROMPTS, max_gen_len=12, temperature=0, logprobs=True)
@@ -96,7 +98,7 @@ def test_attention_never_needs_the_math_kernel(checkpoints, tokenizer_path, dtyp
         model.forward(tokens[:2, 14:15], [14, 12], slots=[2, 0])  # rows anywhere in the cache
 
 
-@pytest.mark.parametrize("dtype, quantize", [("fp32", None), ("bf16", None), ("bf16", "int8")])
+@pytest.mark.parametrize("dtype, quantize", [("fp32", None), ("bf16", None), ("bf16", "int8"), ("bf16", "int4")])
 def test_loading_peaks_within_the_weights_and_the_kv_cache(checkpoints, tokenizer_path, dtype, quantize):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -106,10 +108,3 @@ def test_loading_peaks_within_the_weights_and_the_kv_cache(checkpoints, tokenize
     peak = torch.cuda.max_memory_allocated() - before
     assert peak <= 1.1 * held_bytes(llama.model) + caches + (1 << 20), (peak, held_bytes(llama.model), caches)
 
-
-def test_int4_is_refused_before_anything_is_allocated(checkpoints, tokenizer_path):
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    with pytest.raises(ValueError, match="quantize='int4' runs on CPUs only"):
-        build(checkpoints["llama3", 1], tokenizer_path, quantize="int4")
-    assert torch.cuda.memory_allocated() == before

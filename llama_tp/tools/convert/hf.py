@@ -65,7 +65,7 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     sampling = {name: generation[name] for name in SAMPLING_SETTINGS if generation.get(name) is not None}
     check_sampling(sampling, str(src / "generation_config.json"))
     record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=src.name, sampling=sampling,
-                         chat_template=template)
+                         chat_template=template, context_length=text_config(config, src).get("max_position_embeddings"))
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
@@ -156,7 +156,7 @@ def meta_tensors(src: Path, params: dict, tie: bool, rotate_half: bool = True) -
     """A lazy loader per Meta tensor name, reading safetensors files only when called.
 
     rotate_half: whether wq and wk (and q/k norms) are in Hugging Face's rotate-half order, to undo."""
-    safe_open = require("safetensors").safe_open
+    safe_open = require("safetensors", "reading Hugging Face weights").safe_open
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {src}; llama_tp converts safetensors weights "
