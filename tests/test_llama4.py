@@ -17,6 +17,7 @@ from hf_families import CHUNK, COMMON, FAMILIES, LLAMA4, hf_model, tokenizer_fil
 from meta_llama4 import HF_CONFIG, PARAMS, VOCAB, tokenizer_file, write_meta_llama4
 from llama_tp import Llama
 from llama_tp.args import ModelArgs
+from llama_tp.meta_llama4 import llama4_params
 from llama_tp.text.chat_format import Llama4ChatFormat
 from llama_tp.text.tokenizer import Llama4Tokenizer, load_tokenizer
 from llama_tp.tools.convert.__main__ import main as convert
@@ -69,6 +70,19 @@ def test_metas_params_json_describes_the_model_transformers_builds(tmp_path):
     assert (args.rope_scaling_factor, args.rope_high_freq_factor, args.rope_low_freq_factor) == (16.0, 1.0, 1.0)
     assert (args.router_scoring, args.expert_weights_on_input, args.shared_expert, args.weightless_qk_norm) == (
         "sigmoid", True, True, True)
+
+
+def test_metas_llama4_is_trained_for_ten_million_tokens_as_scout_and_one_million_as_maverick(tmp_path):
+    """Meta's params.json says no context: Scout (its rotary scaled) 10M, Maverick 1M, as Meta
+    publishes them (not Llama 3's, whose tokenizer class Llama 4's extends)."""
+    from llama_tp.checkpoint.record import ModelRecord
+    from llama_tp.context import trained_context
+
+    tokenizer = load_tokenizer(str(tokenizer_file(tmp_path / "tokenizer.model")))
+    scout = ModelArgs.from_dict(llama4_params(PARAMS, "params.json"))
+    maverick = ModelArgs.from_dict(llama4_params({"model": PARAMS["model"] | {"use_scaled_rope": False}}, "params.json"))
+    assert trained_context(scout, tokenizer, ModelRecord()).tokens == 10485760
+    assert trained_context(maverick, tokenizer, ModelRecord()).tokens == 1048576
 
 
 def test_metas_quantized_and_lora_params_are_refused(tmp_path):
