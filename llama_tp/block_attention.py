@@ -1,12 +1,11 @@
-"""One-token attention that reads each row's cache only up to the row's own position.
+"""One-token attention that reads each row's own blocks of the cache, up to the row's own position.
 
-A decoding step of several rows (a server's batch) attends to the cache rows the rows hold, each
-at its own position. Run over the whole cache under a mask, a step would read every row's
-max_seq_len keys and values whatever the rows hold: 8.6 GB a step for 16 rows of 1024 positions of
-the Llama-2-7B shape, beside 13.5 GB of weights. Here PyTorch's FlexAttention skips every block of
-positions past a row's end, told by a block mask made from the rows' positions on the device (no
-host sync, so that a step replays as one CUDA graph: step_graphs.py) with fixed shapes whatever
-the rows' lengths.
+A decoding step of several rows (a server's batch) attends each row to the blocks its block table
+names (kv_cache.py), each row at its own position. PyTorch's FlexAttention reads them through a
+block mask made on the device from the rows' tables and positions: every block before the one
+holding a row's position whole, that one up to the position, nothing else. So a step reads what
+the rows hold, not max_seq_len positions a row, and has fixed shapes whatever the rows' lengths,
+with no host sync, as a step replayed as one CUDA graph needs (step_graphs.py).
 """
 
 from typing import Callable, Optional
@@ -14,80 +13,90 @@ from typing import Callable, Optional
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# Positions a block of the mask covers: FlexAttention's own default, which its kernels are tuned for.
-BLOCK_POSITIONS = 128
+from .kv_cache import BLOCK_POSITIONS
+
 # The narrowest heads FlexAttention's compiled kernels take (every published Llama's are 64 or wider).
 MIN_HEAD_DIM = 16
 
 
-class RowEnds:
-    """The last position each cache row's query sees this step, [cache rows] on the device, kept in
-    one tensor for the life of the caches: the mask's rule reads it, and a rule that closes over
-    the same tensor every step is the same function to the compiler (no recompiles).
+class StepMasks:
+    """The block masks of one-token steps of up to max_rows rows, over pools of pool_positions.
+
+    The compiled kernels read only the blocks a mask lists for each row; the rule it applies
+    within them (FlexAttention's mask_mod, which FlexAttention applies everywhere when it runs
+    eagerly, so it says all) sees a place where the row's table holds its block, up to the row's
+    position. It reads each row's position and each pool block's place in the row's table from
+    tensors kept for the life of the caches: a rule that closes over the same tensors every step
+    is the same function to the compiler (no recompiles). (Listing a row's blocks before its
+    position's as whole ones, to which no rule applies, fails in FlexAttention's CPU code.)
 
     chunk: Llama 4's chunked layers see only the positions of their own chunk of this many
-    (their mask: chunk_block_mask), the model's other layers every position up to their own."""
+    (chunk_block_mask), the model's other layers every position up to their own."""
 
-    def __init__(self, cache_rows: int, cache_positions: int, window: Optional[int], device: torch.device,
-                 chunk: Optional[int] = None):
-        """cache_positions: the caches' length, a whole number of blocks."""
-        self.ends = torch.zeros(cache_rows, dtype=torch.long, device=device)
-        self.cache_positions = cache_positions
-        self.blocks = cache_positions // BLOCK_POSITIONS
-        self.block_ids = torch.arange(self.blocks, dtype=torch.int32, device=device).expand(cache_rows, 1, 1, self.blocks)
-        self.rule = _window_rule(self.ends, window) if window is not None else _causal_rule(self.ends)
+    def __init__(self, max_rows: int, pool_positions: int, device: torch.device, chunk: Optional[int] = None):
+        self.pool_positions = pool_positions
+        self.pool_blocks = pool_positions // BLOCK_POSITIONS
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        # [max_rows, pool blocks]: each block's place in the row's table (pool_blocks: not the row's)
+        self.block_places = torch.zeros(max_rows, self.pool_blocks, dtype=torch.long, device=device)
+        self.rule = _up_to_own_position(self.positions, self.block_places)
         self.chunk = chunk
-        self.chunk_rule = _chunk_rule(self.ends, chunk) if chunk is not None else None
-        self.taking_part = torch.zeros_like(self.ends, dtype=torch.bool)
+        self.chunk_rule = _within_own_chunk(self.positions, self.block_places, chunk) if chunk is not None else None
 
-    def block_mask(self, slots: torch.Tensor, positions: torch.Tensor) -> BlockMask:
-        """The mask of a step whose rows [bsz] sit in cache rows slots at positions: each of those
-        cache rows sees its positions up to its own, the rest nothing (no block at all)."""
-        self.ends.zero_().index_copy_(0, slots, positions)
-        self.taking_part.zero_().index_fill_(0, slots, True)
-        blocks = torch.where(self.taking_part, self.ends // BLOCK_POSITIONS + 1, 0).to(torch.int32)
-        return self._mask(blocks, self.block_ids, self.rule)
+    def block_mask(self, tables: torch.Tensor, positions: torch.Tensor) -> BlockMask:
+        """The mask of a step whose rows [bsz] have these block tables [bsz, blocks a row] and sit at
+        these positions: each row reads its blocks up to its position's, and sees them up to the
+        position."""
+        bsz, row_blocks = tables.shape
+        self.positions[:bsz].copy_(positions)
+        places = torch.arange(row_blocks, device=tables.device).expand(bsz, -1)
+        # A table's unused entries repeat its last block: the block's first place is its own.
+        self.block_places[:bsz].fill_(self.pool_blocks).scatter_reduce_(1, tables, places, "amin")
+        # A mask's lists of blocks span the pool (FlexAttention sizes the keys it reads by them):
+        # each row's blocks up to its position's, the rest never read.
+        seen = (positions // BLOCK_POSITIONS + 1).to(torch.int32)
+        return self._mask(tables, seen, self.rule)
 
-    def chunk_block_mask(self) -> BlockMask:
-        """After block_mask, the same step's mask for chunked layers: each row reads the blocks of
-        its own chunk only, from the one that holds the chunk's first position."""
-        first = (self.ends // self.chunk * self.chunk // BLOCK_POSITIONS).to(torch.int32)  # cache rows
-        blocks = torch.where(self.taking_part, self.ends // BLOCK_POSITIONS + 1 - first, 0).to(torch.int32)
-        ids = (self.block_ids + first[:, None, None, None]).clamp(max=self.blocks - 1)
-        return self._mask(blocks, ids, self.chunk_rule)
+    def chunk_block_mask(self, tables: torch.Tensor, positions: torch.Tensor) -> BlockMask:
+        """After block_mask with the same rows, their mask in chunked layers: each row reads its
+        blocks from the one that holds its chunk's first position up to its position's, and sees
+        its chunk's positions up to its own."""
+        row_blocks = tables.shape[1]
+        first = positions // self.chunk * self.chunk // BLOCK_POSITIONS  # bsz: the chunk's first block's place
+        places = (torch.arange(row_blocks, device=tables.device) + first[:, None]).clamp(max=row_blocks - 1)
+        seen = (positions // BLOCK_POSITIONS + 1 - first).to(torch.int32)
+        return self._mask(tables.gather(1, places), seen, self.chunk_rule)  # tables from the chunk's block on
 
-    def _mask(self, blocks: torch.Tensor, ids: torch.Tensor, rule: Callable) -> BlockMask:
-        return BlockMask.from_kv_blocks(blocks[:, None, None], ids, BLOCK_SIZE=(BLOCK_POSITIONS, BLOCK_POSITIONS),
-                                        mask_mod=rule, seq_lengths=(1, self.cache_positions), compute_q_blocks=False)
-
-
-def _causal_rule(ends: torch.Tensor) -> Callable:
-    def sees(row, head, query, position):
-        return position <= ends[row]
-
-    return sees
-
-
-def _window_rule(ends: torch.Tensor, window: int) -> Callable:
-    def sees(row, head, query, position):
-        return (position <= ends[row]) & (position > ends[row] - window)
-
-    return sees
+    def _mask(self, tables: torch.Tensor, seen: torch.Tensor, rule: Callable) -> BlockMask:
+        """The block mask of rows reading the first seen [bsz] blocks of tables [bsz, blocks], under rule."""
+        bsz, row_blocks = tables.shape
+        blocks = tables.new_zeros(bsz, self.pool_blocks, dtype=torch.int32)
+        blocks[:, :row_blocks] = tables
+        return BlockMask.from_kv_blocks(seen[:, None, None], blocks[:, None, None], BLOCK_SIZE=BLOCK_POSITIONS,
+                                        mask_mod=rule, seq_lengths=(1, self.pool_positions), compute_q_blocks=False)
 
 
-def _chunk_rule(ends: torch.Tensor, chunk: int) -> Callable:
-    def sees(row, head, query, position):
-        return (position <= ends[row]) & (position // chunk == ends[row] // chunk)
+def _up_to_own_position(positions: torch.Tensor, block_places: torch.Tensor) -> Callable:
+    def sees(row, head, query, place):  # place: a position of the pool
+        in_row = block_places[row, place // BLOCK_POSITIONS] * BLOCK_POSITIONS + place % BLOCK_POSITIONS
+        return in_row <= positions[row]
 
     return sees
 
 
-def attend_cache_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                      block_mask: BlockMask) -> torch.Tensor:
-    """The attention of one query a row, q [bsz, heads, 1, head_dim], to the rows' own cache rows
-    (slots [bsz]) in keys and values [cache rows, kv heads, positions, head_dim], as block_mask
-    says: [bsz, heads, 1, head_dim]. FlexAttention's batch is the cache's rows, so each query is
-    placed in its cache row's place (rows outside the step have no blocks: nothing is read for them)."""
-    every_row = q.new_zeros(keys.shape[0], *q.shape[1:]).index_copy_(0, slots, q)
-    out = flex_attention(every_row, keys, values, block_mask=block_mask, enable_gqa=q.shape[1] != keys.shape[1])
-    return out.index_select(0, slots)
+def _within_own_chunk(positions: torch.Tensor, block_places: torch.Tensor, chunk: int) -> Callable:
+    def sees(row, head, query, place):  # place: a position of the pool
+        in_row = block_places[row, place // BLOCK_POSITIONS] * BLOCK_POSITIONS + place % BLOCK_POSITIONS
+        return (in_row <= positions[row]) & (in_row // chunk == positions[row] // chunk)
+
+    return sees
+
+
+def attend_own_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """The attention of one query a row, q [bsz, heads, 1, head_dim], to its own positions in the
+    pools of keys and values [1, kv heads, positions, head_dim], as block_mask says:
+    [bsz, heads, 1, head_dim]. Every row reads the one pool (FlexAttention's batch of one
+    key-value sequence for all queries) through its own blocks."""
+    # q is a view of the rotated queries and keys, which FlexAttention's CPU code cannot read: a copy
+    # (contiguous() is no copy where every other dimension is 1)
+    return flex_attention(q.clone(), keys, values, block_mask=block_mask, enable_gqa=q.shape[1] != keys.shape[1])

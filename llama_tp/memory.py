@@ -16,6 +16,7 @@ import torch
 from .args import ModelArgs
 from .kernels import int4
 from .kernels.int8 import group_size
+from .kv_cache import BLOCK_POSITIONS, blocks_for
 from .model import local_kv_heads
 from .quantize import check_quantize, layer_quantization
 
@@ -45,8 +46,10 @@ class MemoryPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Keys and values of every layer, [max_batch_size, local kv heads, max_seq_len, head_dim] each."""
-        per_layer = 2 * self.max_batch_size * self.kv_heads_per_rank * self.max_seq_len * self.args.head_dim
+        """Keys and values of every layer: blocks enough for max_batch_size rows of max_seq_len
+        positions (kv_cache.py), local kv heads x head_dim a position."""
+        positions = self.max_batch_size * blocks_for(self.max_seq_len) * BLOCK_POSITIONS
+        per_layer = 2 * positions * self.kv_heads_per_rank * self.args.head_dim
         return self.args.n_layers * per_layer * self.dtype_bytes
 
     @property

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
 from .feed_forward import FeedForward, MixtureOfExperts
-from .block_attention import BLOCK_POSITIONS, MIN_HEAD_DIM, RowEnds, attend_cache_rows
 from .kernels import cpu_kernels
-from .kv_cache import CacheRows, KVCache, step_through_kernel
+from .kv_cache import BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, blocks_for, places, step_through_kernel
 from .logs import logger
 from .prefix_cache import PrefixCache
 from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, gather_objects,
@@ -167,7 +167,8 @@ class Attention(nn.Module):
         operations below (compiled, they are fused)."""
         if rows.kernel_starts is not None and not torch.compiler.is_compiling():
             return cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary, self.cache.k, self.cache.v,
-                                                     rows.slots, rows.kernel_starts, self.n_local_heads)
+                                                     rows.tables, rows.kernel_starts, self.n_local_heads,
+                                                     BLOCK_POSITIONS)
         bsz, seqlen, _ = qkv.shape
         one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
@@ -185,10 +186,10 @@ class Attention(nn.Module):
         if self.chunked and (rows.chunk_mask is not None or rows.chunk_block_mask is not None):
             mask, block_mask = rows.chunk_mask, rows.chunk_block_mask
         if block_mask is not None:  # a step of Transformer.decode_step: each row reads what it holds
-            out = attend_cache_rows(q, self.cache.k, self.cache.v, rows.slots, block_mask)
+            out = attend_own_blocks(q, self.cache.k, self.cache.v, block_mask)
         elif one_token_through_kernel:  # compiled: each row reads its cache row up to its own position
             lengths = (rows.positions[:, 0] + 1).expand(bsz)
-            out = cpu_kernels.decode_attention(q, self.cache.k, self.cache.v, rows.slots, lengths)
+            out = cpu_kernels.decode_attention(q, self.cache.k, self.cache.v, rows.tables, lengths, BLOCK_POSITIONS)
         else:
             # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
             # masked half), and a single new token sees everything cached up to end.
@@ -311,12 +312,13 @@ class Transformer(nn.Module):
         return layout
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the KV caches and the rotary table for these runtime limits; where decoding
-        steps run at the sizes of a ladder (compile_decoding's graphs), one cache row more, which
-        the padding rows write (spare_slot), and positions up to a whole block of the block masks'."""
+        """Allocate the KV caches (kv_cache.py: blocks enough for every row's max_seq_len
+        positions) and the rotary table for these runtime limits; where decoding steps run at the
+        sizes of a ladder (compile_decoding's graphs), one cache row more, which the padding rows
+        write (spare_slot), its every position in one block of its own."""
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        cache_rows = max_batch_size + self.whole_steps
-        positions = -(-max_seq_len // BLOCK_POSITIONS) * BLOCK_POSITIONS if self.whole_steps else max_seq_len
+        blocks_per_row = blocks_for(max_seq_len)
+        blocks = max_batch_size * blocks_per_row + self.whole_steps
         # A sliding window as long as the caches hides nothing: then attention runs as without one.
         window, chunk = self.args.sliding_window, self.args.attention_chunk_size
         self.window = window if window is not None and window < max_seq_len else None
@@ -327,12 +329,14 @@ class Transformer(nn.Module):
         self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_batch_size, device=device), persistent=False)
         self.prefix_cache = PrefixCache(max_batch_size)
+        self.block_tables = BlockTables(max_batch_size + self.whole_steps, blocks_per_row, device)
         for layer in self.layers:
             attention = layer.attention
-            attention.cache = KVCache(cache_rows, positions, attention.n_local_kv_heads,
-                                      attention.head_dim, device, dtype, kernel_fits)
+            attention.cache = KVCache(blocks, attention.n_local_kv_heads, attention.head_dim, device, dtype,
+                                      kernel_fits)
         if self.whole_steps:
-            self.row_ends = RowEnds(cache_rows, positions, self.window, device, self.chunk)
+            self.block_tables.give(self.spare_slot, [blocks - 1])
+            self.step_masks = StepMasks(max_batch_size, blocks * BLOCK_POSITIONS, device, self.chunk)
             # A mixture of experts reads back its experts' token counts in every step, which a
             # CUDA graph cannot hold (feed_forward.py): its steps run at the ladder's sizes unrecorded.
             record = device.type == "cuda" and self.args.n_experts is None
@@ -350,8 +354,11 @@ class Transformer(nn.Module):
     def copy_cache_positions(self, source: int, dest: int, start: int, end: int) -> None:
         """Cache row dest takes row source's keys and values at positions [start, end) in every
         layer: a prompt prefilled once serves several rows (the server's `n` choices)."""
+        positions = torch.arange(start, end, device=self.positions.device)[None]
+        tables = self.block_tables.tables
+        source_places, dest_places = (places(tables[row : row + 1], positions)[0] for row in (source, dest))
         for layer in self.layers:
-            layer.attention.cache.copy_positions(source, dest, start, end)
+            layer.attention.cache.copy_positions(source_places, dest_places)
 
     @property
     def exact_steps(self) -> bool:
@@ -387,10 +394,10 @@ class Transformer(nn.Module):
         self.compile_failure: Optional[Exception] = None
         self.run_decode_layers = fewer_checks(torch.compile(run_layers, **compile_options))
         self.run_decode_head = fewer_checks(torch.compile(run_head, **compile_options))
-        self.whole_steps = graphs and self.args.head_dim >= MIN_HEAD_DIM
+        self.whole_steps = graphs and self.args.head_dim >= MIN_HEAD_DIM and self.args.sliding_window is None
         if graphs and not self.whole_steps:
-            logger.info(f"heads of {self.args.head_dim} channels are narrower than FlexAttention's {MIN_HEAD_DIM}: "
-                        "decoding steps compile without CUDA graphs")
+            logger.info(f"heads of {self.args.head_dim} channels (FlexAttention takes {MIN_HEAD_DIM} or more) or a "
+                        f"sliding window ({self.args.sliding_window}): decoding steps compile without CUDA graphs")
         if self.whole_steps and self.max_batch_size:
             self.setup_caches(self.max_batch_size, self.max_seq_len, self.rotary.device,
                               self.layers[0].attention.cache.k.dtype)
@@ -482,10 +489,11 @@ class Transformer(nn.Module):
                     vocab_slice: bool) -> torch.Tensor:
         """One token a row, all given as tensors [rows] on the device (StepGraphs records it whole):
         the logits [rows, vocab] in fp32, or this rank's slice of them."""
-        block_mask = self.row_ends.block_mask(slots, positions)
-        chunk_block_mask = self.row_ends.chunk_block_mask() if self.chunk is not None else None
-        rows = CacheRows(slots, positions[:, None], self.rotary[positions[:, None]], self.max_seq_len, None, None, None,
-                         block_mask, chunk_block_mask=chunk_block_mask)
+        tables = self.block_tables.tables.index_select(0, slots)
+        block_mask = self.step_masks.block_mask(tables, positions)
+        chunk_block_mask = self.step_masks.chunk_block_mask(tables, positions) if self.chunk is not None else None
+        rows = CacheRows(slots, positions[:, None], self.rotary[positions[:, None]], self.max_seq_len, None, tables,
+                         None, None, block_mask, chunk_block_mask=chunk_block_mask)
         h = self.tok_embeddings(tokens[:, None])  # rows, 1, dim
         for layers in self.decode_layer_groups:
             h = self._compiled_or_eager(self.run_decode_layers, run_layers, layers, h, rows)
@@ -571,6 +579,7 @@ class Transformer(nn.Module):
         device = self.positions.device
         first = slots[0] if slots == list(range(slots[0], slots[0] + bsz)) else None
         slot_ids = self.slot_ids[first : first + bsz] if first is not None else torch.tensor(slots, device=device)
+        tables = self.block_tables.of(slots, slot_ids)
         one_start = len(set(starts)) == 1
         if one_start:  # views
             positions = self.positions[starts[0] : starts[0] + seqlen][None]  # 1, seqlen
@@ -588,7 +597,8 @@ class Transformer(nn.Module):
         if kernel_attends:
             rotary = rotary.contiguous()
             kernel_starts = positions[:, 0].expand(bsz)
-        return CacheRows(slot_ids, positions, rotary, end, mask, first, kernel_starts, chunk_mask=chunk_mask)
+        return CacheRows(slot_ids, positions, rotary, end, mask, tables, self.block_tables.run_start(slots),
+                         kernel_starts, chunk_mask=chunk_mask)
 
     def attention_mask(self, positions: torch.Tensor, end: int, chunked: bool = False) -> torch.Tensor:
         """Which of the cached positions [0, end) each query at positions [1 or bsz, seqlen] sees,

@@ -167,12 +167,12 @@ def _register_decoding_shapes() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("llama_tp::decode_attention")
-    def _(q, k_cache, v_cache, slots, lengths):
+    def _(q, k_pool, v_pool, tables, lengths, block):
         return torch.empty_like(q)
 
     @torch.library.register_fake("llama_tp::decode_step_attention")
-    def _(qkv, turns, k_cache, v_cache, slots, positions, heads):
-        return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads * k_cache.shape[-1])
+    def _(qkv, turns, k_pool, v_pool, tables, positions, heads, block):
+        return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads * k_pool.shape[-1])
 
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
@@ -204,31 +204,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.llama_tp.rms_norm(x.contiguous(), weight, eps)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
-    """One new token per row attending to its cache row: q [bsz, heads, 1, head_dim] to the
-    keys and values of cache row slots[b] at positions [0, lengths[b]), the caches [rows, kv heads,
-    positions, head_dim]; all fp32, head_dim a multiple of ATTENTION_LANES; slots, lengths int64
-    [bsz]. As scaled_dot_product_attention(q, keys, values, enable_gqa=True) row by row."""
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, block: int) -> torch.Tensor:
+    """One new token per row attending to its own positions: q [bsz, heads, 1, head_dim] to the
+    keys and values of positions [0, lengths[b]) of row b, found through its block table
+    (tables [bsz, blocks a row]) in the pools [1, kv heads, blocks * block, head_dim]
+    (kv_cache.KVCache); all fp32, head_dim a multiple of ATTENTION_LANES; tables, lengths int64.
+    As scaled_dot_product_attention(q, keys, values, enable_gqa=True) row by row."""
     if not torch.compiler.is_compiling():
         load_decoding_kernels()
     bsz, heads, _, head_dim = q.shape
-    out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), k_cache, v_cache,
-                                              slots, lengths)
+    out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), k_pool, v_pool,
+                                              tables, lengths, block)
     return out.view(bsz, heads, 1, head_dim)
 
 
-def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slots: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
-    """A step of a few tokens a row, row b's from position positions[b] of cache row slots[b],
-    from their wqkv product qkv [bsz, tokens, (heads + 2 kv heads) * head_dim]: each token's
-    queries and keys turned by turns [bsz or 1, tokens, head_dim // 2, 2] (cos, sin), its keys and
-    values written into the caches [rows, kv heads, max positions, head_dim], then its attention to
-    the row's positions up to its own: [bsz, tokens, heads * head_dim]. As apply_rotary,
-    KVCache.update and decode_attention do it, in one call, and each token exactly as in a step of
-    its own: fp32, head_dim a multiple of ATTENTION_LANES; slots, positions int64 [bsz]."""
+def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          tables: torch.Tensor, positions: torch.Tensor, heads: int, block: int) -> torch.Tensor:
+    """A step of a few tokens a row, row b's from position positions[b], from their wqkv product
+    qkv [bsz, tokens, (heads + 2 kv heads) * head_dim]: each token's queries and keys turned by
+    turns [bsz or 1, tokens, head_dim // 2, 2] (cos, sin), its key and value written at its place in
+    the pools (decode_attention's, through the row's block table), then its attention to the row's
+    positions up to its own: [bsz, tokens, heads * head_dim]. As apply_rotary, KVCache.write and
+    decode_attention do it, in one call, and each token exactly as in a step of its own: fp32,
+    head_dim a multiple of ATTENTION_LANES; tables, positions int64."""
     load_decoding_kernels()
-    return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_cache, v_cache, slots, positions, heads)
+    return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_pool, v_pool, tables, positions, heads, block)
 
 
 def sample_rows(logits: torch.Tensor, history: torch.Tensor, settings: torch.Tensor, top_k: torch.Tensor,

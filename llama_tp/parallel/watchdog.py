@@ -92,9 +92,7 @@ class PeerWatch:
     def _lost(self, error: RuntimeError) -> None:
         if _reported.wait(self.grace_seconds) or self.leaving.is_set():
             return  # this rank says so itself, or is leaving anyway
-        line = f"llama_tp error on rank {self.rank}: {self.describe(error)}"
-        print(line, file=sys.stderr, flush=True)
-        report_failure(line)
+        report_failure(f"llama_tp error on rank {self.rank}: {self.describe(error)}")
         os._exit(1)
 
     def describe(self, error: RuntimeError) -> str:
