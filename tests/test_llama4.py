@@ -161,19 +161,23 @@ def test_a_converted_llama4_chats_in_its_format(converted):
 @pytest.mark.slow  # FlexAttention's reference computation, eagerly: 25 s
 def test_steps_through_block_masks_see_only_their_chunk(converted):
     """The GPU's decoding step (decode_step at the ladder's sizes, each row through block masks):
-    chunked layers read their own chunk only, as the eager step's masks say, rows anywhere in the
-    cache at their own positions, before and after a chunk's end."""
+    chunked layers read their own chunk only, as the eager step's masks say, rows in blocks that
+    their tables scatter over the cache, at their own positions, before and after a chunk's and a
+    block's end."""
     _, _, ckpt = converted
-    eager = build(ckpt, "tokenizer.json").model
-    stepped = build(ckpt, "tokenizer.json").model
+    models = [Llama.build(str(ckpt), str(ckpt / "tokenizer.json"), max_seq_len=128, max_batch_size=2,
+                          dtype="fp32").model for _ in range(2)]
+    eager, stepped = models
     stepped.compile_decoding(graphs=True, backend="eager")
     assert stepped.whole_steps and stepped.chunk == CHUNK
-    tokens = torch.randint(0, 300, (2, 30), generator=torch.Generator().manual_seed(5))
-    for model in (eager, stepped):
-        model.forward(tokens[:1, :6], 0, slots=[0])
-        model.forward(tokens[1:, :11], 0, slots=[1])
+    tokens = torch.randint(0, 300, (2, 80), generator=torch.Generator().manual_seed(5))
+    for model in models:
+        model.block_tables.give(0, [3, 0])  # two blocks a row, neither row's in order
+        model.block_tables.give(1, [1, 2])
+        model.forward(tokens[:1, :58], 0, slots=[0])
+        model.forward(tokens[1:, :61], 0, slots=[1])
     for step in range(12):
-        starts = [6 + step, 11 + step]
+        starts = [58 + step, 61 + step]
         step_tokens = torch.stack([tokens[row, start : start + 1] for row, start in enumerate(starts)])
         torch.testing.assert_close(stepped.forward(step_tokens, starts), eager.forward(step_tokens, starts),
                                    atol=1e-5, rtol=0)
