@@ -61,6 +61,7 @@ def build(ckpt: Path, **options) -> Llama:
 
 
 CASES = [*FAMILIES, *(f"gguf/{f}" for f in GGUF_ARCHITECTURES)]
+MIXTURES = ("mixtral", "qwen3_moe", "llama4")  # the mixtures of experts
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -84,6 +85,8 @@ def test_converted_greedy_tokens_equal_transformers(families, case):
     expected_tokens = up_to_stop(transformers_greedy(model, prompt, STEPS), llama.tokenizer.stop_tokens)
     assert generated[0] == expected_tokens
     assert PROMPT_LENGTH + len(expected_tokens) > WINDOW + 8, "the tokens should go past the sliding window"
+    if case.split("/")[-1] in MIXTURES:
+        assert len(expected_tokens) >= 24, "the issue's 24 tokens, past Llama 4's chunks"
 
 
 @pytest.mark.parametrize("family", ["mistral_window", "llama4"])
@@ -254,6 +257,7 @@ def test_every_world_size_gives_transformers_logits_and_tokens(families, worlds,
         got = worlds[world_size][case]
         torch.testing.assert_close(got["logits"], expected, atol=1e-4, rtol=0, msg=f"world size {world_size}")
         assert got["tokens"] == expected_tokens, f"world size {world_size}"
+    assert len(expected_tokens) >= 24 or case.split("/")[-1] not in MIXTURES
 
 
 @pytest.mark.slow

@@ -237,7 +237,7 @@ def test_metas_eight_shards_load_at_one_process_with_transformers_logits_and_tok
     prompt = llama.formatter.encode_dialog_prompt(DIALOG)
     generated, _ = llama.generate([prompt], max_gen_len=STEPS, temperature=0)
     assert generated[0] == up_to_stop(transformers_greedy(model, prompt, STEPS), llama.tokenizer.stop_tokens)
-    assert len(prompt) + len(generated[0]) > 3 * CHUNK
+    assert len(generated[0]) == STEPS and len(prompt) + STEPS > 3 * CHUNK
 
 
 @pytest.mark.slow
