@@ -238,8 +238,10 @@ def worlds(families, tmp_path_factory) -> dict[int, dict]:
     manifest.write_text(json.dumps({"cases": cases, "tokens": tokens.tolist(), "prompt": tokens[0, :PROMPT_LENGTH].tolist(),
                                     "steps": STEPS, "out": str(root)}))
     env = os.environ | {"PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
+    # Some 30 checkpoints at three world sizes: 25 minutes on the 2-core machine under others' load
+    # (world sizes 1 and 2 took 5 and 7 minutes at load 10 on 2026-11-27).
     job = subprocess.run([sys.executable, str(TESTS / "families_worker.py"), str(manifest)], cwd=TESTS.parent,
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=1800)
     assert job.returncode == 0, job.stderr[-3000:]
     return {w: torch.load(root / f"world{w}.pt", weights_only=True) for w in (1, 2, 4)}
 
