@@ -26,6 +26,8 @@ def trained_context(args: ModelArgs, tokenizer, record: ModelRecord) -> Optional
     """The model's trained context, or None where it is not known (then nothing is refused)."""
     if record.context_length is not None:
         return Context(record.context_length, "its llama_tp.json's context_length")
+    if args.nope_layer_interval is not None:  # Meta's Llama 4: Scout (its rotary scaled) and Maverick
+        return Context(10485760, "Llama 4 Scout's") if args.use_scaled_rope else Context(1048576, "Llama 4 Maverick's")
     if args.use_scaled_rope:
         return Context(131072, "Llama 3.1's and 3.2's, whose rotary scaling this model has")
     if isinstance(tokenizer, Llama3Tokenizer) and args.rope_theta == 500000.0:

@@ -2,8 +2,8 @@
 
     python tests/families_worker.py MANIFEST.json
 
-The manifest lists cases {"name", "ckpt", "quantize", "world_sizes"}, the prompt tokens and an
-output folder; world size W writes OUT/world{W}.pt holding, per case, fp32 logits of the tokens
+The manifest lists cases {"name", "ckpt", "quantize", "world_sizes"} (and "tokenizer" where it is
+not the folder's tokenizer.json), the prompt tokens and an output folder; world size W writes OUT/world{W}.pt holding, per case, fp32 logits of the tokens
 and greedy tokens of the first row's prompt. The ranks of each world size are forked from this
 process (gloo, a fresh rendezvous each), as tests/reshard_worker.py does.
 """
@@ -30,8 +30,8 @@ def rank_main(rank: int, world_size: int, environment: dict[str, str], manifest:
         if world_size not in case["world_sizes"]:
             continue
         ckpt = case["ckpt"]
-        llama = Llama.build(ckpt, str(Path(ckpt) / "tokenizer.json"), max_seq_len=64, max_batch_size=2,
-                            dtype="fp32", quantize=case["quantize"])
+        tokenizer = case.get("tokenizer") or str(Path(ckpt) / "tokenizer.json")
+        llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=2, dtype="fp32", quantize=case["quantize"])
         logits = llama.model.forward(tokens, 0)
         generated, _ = llama.generate([prompt], max_gen_len=manifest["steps"], temperature=0.0)
         results[case["name"]] = {"logits": logits, "tokens": generated[0]}

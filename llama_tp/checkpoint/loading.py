@@ -16,13 +16,14 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..model.args import ModelArgs
 from ..kernels import cpu_kernels, matmul
 from ..logs import logger
+from ..model.args import ModelArgs
+from ..model.meta_llama4 import EXTRA_STATE_GLOBALS, llama_tp_names
 from ..model.transformer import LINEAR_LAYERS, Transformer
-from ..parallel import EmbeddingLayout, Placement
 from ..model.quantize import (QUANTIZED_AT_LOAD, Int4Linear, Int8Linear, check_quantize_on, layer_quantization,
-                        quantize_model, replace_linear_layers, use_kernels)
+                              quantize_model, replace_linear_layers, use_kernels)
+from ..parallel import EmbeddingLayout, Placement
 from . import mapped_pages
 from .quantized import check_quantized_load, stored_quantization, unfilled_layers
 from .sharding import assemble_slice
@@ -56,7 +57,8 @@ def shard_paths(ckpt_dir: Path) -> list[Path]:
 
 
 def load_shard(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of one shard, memory-mapped: nothing is read until used."""
+    """Tensors of one shard, memory-mapped: nothing is read until used; a Meta Llama 4 shard's
+    under llama_tp's names (meta_llama4.py)."""
     # torch.save has written zip archives since torch 1.6; a cut-off archive loses its index at
     # the end, so this catches truncated files too, before torch's long, misleading messages.
     if not zipfile.is_zipfile(path):
@@ -65,7 +67,8 @@ def load_shard(path: Path) -> dict[str, torch.Tensor]:
             "may be truncated or corrupt: download or convert it again"
         )
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        with torch.serialization.safe_globals(EXTRA_STATE_GLOBALS):
+            return llama_tp_names(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
     except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as error:
         raise ValueError(
             f"{path} is not a readable torch checkpoint ({str(error).splitlines()[0]}); the file "
@@ -144,7 +147,8 @@ def load_into(model: Transformer, shard: dict[str, torch.Tensor], device: torch.
         if packing and name.endswith(LINEAR_WEIGHTS):
             converted = matmul.pack(_staged(sources, dtype, staging))
         else:
-            tensor = sources[0] if len(sources) == 1 else torch.cat(sources)  # on the CPU
+            # On the CPU; contiguous where a source is a view (meta_llama4.py's experts are transposed).
+            tensor = (sources[0] if len(sources) == 1 else torch.cat(sources)).contiguous()
             if name in quantized_layers:
                 layer = layers[name.removesuffix(".weight")]
                 converted = QUANTIZED_AT_LOAD[quantized_layers[name]].quantizing(layer, tensor.to(dtype)).to(device)
@@ -180,7 +184,7 @@ def _staged(sources: list[torch.Tensor], dtype: torch.dtype, staging: threading.
     raise the peak memory of loading: the stacked wq/wk/wv and w1/w3 are 40% of the demo model's
     weights (its load peaks 5% lower this way).
     """
-    if len(sources) == 1 and sources[0].dtype == dtype:
+    if len(sources) == 1 and sources[0].dtype == dtype and sources[0].is_contiguous():
         return sources[0]
     shape = (sum(source.shape[0] for source in sources), *sources[0].shape[1:])
     numel = math.prod(shape)

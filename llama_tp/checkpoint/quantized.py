@@ -79,8 +79,13 @@ def stored_quantization(shard: dict[str, torch.Tensor]) -> Optional[str]:
 
 def _input_widths(args: ModelArgs) -> dict[str, tuple[int, bool]]:
     """Each kind of linear layer within a layer: its full input width and whether shards split it."""
-    return {"attention.wq, wk, wv": (args.dim, False), "attention.wo": (args.n_heads * args.head_dim, True),
-            "feed_forward.w1, w3": (args.dim, False), "feed_forward.w2": (args.ffn_hidden_dim, True)}
+    widths = {"attention.wq, wk, wv": (args.dim, False), "attention.wo": (args.n_heads * args.head_dim, True)}
+    if args.dense_layers:
+        widths |= {"feed_forward.w1, w3": (args.dim, False), "feed_forward.w2": (args.ffn_hidden_dim, True)}
+    if args.n_experts is not None:
+        widths |= {"feed_forward.experts' w1, w3": (args.dim, False),
+                   "feed_forward.experts' w2": (args.expert_hidden_dim, True)}
+    return widths
 
 
 def _group(width: int, quantization: str) -> int:

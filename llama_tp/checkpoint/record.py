@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 RECORD_FILE = "llama_tp.json"
-CHAT_FORMATS = ("llama2", "llama3", "chatml", "mistral")
+CHAT_FORMATS = ("llama2", "llama3", "llama4", "chatml", "mistral")
 # The recommended settings a record may hold, with the type each must have.
 SAMPLING_SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "repetition_penalty": float}
 

@@ -8,7 +8,7 @@ the rows hold, not max_seq_len positions a row, and has fixed shapes whatever th
 with no host sync, as a step replayed as one CUDA graph needs (step_graphs.py).
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -28,15 +28,20 @@ class StepMasks:
     position. It reads each row's position and each pool block's place in the row's table from
     tensors kept for the life of the caches: a rule that closes over the same tensors every step
     is the same function to the compiler (no recompiles). (Listing a row's blocks before its
-    position's as whole ones, to which no rule applies, fails in FlexAttention's CPU code.)"""
+    position's as whole ones, to which no rule applies, fails in FlexAttention's CPU code.)
 
-    def __init__(self, max_rows: int, pool_positions: int, device: torch.device):
+    chunk: Llama 4's chunked layers see only the positions of their own chunk of this many
+    (chunk_block_mask), the model's other layers every position up to their own."""
+
+    def __init__(self, max_rows: int, pool_positions: int, device: torch.device, chunk: Optional[int] = None):
         self.pool_positions = pool_positions
         self.pool_blocks = pool_positions // BLOCK_POSITIONS
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
         # [max_rows, pool blocks]: each block's place in the row's table (pool_blocks: not the row's)
         self.block_places = torch.zeros(max_rows, self.pool_blocks, dtype=torch.long, device=device)
         self.rule = _up_to_own_position(self.positions, self.block_places)
+        self.chunk = chunk
+        self.chunk_rule = _within_own_chunk(self.positions, self.block_places, chunk) if chunk is not None else None
 
     def block_mask(self, tables: torch.Tensor, positions: torch.Tensor) -> BlockMask:
         """The mask of a step whose rows [bsz] have these block tables [bsz, blocks a row] and sit at
@@ -49,17 +54,40 @@ class StepMasks:
         self.block_places[:bsz].fill_(self.pool_blocks).scatter_reduce_(1, tables, places, "amin")
         # A mask's lists of blocks span the pool (FlexAttention sizes the keys it reads by them):
         # each row's blocks up to its position's, the rest never read.
+        seen = (positions // BLOCK_POSITIONS + 1).to(torch.int32)
+        return self._mask(tables, seen, self.rule)
+
+    def chunk_block_mask(self, tables: torch.Tensor, positions: torch.Tensor) -> BlockMask:
+        """After block_mask with the same rows, their mask in chunked layers: each row reads its
+        blocks from the one that holds its chunk's first position up to its position's, and sees
+        its chunk's positions up to its own."""
+        row_blocks = tables.shape[1]
+        first = positions // self.chunk * self.chunk // BLOCK_POSITIONS  # bsz: the chunk's first block's place
+        places = (torch.arange(row_blocks, device=tables.device) + first[:, None]).clamp(max=row_blocks - 1)
+        seen = (positions // BLOCK_POSITIONS + 1 - first).to(torch.int32)
+        return self._mask(tables.gather(1, places), seen, self.chunk_rule)  # tables from the chunk's block on
+
+    def _mask(self, tables: torch.Tensor, seen: torch.Tensor, rule: Callable) -> BlockMask:
+        """The block mask of rows reading the first seen [bsz] blocks of tables [bsz, blocks], under rule."""
+        bsz, row_blocks = tables.shape
         blocks = tables.new_zeros(bsz, self.pool_blocks, dtype=torch.int32)
         blocks[:, :row_blocks] = tables
-        seen = (positions // BLOCK_POSITIONS + 1).to(torch.int32)
         return BlockMask.from_kv_blocks(seen[:, None, None], blocks[:, None, None], BLOCK_SIZE=BLOCK_POSITIONS,
-                                        mask_mod=self.rule, seq_lengths=(1, self.pool_positions), compute_q_blocks=False)
+                                        mask_mod=rule, seq_lengths=(1, self.pool_positions), compute_q_blocks=False)
 
 
 def _up_to_own_position(positions: torch.Tensor, block_places: torch.Tensor) -> Callable:
     def sees(row, head, query, place):  # place: a position of the pool
         in_row = block_places[row, place // BLOCK_POSITIONS] * BLOCK_POSITIONS + place % BLOCK_POSITIONS
         return in_row <= positions[row]
+
+    return sees
+
+
+def _within_own_chunk(positions: torch.Tensor, block_places: torch.Tensor, chunk: int) -> Callable:
+    def sees(row, head, query, place):  # place: a position of the pool
+        in_row = block_places[row, place // BLOCK_POSITIONS] * BLOCK_POSITIONS + place % BLOCK_POSITIONS
+        return (in_row <= positions[row]) & (in_row // chunk == positions[row] // chunk)
 
     return sees
 

@@ -57,6 +57,10 @@ class CacheRows(NamedTuple):
     # Where one token a row reads only its own blocks (Transformer.decode_step, block_attention.py):
     # which blocks each row sees; mask and end are unused then.
     block_mask: Optional[BlockMask] = None
+    # Llama 4's chunked layers (Attention.chunked): mask and block_mask for them, each query seeing
+    # only its own chunk's positions; None where chunks hide nothing (mask and block_mask then serve).
+    chunk_mask: Optional[torch.Tensor] = None
+    chunk_block_mask: Optional[BlockMask] = None
 
 
 class BlockTables:
@@ -110,7 +114,7 @@ class KVCache(nn.Module):
     every block's positions one after another (the one sequence FlexAttention reads for every row)."""
 
     def __init__(self, blocks: int, n_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-                 windowed: bool = False):
+                 kernel_fits: bool = True):
         super().__init__()
         shape = (1, n_kv_heads, blocks * BLOCK_POSITIONS, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
@@ -119,10 +123,11 @@ class KVCache(nn.Module):
             # A compiled step (CUDA graphs above all) then writes the cache in place, never a copy.
             torch._dynamo.mark_static_address(buffer)
         # Whether one new token attends through our CPU kernel (attention_kernel.cpp): fp32, and
-        # heads a whole number of its registers wide, and no sliding window (it reads each row
-        # from position 0). Decided here, not at every layer's step.
+        # heads a whole number of its registers wide, and attention of the kind it computes
+        # (kernel_fits: no sliding window or chunks, as it reads each row from position 0, and
+        # rotary embeddings in every layer). Decided here, not at every layer's step.
         self.kernel_attends = (cpu_kernels.decoding_kernels_run_on(device) and dtype == torch.float32
-                               and head_dim % cpu_kernels.ATTENTION_LANES == 0 and not windowed)
+                               and head_dim % cpu_kernels.ATTENTION_LANES == 0 and kernel_fits)
         self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
 
     def write(self, rows: CacheRows, k: torch.Tensor, v: torch.Tensor) -> None:

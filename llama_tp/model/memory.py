@@ -68,23 +68,40 @@ def _quantized_bytes(width: int, n: int, quantization: str) -> int:
 
 
 def params_per_rank(args: ModelArgs, world_size: int) -> int:
-    """Parameters one of world_size processes holds: its slice of each split matrix plus the norms."""
+    """Parameters one of world_size processes holds: its slice of each split matrix plus the norms
+    (and the routers of a mixture of experts, whole on every rank)."""
     linear = sum(n for _, _, n in linear_params_per_rank(args, world_size))
     embedding = args.vocab_size * args.dim // world_size
     norms = (2 * args.n_layers + 1) * args.dim  # two per layer and the last
-    return linear + embedding + norms
+    routers = (args.n_layers - args.dense_layers) * (args.n_experts or 0) * args.dim
+    return linear + embedding + norms + routers
 
 
 def linear_params_per_rank(args: ModelArgs, world_size: int) -> list[tuple[str, int, int]]:
     """(name, input width on one of world_size processes, parameters there) of the linear layers."""
     q, kv = args.n_heads * args.head_dim // world_size, local_kv_heads(args, world_size) * args.head_dim
     ffn = args.ffn_hidden_dim // world_size
-    return [
-        ("wq, wk, wv, w1, w3", args.dim, args.n_layers * args.dim * (q + 2 * kv + 2 * ffn)),
+    dense = args.dense_layers
+    layers = [
+        ("wq, wk, wv", args.dim, args.n_layers * args.dim * (q + 2 * kv)),
         ("wo", q, args.n_layers * args.dim * q),
-        ("w2", ffn, args.n_layers * args.dim * ffn),
-        ("output", args.dim, args.vocab_size * args.dim // world_size),
+        ("w1, w3", args.dim, dense * args.dim * 2 * ffn),
+        ("w2", ffn, dense * args.dim * ffn),
     ]
+    if args.n_experts is not None:  # every rank holds its slice of every expert (feed_forward.py)
+        swiglus = (args.n_layers - dense) * (args.n_experts + args.shared_expert)
+        hidden = args.expert_hidden_dim // world_size
+        layers += [("experts' w1, w3", args.dim, swiglus * args.dim * 2 * hidden),
+                   ("experts' w2", hidden, swiglus * args.dim * hidden)]
+    return layers + [("output", args.dim, args.vocab_size * args.dim // world_size)]
+
+
+def active_params(args: ModelArgs) -> int:
+    """The parameters a token goes through, all ranks together: a mixture of experts' chosen ones only."""
+    if args.n_experts is None:
+        return params_per_rank(args, 1)
+    unused = args.n_experts - args.experts_per_token
+    return params_per_rank(args, 1) - (args.n_layers - args.dense_layers) * unused * 3 * args.dim * args.expert_hidden_dim
 
 
 def plan(args: ModelArgs, world_size: int, max_batch_size: int, max_seq_len: int,
@@ -127,18 +144,18 @@ def report(memory: MemoryPlan) -> str:
         f"  logits    {memory.logits_bytes / GIB:9.2f} GiB  (fp32, for a prompt filling the context)",
         f"  total     {total / GIB:9.2f} GiB  plus activations and framework overhead",
     ]
+    if args.n_experts is not None:
+        lines.append(f"  {args.n_experts} experts{' and a shared one' * args.shared_expert} in "
+                     f"{args.n_layers - args.dense_layers} layers, {args.experts_per_token} a token: "
+                     f"{_count(active_params(args))} parameters active per token")
     if args.kv_heads < world_size and world_size % args.kv_heads == 0:
         lines.append(f"  each of the {args.kv_heads} KV heads is copied on {world_size // args.kv_heads} processes")
     if args.splits_over(world_size):
-        lines.append(
-            f"  {world_size} divides the {args.n_heads} query heads, {args.kv_heads} KV heads, "
-            f"ffn size {args.ffn_hidden_dim} and vocabulary {args.vocab_size}: OK"
-        )
+        lines.append(f"  {world_size} divides the {args.describe_splits()}: OK")
     else:
         working = [n for n in range(1, args.n_heads + 1) if args.splits_over(n)]
         lines.append(
-            f"  {world_size} processes cannot split this model ({args.n_heads} query heads, {args.kv_heads} "
-            f"KV heads, ffn size {args.ffn_hidden_dim}, vocabulary {args.vocab_size}); world sizes that "
+            f"  {world_size} processes cannot split this model ({args.describe_splits()}); world sizes that "
             f"work: {', '.join(map(str, working))}"
         )
     return "\n".join(lines)

@@ -19,9 +19,12 @@ from ..parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_li
                        parallel_embedding, row_parallel_linear)
 from .args import ModelArgs
 from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
+from .feed_forward import FeedForward, MixtureOfExperts
 from .kv_cache import BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, blocks_for, places, step_through_kernel
 from .prefix_cache import PrefixCache
 from .step_graphs import StepGraphs
+
+__all__ = ["FeedForward", "MixtureOfExperts", "Transformer"]
 
 
 # The model's linear layers, by attribute name: what quantization replaces and packing lays out.
@@ -99,7 +102,7 @@ class Attention(nn.Module):
     # instead of three (fewer, larger kernel calls, and one pass over x).
     FUSED = ("wqkv", ("wq", "wk", "wv"))
 
-    def __init__(self, args: ModelArgs, model_parallel_size: int):
+    def __init__(self, args: ModelArgs, model_parallel_size: int, layer: int = 0):
         super().__init__()
         self.head_dim = args.head_dim
         self.n_local_heads = args.n_heads // model_parallel_size
@@ -116,6 +119,13 @@ class Attention(nn.Module):
         # Qwen3's RMSNorm over each head's queries and keys: one weight for all heads, on every rank.
         self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        # Llama 4: rotary layers normalise queries and keys without a weight and attend within their
+        # chunk; the others (NoPE) rotate nothing, attend to every position and scale their queries.
+        self.rotates = args.rotates(layer)
+        self.weightless_qk_norm = args.weightless_qk_norm and self.rotates
+        self.norm_eps = args.norm_eps
+        self.chunked = args.attention_chunk_size is not None and self.rotates
+        self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and not self.rotates else None
         self.cache: Optional[KVCache] = None
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,12 +134,26 @@ class Attention(nn.Module):
         qkv = self.wqkv(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        if self.q_norm is not None:
+        if self.q_norm is not None or self.weightless_qk_norm:
             q, k, v = qkv.split(self.local_widths, dim=-1)
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim)).contiguous())  # bsz, seqlen, heads, head_dim
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim)).contiguous())  # bsz, seqlen, kv heads, head_dim
+            q = self._head_norm(q.unflatten(-1, (-1, self.head_dim)), self.q_norm)  # bsz, seqlen, heads, head_dim
+            k = self._head_norm(k.unflatten(-1, (-1, self.head_dim)), self.k_norm)  # bsz, seqlen, kv heads, head_dim
             qkv = torch.cat((q.flatten(-2), k.flatten(-2), v), dim=-1)
         return qkv
+
+    def _head_norm(self, x: torch.Tensor, norm: Optional[RMSNorm]) -> torch.Tensor:
+        """Each head of x RMS-normalised: by Qwen3's norm, or Llama 4's without a weight (before the
+        rotation where Llama 4 normalises after it: a rotation keeps a head's norm)."""
+        if norm is not None:
+            return norm(x.contiguous())
+        return F.rms_norm(x.float(), (self.head_dim,), eps=self.norm_eps).type_as(x)
+
+    def scaled_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Llama 4's NoPE queries q [bsz, seqlen, heads, head_dim] at positions [1 or bsz, seqlen],
+        scaled by a temperature that grows with the position (1 below floor_scale - 1)."""
+        floor_scale, attn_scale = self.temperature
+        scales = 1 + attn_scale * torch.log1p(torch.floor((positions.float() + 1) / floor_scale))
+        return (q.float() * scales[..., None, None]).type_as(q)
 
     def forward(self, x: torch.Tensor, rows: CacheRows) -> torch.Tensor:
         return self.wo(self.attend_projected(self.project(x), rows))
@@ -148,15 +172,21 @@ class Attention(nn.Module):
         bsz, seqlen, _ = qkv.shape
         one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
-        # Queries and keys rotate alike: one rotation for both heads' worth.
-        qk = apply_rotary(qk.view(bsz, seqlen, -1, self.head_dim), rows.rotary)  # bsz, seqlen, heads + kv heads, head_dim
+        qk = qk.view(bsz, seqlen, -1, self.head_dim)  # bsz, seqlen, heads + kv heads, head_dim
+        if self.rotates:  # queries and keys rotate alike: one rotation for both heads' worth
+            qk = apply_rotary(qk, rows.rotary)
         q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
+        if self.temperature is not None:
+            q = self.scaled_queries(q, rows.positions)
         v = v.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         self.cache.write(rows, k, v)
-        if rows.block_mask is not None:  # a step of Transformer.decode_step: each row reads what it holds
-            out = attend_own_blocks(q, self.cache.k, self.cache.v, rows.block_mask)
+        mask, block_mask = rows.mask, rows.block_mask
+        if self.chunked and (rows.chunk_mask is not None or rows.chunk_block_mask is not None):
+            mask, block_mask = rows.chunk_mask, rows.chunk_block_mask
+        if block_mask is not None:  # a step of Transformer.decode_step: each row reads what it holds
+            out = attend_own_blocks(q, self.cache.k, self.cache.v, block_mask)
         elif one_token_through_kernel:  # compiled: each row reads its cache row up to its own position
             lengths = (rows.positions[:, 0] + 1).expand(bsz)
             out = cpu_kernels.decode_attention(q, self.cache.k, self.cache.v, rows.tables, lengths, BLOCK_POSITIONS)
@@ -164,7 +194,7 @@ class Attention(nn.Module):
             # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
             # masked half), and a single new token sees everything cached up to end.
             keys, values = self.cache.read(rows)
-            out = attend(q, keys, values, rows.mask)
+            out = attend(q, keys, values, mask)
         return out.transpose(1, 2).reshape(bsz, seqlen, self.n_local_heads * self.head_dim)
 
 
@@ -195,27 +225,14 @@ def folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out.reshape(bsz, heads, seqlen, head_dim)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x), with w1 and w3 held side by side as one weight."""
-
-    FUSED = ("w13", ("w1", "w3"))
-
-    def __init__(self, dim: int, hidden_dim: int, model_parallel_size: int):
-        super().__init__()
-        self.local_widths = 2 * (hidden_dim // model_parallel_size,)
-        self.w13 = column_parallel_linear(dim, 2 * hidden_dim, gather_output=False)
-        self.w2 = row_parallel_linear(hidden_dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.local_widths, dim=-1)
-        return self.w2(F.silu(gate) * up)
-
-
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, model_parallel_size: int):
+    def __init__(self, args: ModelArgs, model_parallel_size: int, layer: int = 0):
         super().__init__()
-        self.attention = Attention(args, model_parallel_size)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, model_parallel_size)
+        self.attention = Attention(args, model_parallel_size, layer)
+        if args.has_experts(layer):
+            self.feed_forward = MixtureOfExperts(args, model_parallel_size)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, model_parallel_size)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
@@ -252,8 +269,10 @@ class TransformerBlock(nn.Module):
         qkv = attention.wqkv.forward(x_normed) if plain else attention.project(x_normed)
         h = x + attention.wo.forward(attention.attend_projected(qkv, rows))
         norm = self.ffn_norm
-        gate, up = feed_forward.w13.forward(cpu_kernels.rms_norm(h, norm.weight, norm.eps)).split(
-            feed_forward.local_widths, dim=-1)
+        h_normed = cpu_kernels.rms_norm(h, norm.weight, norm.eps)
+        if not isinstance(feed_forward, FeedForward):
+            return h + feed_forward(h_normed)
+        gate, up = feed_forward.w13.forward(h_normed).split(feed_forward.local_widths, dim=-1)
         return h + feed_forward.w2.forward(F.silu(gate) * up)
 
 
@@ -264,13 +283,14 @@ class Transformer(nn.Module):
             raise ValueError("ModelArgs.vocab_size must be known (fill it from the tokenizer) before building")
         self.args = args
         self.tok_embeddings = parallel_embedding(args.vocab_size, args.dim, embedding_layout)
-        self.layers = nn.ModuleList(TransformerBlock(args, model_parallel_size) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, model_parallel_size, layer) for layer in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         # Each rank's slice of the vocabulary, gathered in run_head unless the caller picks from slices.
         self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=False)
         self.max_batch_size = 0
         self.max_seq_len = 0
         self.window: Optional[int] = None  # the sliding window where it hides positions (setup_caches)
+        self.chunk: Optional[int] = None  # Llama 4's attention chunk where it hides positions (setup_caches)
         # One new token per row: eager, or compile_decoding's (which runs the layers in groups).
         self.decode_eagerly()
 
@@ -300,8 +320,11 @@ class Transformer(nn.Module):
         blocks_per_row = blocks_for(max_seq_len)
         blocks = max_batch_size * blocks_per_row + self.whole_steps
         # A sliding window as long as the caches hides nothing: then attention runs as without one.
-        window = self.args.sliding_window
+        window, chunk = self.args.sliding_window, self.args.attention_chunk_size
         self.window = window if window is not None and window < max_seq_len else None
+        self.chunk = chunk if chunk is not None and chunk < max_seq_len else None
+        # Our CPU attention kernel reads each row from position 0, rotating every layer's queries.
+        kernel_fits = self.window is None and self.chunk is None and self.args.nope_layer_interval is None
         self.register_buffer("rotary", rotary_table(self.args, max_seq_len).to(device), persistent=False)
         self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_batch_size, device=device), persistent=False)
@@ -310,12 +333,17 @@ class Transformer(nn.Module):
         for layer in self.layers:
             attention = layer.attention
             attention.cache = KVCache(blocks, attention.n_local_kv_heads, attention.head_dim, device, dtype,
-                                      windowed=self.window is not None)
+                                      kernel_fits)
         if self.whole_steps:
             self.block_tables.give(self.spare_slot, [blocks - 1])
-            self.step_masks = StepMasks(max_batch_size, blocks * BLOCK_POSITIONS, device)
-            self.graphs = StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device,
-                                     record=device.type == "cuda", after_compiling=self._agree_on_compiling)
+            self.step_masks = StepMasks(max_batch_size, blocks * BLOCK_POSITIONS, device, self.chunk)
+            # A mixture of experts reads back its experts' token counts in every step, which a
+            # CUDA graph cannot hold (feed_forward.py): its steps run at the ladder's sizes unrecorded.
+            record = device.type == "cuda" and self.args.n_experts is None
+            if device.type == "cuda" and not record:
+                logger.info("a mixture of experts decodes without CUDA graphs: its routing reads back token counts")
+            self.graphs = StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device, record=record,
+                                     after_compiling=self._agree_on_compiling)
 
     @property
     def spare_slot(self) -> int:
@@ -462,8 +490,10 @@ class Transformer(nn.Module):
         """One token a row, all given as tensors [rows] on the device (StepGraphs records it whole):
         the logits [rows, vocab] in fp32, or this rank's slice of them."""
         tables = self.block_tables.tables.index_select(0, slots)
+        block_mask = self.step_masks.block_mask(tables, positions)
+        chunk_block_mask = self.step_masks.chunk_block_mask(tables, positions) if self.chunk is not None else None
         rows = CacheRows(slots, positions[:, None], self.rotary[positions[:, None]], self.max_seq_len, None, tables,
-                         None, None, self.step_masks.block_mask(tables, positions))
+                         None, None, block_mask, chunk_block_mask=chunk_block_mask)
         h = self.tok_embeddings(tokens[:, None])  # rows, 1, dim
         for layers in self.decode_layer_groups:
             h = self._compiled_or_eager(self.run_decode_layers, run_layers, layers, h, rows)
@@ -562,20 +592,25 @@ class Transformer(nn.Module):
         mask = None
         if self.window is not None or not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
             mask = self.attention_mask(positions, end)  # 1 or bsz, 1, seqlen, end
+        chunk_mask = self.attention_mask(positions, end, chunked=True) if self.chunk is not None else None
         kernel_starts = None
         if kernel_attends:
             rotary = rotary.contiguous()
             kernel_starts = positions[:, 0].expand(bsz)
         return CacheRows(slot_ids, positions, rotary, end, mask, tables, self.block_tables.run_start(slots),
-                         kernel_starts)
+                         kernel_starts, chunk_mask=chunk_mask)
 
-    def attention_mask(self, positions: torch.Tensor, end: int) -> torch.Tensor:
+    def attention_mask(self, positions: torch.Tensor, end: int, chunked: bool = False) -> torch.Tensor:
         """Which of the cached positions [0, end) each query at positions [1 or bsz, seqlen] sees,
-        [1 or bsz, 1, seqlen, end]: those of its row up to itself, and within the sliding window."""
+        [1 or bsz, 1, seqlen, end]: those of its row up to itself, within the sliding window, and
+        with chunked, within its own chunk (Llama 4's chunked layers, as transformers masks them
+        when decoding too; Meta's reference masks by chunk only within a prompt)."""
         keys, queries = self.positions[None, None, None, :end], positions[:, None, :, None]
         mask = keys <= queries
         if self.window is not None:
             mask &= keys > queries - self.window
+        if chunked:
+            mask &= keys // self.chunk == queries // self.chunk
         return mask
 
 

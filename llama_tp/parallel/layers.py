@@ -34,21 +34,27 @@ class _ColumnParallelLinear(fairscale_layers.ColumnParallelLinear):
         return all_gather_last_dim(y) if self.gather_output else y
 
 
-def row_parallel_linear(in_features: int, out_features: int) -> torch.nn.Module:
-    """y = x W^T with W split by input columns; partial products are summed across ranks."""
+def row_parallel_linear(in_features: int, out_features: int, reduce: bool = True) -> torch.nn.Module:
+    """y = x W^T with W split by input columns; partial products are summed across ranks, or with
+    reduce=False left as this rank's part, for the caller to sum with others in one all-reduce
+    (a mixture of experts' outputs, as Meta's Llama 4 does)."""
     with _skip_weight_init():
-        return _RowParallelLinear(
+        layer = _RowParallelLinear(
             in_features, out_features, bias=False, input_is_parallel=True, init_method=_keep
         )
+    layer.reduce = reduce
+    return layer
 
 
 class _RowParallelLinear(fairscale_layers.RowParallelLinear):
     """fairscale's layer, summing partial products through collectives.all_reduce (shared memory on CPU)."""
 
     weight_packed = False  # as _ColumnParallelLinear's
+    reduce = True  # whether the partial products are summed here (row_parallel_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(matmul.linear(x, self.weight, self.weight_packed))
+        y = matmul.linear(x, self.weight, self.weight_packed)
+        return all_reduce(y) if self.reduce else y
 
 
 def parallel_embedding(vocab_size: int, dim: int, layout: EmbeddingLayout) -> torch.nn.Module:
@@ -100,7 +106,7 @@ def communication_after(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
     parallel), all-gather (column parallel gathering its output) or nothing; for layers that
     replace one's matrix product (quantized weights) but must talk to the other ranks the same way."""
     if isinstance(layer, fairscale_layers.RowParallelLinear):
-        return all_reduce
+        return all_reduce if getattr(layer, "reduce", True) else _keep
     if isinstance(layer, fairscale_layers.ColumnParallelLinear):
         return all_gather_last_dim if layer.gather_output else _keep
     raise TypeError(f"{type(layer).__name__} is not one of fairscale's parallel linear layers")

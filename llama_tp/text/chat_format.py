@@ -6,7 +6,7 @@ import re
 from typing import Literal, NotRequired, Optional, TypedDict
 
 from .jinja_template import check_variables, compile_template, reads, render
-from .tokenizer import Llama3Tokenizer
+from .tokenizer import Llama3Tokenizer, Llama4Tokenizer
 
 Role = Literal["system", "user", "assistant", "ipython", "tool"]  # the last two in Llama 3 only
 
@@ -112,6 +112,9 @@ class Llama3ChatFormat:
 
     takes_tools = False
     control_tags: tuple[str, ...] = ()  # none: is_unsafe refuses nothing
+    header = ("<|start_header_id|>", "<|end_header_id|>")
+    end_of_turn = "<|eot_id|>"
+    strips_content = True  # Meta's Llama 3 strips each message's whitespace; its Llama 4 keeps it
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -128,16 +131,17 @@ class Llama3ChatFormat:
         role = "ipython" if role == "tool" else role
         special = self.tokenizer.special_tokens
         return (
-            [special["<|start_header_id|>"]]
+            [special[self.header[0]]]
             + self.tokenizer.encode(role, bos=False, eos=False)
-            + [special["<|end_header_id|>"]]
+            + [special[self.header[1]]]
             + self.tokenizer.encode("\n\n", bos=False, eos=False)
         )
 
     def encode_message(self, message: Message) -> list[int]:
-        """The header, the stripped content as plain text, and <|eot_id|>."""
-        content = self.tokenizer.encode(message["content"].strip(), bos=False, eos=False)
-        return self.encode_header(message["role"]) + content + [self.tokenizer.special_tokens["<|eot_id|>"]]
+        """The header, the (stripped) content as plain text, and <|eot_id|>."""
+        text = message["content"].strip() if self.strips_content else message["content"]
+        content = self.tokenizer.encode(text, bos=False, eos=False)
+        return self.encode_header(message["role"]) + content + [self.tokenizer.special_tokens[self.end_of_turn]]
 
     def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
         """<|begin_of_text|>, every message, then an open assistant header for the model to fill."""
@@ -154,6 +158,15 @@ class Llama3ChatFormat:
         for message in dialog:
             tokens += self.encode_message(message)
         return tokens + self.encode_header("assistant")
+
+
+class Llama4ChatFormat(Llama3ChatFormat):
+    """Meta's Llama 4 chat prompt: Llama 3's, under <|header_start|>{role}<|header_end|>, each
+    message as written, ended by <|eot|>."""
+
+    header = ("<|header_start|>", "<|header_end|>")
+    end_of_turn = "<|eot|>"
+    strips_content = False
 
 
 def chat_format_for(tokenizer, chat_format: Optional[str] = None, default_system_prompt: Optional[str] = None,
@@ -173,6 +186,8 @@ def known_chat_format(tokenizer, chat_format: Optional[str] = None, default_syst
         return ChatMLFormat(tokenizer, default_system_prompt)
     if chat_format == "mistral":
         return MistralChatFormat(tokenizer)
+    if chat_format == "llama4" or (chat_format is None and isinstance(tokenizer, Llama4Tokenizer)):
+        return Llama4ChatFormat(tokenizer)
     if chat_format == "llama3" or (chat_format is None and isinstance(tokenizer, Llama3Tokenizer)):
         return Llama3ChatFormat(tokenizer)
     return Llama2ChatFormat(tokenizer)

@@ -1,10 +1,10 @@
-"""Tokenizers: Llama 2's SentencePiece model and Llama 3's tiktoken BPE, behind the interface generation relies on."""
+"""Tokenizers: Llama 2's SentencePiece model and Llama 3's and 4's tiktoken BPE, behind the interface generation relies on."""
 
 import base64
 import binascii
 import re
 from pathlib import Path
-from typing import AbstractSet, Iterator, Literal, Union
+from typing import AbstractSet, Iterator, Literal, Optional, Union
 
 import tiktoken
 from sentencepiece import SentencePieceProcessor
@@ -64,16 +64,20 @@ class Llama3Tokenizer:
         "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
         "<|image|>",
     )
+    first_reserved = 2  # the number the reserved tokens after the named ones start from
+    # The special tokens that end a turn, end a message awaiting a tool's answer, and pad.
+    eot, eom, pad = "<|eot_id|>", "<|eom_id|>", "<|finetune_right_pad_id|>"
     # tiktoken panics on inputs longer than this ...
     max_encode_chars = 400_000
     # ... and is quadratic on long runs of whitespace or of non-whitespace (tiktoken issue 195).
     max_run_chars = 25_000
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, ranks: Optional[dict[bytes, int]] = None):
+        """ranks: the file's, where the caller has read them already (load_tokenizer)."""
         path = Path(model_path)
-        ranks = read_bpe_ranks(path)
+        ranks = ranks if ranks is not None else read_bpe_ranks(path)
         reserved = [
-            f"<|reserved_special_token_{2 + i}|>"
+            f"<|reserved_special_token_{self.first_reserved + i}|>"
             for i in range(self.num_special_tokens - len(self.named_special_tokens))
         ]
         names = list(self.named_special_tokens) + reserved
@@ -84,9 +88,9 @@ class Llama3Tokenizer:
         self.n_words: int = len(ranks) + len(names)
         self.bos_id: int = self.special_tokens["<|begin_of_text|>"]
         self.eos_id: int = self.special_tokens["<|end_of_text|>"]
-        self.eot_id: int = self.special_tokens["<|eot_id|>"]  # end of a turn
-        self.eom_id: int = self.special_tokens["<|eom_id|>"]  # end of a message that awaits a tool's answer
-        self.pad_id: int = self.special_tokens["<|finetune_right_pad_id|>"]
+        self.eot_id: int = self.special_tokens[self.eot]  # end of a turn
+        self.eom_id: int = self.special_tokens[self.eom]  # end of a message that awaits a tool's answer
+        self.pad_id: int = self.special_tokens[self.pad]
         self.stop_tokens: set[int] = {self.eos_id, self.eot_id, self.eom_id}
 
     def encode(self, s: str, bos: bool, eos: bool,
@@ -102,6 +106,38 @@ class Llama3Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """The text of ids; bytes that do not form whole characters become U+FFFD."""
         return self.model.decode(list(ids))
+
+
+def _reserved(name: str, count: int, first: int = 0) -> tuple[str, ...]:
+    return tuple(f"<|{name}_reserved_special_token_{i}|>" for i in range(first, first + count))
+
+
+class Llama4Tokenizer(Llama3Tokenizer):
+    """Llama 4's tokenizer: 200,000 tiktoken ranks split by o200k's pattern, then 2048 special
+    tokens (header markers, <|eot|>, the vision and reasoning ones), as Meta's llama-models names them."""
+
+    bpe_ranks = 200_000  # how load_tokenizer tells its file from Llama 3's (128,000)
+    # o200k's split pattern: words split before capitals, contractions kept with their word.
+    pat_str = "|".join((
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+    ))
+    num_special_tokens = 2048
+    named_special_tokens = (
+        "<|begin_of_text|>", "<|end_of_text|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+        # from 200005: the text model's
+        "<|header_start|>", "<|header_end|>", "<|eom|>", "<|eot|>", "<|step|>", *_reserved("text_post_train", 6),
+        "<|python_start|>", "<|python_end|>", "<|finetune_right_pad|>", *_reserved("text_post_train", 61, 8),
+        # from 200080: the vision model's
+        "<|image_start|>", "<|image_end|>", *_reserved("vision", 2), "<|tile_x_separator|>",
+        "<|tile_y_separator|>", *_reserved("vision", 4, 2), "<|image|>", *_reserved("vision", 1, 6), "<|patch|>",
+        *_reserved("vision", 1041, 7),
+        # from 201134: reasoning's
+        *_reserved("reasoning", 8), "<|reasoning_thinking_start|>", "<|reasoning_thinking_end|>",
+    )
+    first_reserved = 0
+    eot, eom, pad = "<|eot|>", "<|eom|>", "<|finetune_right_pad|>"
 
 
 def split_long_runs(s: str, max_run: int) -> Iterator[str]:
@@ -158,9 +194,11 @@ def is_tiktoken_bpe(path: Path) -> bool:
 
 
 def load_tokenizer(path: str) -> Union[Tokenizer, Llama3Tokenizer, HFTokenizer]:
-    """The tokenizer for the file at path, told apart by the file's content, never its name."""
+    """The tokenizer for the file at path, told apart by the file's content, never its name: a
+    tiktoken file of o200k's 200,000 ranks is Llama 4's, any other Llama 3's (128,000)."""
     if Path(path).is_file() and is_tiktoken_bpe(Path(path)):
-        return Llama3Tokenizer(path)
+        ranks = read_bpe_ranks(Path(path))
+        return (Llama4Tokenizer if len(ranks) == Llama4Tokenizer.bpe_ranks else Llama3Tokenizer)(path, ranks)
     if is_hf_tokenizer_file(path):  # a Hugging Face tokenizer.json, e.g. from llama_tp.convert
         return HFTokenizer(path)
     return Tokenizer(path)

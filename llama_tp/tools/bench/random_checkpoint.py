@@ -12,6 +12,7 @@ import torch
 
 from ...model.args import ModelArgs
 from ..cli import run
+from ..convert.writer import expected_shapes
 
 # params.json of Meta's releases.
 SHAPES = {
@@ -20,29 +21,25 @@ SHAPES = {
     "llama3-8b": {"dim": 4096, "ffn_dim_multiplier": 1.3, "multiple_of": 1024, "n_heads": 32, "n_kv_heads": 8,
                   "n_layers": 32, "norm_eps": 1e-05, "rope_theta": 500000.0, "use_scaled_rope": True,
                   "vocab_size": 128256},
+    # config.json of Mistral's Mixtral-8x7B-v0.1 as params.json: top 2 of 8 experts of 14336.
+    "mixtral-8x7b": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 32000,
+                     "multiple_of": 1024, "ffn_dim_multiplier": 1.3125, "norm_eps": 1e-05, "rope_theta": 1000000.0,
+                     "n_experts": 8, "experts_per_token": 2, "expert_hidden_dim": 14336,
+                     "normalize_expert_weights": True},
 }
 
 
 def random_weights(args: ModelArgs, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     """Every weight of one unsharded checkpoint, bf16, on the CPU: normal with a small spread, so
-    activations stay finite through every layer (norms near 1)."""
+    activations stay finite through every layer (norms 1, linear layers scaled by their width)."""
     generator = torch.Generator(device).manual_seed(seed)
-
-    def normal(*shape: int, scale: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator, device=device) * scale).to(torch.bfloat16).cpu()
-
-    kv_dim = args.kv_heads * args.head_dim
-    weights = {"tok_embeddings.weight": normal(args.vocab_size, args.dim, scale=1.0)}
-    for i in range(args.n_layers):
-        shapes = {"attention.wq": (args.dim, args.dim), "attention.wk": (kv_dim, args.dim),
-                  "attention.wv": (kv_dim, args.dim), "attention.wo": (args.dim, args.dim),
-                  "feed_forward.w1": (args.ffn_hidden_dim, args.dim), "feed_forward.w2": (args.dim, args.ffn_hidden_dim),
-                  "feed_forward.w3": (args.ffn_hidden_dim, args.dim)}
-        weights |= {f"layers.{i}.{name}.weight": normal(*shape, scale=shape[1] ** -0.5) for name, shape in shapes.items()}
-        weights |= {f"layers.{i}.{norm}.weight": torch.ones(args.dim, dtype=torch.bfloat16)
-                    for norm in ("attention_norm", "ffn_norm")}
-    weights["norm.weight"] = torch.ones(args.dim, dtype=torch.bfloat16)
-    weights["output.weight"] = normal(args.vocab_size, args.dim, scale=args.dim ** -0.5)
+    weights = {}
+    for name, shape in expected_shapes(args).items():
+        if len(shape) == 1:  # norms (and biases, with the model's q/k/v biases)
+            weights[name] = torch.ones(shape, dtype=torch.bfloat16)
+            continue
+        scale = 1.0 if name == "tok_embeddings.weight" else shape[1] ** -0.5
+        weights[name] = (torch.randn(*shape, generator=generator, device=device) * scale).to(torch.bfloat16).cpu()
     return weights
 
 

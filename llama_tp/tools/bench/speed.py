@@ -211,8 +211,10 @@ def compare_loading(ckpt_dir: Path, args: ModelArgs, dtype: torch.dtype, quantiz
     return summary
 
 
-def interleaved(cases: dict[str, tuple[int, dict[str, Callable[[], object]]]], repeats: int) -> dict[str, dict]:
-    """Run each case's engines A B A B after one warm-up each; tokens per second, medians and ratios.
+def interleaved(cases: dict[str, tuple[int, dict[str, Callable[[], object]]]], repeats: int,
+                reference: str = "llama_tp") -> dict[str, dict]:
+    """Run each case's engines A B A B after one warm-up each; tokens per second, medians and the
+    reference engine's speed over each other's.
 
     A case is the number of tokens it processes and, per engine, a callable doing the work.
     """
@@ -227,8 +229,8 @@ def interleaved(cases: dict[str, tuple[int, dict[str, Callable[[], object]]]], r
                 work()
                 runs[engine].append(tokens / (time.perf_counter() - start))
         result = {"tokens_per_s": {e: statistics.median(r) for e, r in runs.items()}, "runs": runs}
-        for peer in set(runs) - {"llama_tp"}:
-            result[f"ratio_vs_{peer}"] = result["tokens_per_s"]["llama_tp"] / result["tokens_per_s"][peer]
+        for peer in set(runs) - {reference}:
+            result[f"ratio_vs_{peer}"] = result["tokens_per_s"][reference] / result["tokens_per_s"][peer]
         results[name] = result
         parallel.print0(f"  {name}: " + ", ".join(f"{e} {v:.1f} tok/s" for e, v in result["tokens_per_s"].items()))
     return results

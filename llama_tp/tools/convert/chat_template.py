@@ -5,10 +5,10 @@ from typing import Optional
 
 # A marker only that format's template writes, and the format's name in llama_tp.json.
 # Llama 2's template writes [INST] too, with its <<SYS>> system block: it is looked for first.
-FORMAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("<<SYS>>", "llama2"),
-                  ("[INST]", "mistral"))
+FORMAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("<|header_start|>", "llama4"),
+                  ("<<SYS>>", "llama2"), ("[INST]", "mistral"))
 # The token that ends an assistant turn, beyond the tokenizer's eos.
-END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
+END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "llama4": "<|eot|>"}
 
 # A fixed system message the template writes when the dialog has none: SmolLM2's
 # "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, ...<|im_end|>\n' }}".

@@ -1,17 +1,19 @@
-"""GGUF (llama.cpp) files of the Llama family (llama, qwen2, qwen3) to Meta's layout: metadata to
-params.json, tensors dequantised, or kept as they are where a quantized checkpoint can hold them
-(gguf_blocks.py).
+"""GGUF (llama.cpp) files of the Llama family (llama, Mixtral as llama.cpp's llama, qwen2, qwen3,
+qwen3moe) to Meta's layout: metadata to params.json, tensors dequantised, or kept as they are where
+a quantized checkpoint can hold them (gguf_blocks.py). A mixture of experts' tensors hold every
+expert of a layer, [experts, out, in]: each expert's slice becomes its own layer (feed_forward.py).
 
 For the `llama` architecture llama.cpp's converter stores q/k in Meta's interleaved rotary layout
 (it undoes Hugging Face's permutation), so tensors are only renamed; tests/test_demo_network.py
-checks this against transformers' own GGUF loading. For qwen2 and qwen3 it keeps Hugging Face's
-rotate-half order (llama.cpp rotates them "NEOX" style), which is undone here as `convert hf` does.
+checks this against transformers' own GGUF loading. For qwen2, qwen3 and qwen3moe it keeps Hugging
+Face's rotate-half order (llama.cpp rotates them "NEOX" style), which is undone here as `convert hf` does.
 """
 
 import dataclasses
+import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -31,12 +33,14 @@ LAYER_NAMES = {
     "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv",
     "attn_output": "attention.wo", "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2",
     "ffn_up": "feed_forward.w3", "attn_norm": "attention_norm", "ffn_norm": "ffn_norm",
-    "attn_q_norm": "attention.q_norm", "attn_k_norm": "attention.k_norm",
+    "attn_q_norm": "attention.q_norm", "attn_k_norm": "attention.k_norm", "ffn_gate_inp": "feed_forward.router",
 }
+# A layer's experts, each [experts, out, in], by the projection each expert's slice is.
+EXPERT_TENSORS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 # The architectures that convert, as llama.cpp names them, and what each adds to Meta's Llama.
-ARCHITECTURES = {"llama": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}
+ARCHITECTURES = {"llama": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}, "qwen3moe": {"qk_norm": True}}
 # Those whose q/k channels llama.cpp keeps in Hugging Face's rotate-half order.
-ROTATE_HALF = ("qwen2", "qwen3")
+ROTATE_HALF = ("qwen2", "qwen3", "qwen3moe")
 TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
              "output.weight": "output.weight"}
 # Llama 3.1's rescaled rotary frequencies, stored by llama.cpp as a tensor of divisors.
@@ -134,10 +138,9 @@ def model_params(metadata: Metadata, tensors: dict) -> dict:
     if rope_dims != head_dim:
         raise ValueError(f"{metadata.path}: rotary embedding over {rope_dims} of {head_dim} head "
                          "channels is not supported; llama_tp rotates whole heads")
-    for key, what in (("{arch}.expert_count", "mixture of experts"), ("{arch}.attention.sliding_window", "a sliding window")):
-        if metadata.get(key, 0):
-            raise ValueError(f"{metadata.path}: {key.replace('{arch}', metadata.arch)} is set: {what} does not "
-                             "convert from GGUF; convert the model's Hugging Face folder with `convert hf`")
+    if metadata.get("{arch}.attention.sliding_window", 0):
+        raise ValueError(f"{metadata.path}: {metadata.arch}.attention.sliding_window is set: a sliding window does "
+                         "not convert from GGUF; convert the model's Hugging Face folder with `convert hf`")
     scaling = metadata.get("{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"{metadata.path}: rope scaling {scaling!r} is not supported")
@@ -153,10 +156,22 @@ def model_params(metadata: Metadata, tensors: dict) -> dict:
         "rope_theta": float(str(np.float32(metadata.get("{arch}.rope.freq_base", 10000.0)))),
         **({"head_size": head_dim} if head_dim * n_heads != dim else {}),
         **ARCHITECTURES[metadata.arch],
+        **expert_params(metadata),
     }
     if ROPE_FREQS in tensors:
         params |= llama31_rope(ModelArgs.from_dict(params), dequantized(tensors[ROPE_FREQS]), metadata.path)
     return params
+
+
+def expert_params(metadata: Metadata) -> dict:
+    """params.json's mixture-of-experts keys, routed as llama.cpp routes Mixtral and Qwen3-MoE: the
+    top-k of a softmax over every expert, rescaled to sum to 1."""
+    experts = metadata.get("{arch}.expert_count", 0)
+    if not experts:
+        return {}
+    hidden = metadata.get("{arch}.expert_feed_forward_length", None) or metadata.get("{arch}.feed_forward_length")
+    return {"n_experts": experts, "experts_per_token": metadata.get("{arch}.expert_used_count"),
+            "expert_hidden_dim": hidden, "normalize_expert_weights": True}
 
 
 def llama31_rope(args: ModelArgs, divisors: torch.Tensor, path: Path) -> dict:
@@ -178,6 +193,13 @@ def meta_tensors(by_name: dict, path: Path, quantize: Optional[str] = None,
     for name, tensor in by_name.items():
         if name == ROPE_FREQS:
             continue  # folded into params.json
+        experts = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+        if experts and experts.group(2) in EXPERT_TENSORS:
+            projection = EXPERT_TENSORS[experts.group(2)]
+            for expert in range(int(tensor.shape[2])):  # GGUF lists dimensions fastest first
+                sources[f"layers.{experts.group(1)}.feed_forward.experts.{expert}.{projection}.weight"] = \
+                    ExpertSlice.of(tensor, expert)
+            continue
         target = meta_name(name, TOP_NAMES, r"blk\.(\d+)\.(\w+)\.(weight|bias)", LAYER_NAMES)
         if target is None:
             raise ValueError(f"{path} holds tensor {name!r}, which has no place in a Llama model")
@@ -200,6 +222,21 @@ def meta_tensors(by_name: dict, path: Path, quantize: Optional[str] = None,
         progress(f"dequantised and rounded by llama_tp (kernels/int4.py, int8.py), their GGUF types not being "
                  f"kept as they are ({kept}): {layers}")
     return loaders
+
+
+class ExpertSlice(NamedTuple):
+    """One expert's part of a GGUF tensor of a layer's experts, read as a tensor of its own (only
+    its rows are dequantised or kept, not every expert's)."""
+
+    name: str
+    tensor_type: Any
+    shape: tuple[int, int]  # fastest first, as GGUF lists them
+    data: np.ndarray
+
+    @classmethod
+    def of(cls, tensor, expert: int) -> "ExpertSlice":
+        return cls(f"{tensor.name}[{expert}]", tensor.tensor_type, tuple(int(n) for n in tensor.shape[:2]),
+                   tensor.data[expert])
 
 
 def _in_meta_order(tensor: "torch.Tensor | QuantizedWeight", heads: Optional[int]) -> "torch.Tensor | QuantizedWeight":

@@ -1,5 +1,6 @@
 """Hugging Face folders of the Llama family (config.json, *.safetensors, tokenizer files) to Meta's layout."""
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -8,8 +9,11 @@ import torch
 from ...optional import require
 from ...checkpoint.record import SAMPLING_SETTINGS, ModelRecord, check_sampling
 from ...text.hf_tokenizer import HFTokenizer, read_json_object
+from ...logs import logger
 from .chat_template import END_OF_TURN, chat_format_of, default_system_prompt
-from .writer import TensorLoader, ffn_params, meta_name, resolve_dtype, write_checkpoint
+from .hf_moe import (MOE_ARCHITECTURES, TEXT_MODEL, VISION_TOWER, dense_hidden_dim, expert_module,
+                     fused_expert_loaders, moe_params, text_config)
+from .writer import TensorLoader, ffn_params, resolve_dtype, write_checkpoint
 
 # Per layer, Hugging Face's module names to Meta's.
 LAYER_NAMES = {
@@ -24,11 +28,11 @@ TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.w
              "lm_head.weight": "output.weight"}
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # The model_types that convert: Meta's Llama with switches (ModelArgs) for its cousins' twists.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES)
 # Config keys of what llama_tp does not compute, refused when set, with what they mean.
 UNSUPPORTED_KEYS = {
     "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
-    "n_routed_experts": "mixture of experts", "vision_config": "a vision tower",
+    "n_routed_experts": "mixture of experts (DeepSeek's)", "vision_config": "a vision tower",
     "audio_config": "an audio tower", "attn_logit_softcapping": "attention logit soft-capping",
     "final_logit_softcapping": "logit soft-capping",
 }
@@ -47,7 +51,9 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     config = _read_json(src / "config.json", required=True)
     params = model_params(config, src)
     dtype = dtype or TORCH_DTYPES.get(config.get("dtype") or config.get("torch_dtype"), "bf16")
-    tensors = meta_tensors(src, params, tie=config.get("tie_word_embeddings", False))
+    # Llama 4 rotates interleaved channel pairs, as Meta's layout does: its wq and wk stay as they are.
+    tensors = meta_tensors(src, params, tie=config.get("tie_word_embeddings", False),
+                           rotate_half=not config.get("model_type", "").startswith("llama4"))
     files, tokenizer = tokenizer_files(src)
     template = chat_template(src)
     chat_format = chat_format_of(template)
@@ -59,7 +65,7 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     sampling = {name: generation[name] for name in SAMPLING_SETTINGS if generation.get(name) is not None}
     check_sampling(sampling, str(src / "generation_config.json"))
     record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=src.name, sampling=sampling,
-                         chat_template=template, context_length=config.get("max_position_embeddings"))
+                         chat_template=template, context_length=text_config(config, src).get("max_position_embeddings"))
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
@@ -71,8 +77,12 @@ def model_params(config: dict, src: Path) -> dict:
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{where}: model_type {model_type!r} does not convert; llama_tp runs "
                          f"{', '.join(ARCHITECTURES)} (see the README's table of architectures)")
+    if model_type == "llama4":
+        logger.info(f"{where}: converting Llama 4's text model; its vision tower is left out")
+        config = text_config(config, where)
+    moe = model_type in MOE_ARCHITECTURES
     for key in UNSUPPORTED_KEYS:
-        if config.get(key):
+        if config.get(key) and not (moe and UNSUPPORTED_KEYS[key] == "mixture of experts"):
             raise ValueError(f"{where}: {key} is {config[key]!r}: {UNSUPPORTED_KEYS[key]} is not supported; "
                              f"llama_tp runs dense decoder-only {model_type} models")
     for key, expected in (("hidden_act", "silu"), ("mlp_bias", False), ("partial_rotary_factor", 1.0)):
@@ -82,11 +92,12 @@ def model_params(config: dict, src: Path) -> dict:
     if config.get("attention_bias"):
         raise ValueError(f"{where}: attention_bias is true (a bias on wo too); llama_tp has biases on "
                          "q, k and v only (Qwen2's)")
-    # One kind of attention in every layer: Mistral's window everywhere, or none.
-    windowed = model_type == "mistral" and bool(config.get("sliding_window"))
+    # One kind of attention in every layer: Mistral's (Mixtral's) window everywhere, or none; Llama 4's
+    # NoPE and chunked layers are checked by hf_moe.llama4_params.
+    windowed = model_type in ("mistral", "mixtral") and bool(config.get("sliding_window"))
     one_kind = {"sliding_attention" if windowed else "full_attention"}
-    attention_kinds = set(config.get("layer_types") or one_kind)
-    if config.get("use_sliding_window") and model_type != "mistral" or attention_kinds != one_kind:
+    attention_kinds = one_kind if model_type.startswith("llama4") else set(config.get("layer_types") or one_kind)
+    if config.get("use_sliding_window") and model_type not in ("mistral", "mixtral") or attention_kinds != one_kind:
         raise ValueError(f"{where}: layer_types {sorted(attention_kinds)} (use_sliding_window "
                          f"{config.get('use_sliding_window')!r}) mixes attention kinds; llama_tp runs one "
                          "kind in every layer")
@@ -101,13 +112,14 @@ def model_params(config: dict, src: Path) -> dict:
         "n_heads": n_heads,
         "n_kv_heads": config.get("num_key_value_heads") or n_heads,
         "vocab_size": config["vocab_size"],
-        **ffn_params(dim, config["intermediate_size"]),
+        **ffn_params(dim, dense_hidden_dim(config, model_type)),
         "norm_eps": config.get("rms_norm_eps", 1e-6),
         "rope_theta": float(rope["rope_theta"]),
         **({"head_size": head_dim} if head_dim * n_heads != dim else {}),
         **({"qkv_bias": True} if model_type == "qwen2" else {}),
-        **({"qk_norm": True} if model_type == "qwen3" else {}),
+        **({"qk_norm": True} if model_type in ("qwen3", "qwen3_moe") else {}),
         **({"sliding_window": config["sliding_window"]} if windowed else {}),
+        **(moe_params(config, model_type, where) if moe else {}),
     }
     return params | rope_params(rope, where)
 
@@ -140,8 +152,10 @@ def rotated_heads(target: str, params: dict) -> Optional[int]:
     return {"wq": params["n_heads"], "wk": params["n_kv_heads"], "q_norm": 1, "k_norm": 1}.get(module)
 
 
-def meta_tensors(src: Path, params: dict, tie: bool) -> dict[str, TensorLoader]:
-    """A lazy loader per Meta tensor name, reading safetensors files only when called."""
+def meta_tensors(src: Path, params: dict, tie: bool, rotate_half: bool = True) -> dict[str, TensorLoader]:
+    """A lazy loader per Meta tensor name, reading safetensors files only when called.
+
+    rotate_half: whether wq and wk (and q/k norms) are in Hugging Face's rotate-half order, to undo."""
     safe_open = require("safetensors", "reading Hugging Face weights").safe_open
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -151,18 +165,36 @@ def meta_tensors(src: Path, params: dict, tie: bool) -> dict[str, TensorLoader]:
     for file in files:
         handle = safe_open(str(file), framework="pt")
         for name in handle.keys():
-            target = meta_name(name, TOP_NAMES, r"model\.layers\.(\d+)\.(\w+\.\w+|\w+)\.(weight|bias)", LAYER_NAMES)
-            if target is None:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # older exports store the rotary table, which the model recomputes
-                raise ValueError(f"{file} holds tensor {name!r}, which has no place in a Llama model")
-            if target in loaders:
-                raise ValueError(f"{name} appears in two files of {src}; remove the stale safetensors file")
-            heads = rotated_heads(target, params)
-            loaders[target] = lambda handle=handle, name=name, heads=heads: _load(handle, name, heads)
+            if name.startswith(VISION_TOWER):
+                continue  # a multimodal Llama 4's, left out with a word in model_params
+            for target, loader in _loaders(handle, file, name, params, rotate_half).items():
+                if target in loaders:
+                    raise ValueError(f"{name} appears in two files of {src}; remove the stale safetensors file")
+                loaders[target] = loader
     if tie:  # Hugging Face saves tied weights once; Meta's layout has an explicit output matrix
         loaders["output.weight"] = loaders["tok_embeddings.weight"]
     return loaders
+
+
+def _loaders(handle, file: Path, name: str, params: dict, rotate_half: bool) -> dict[str, TensorLoader]:
+    """The loaders of the Meta tensors that the source tensor `name` holds (several for Llama 4's
+    experts, none for a rotary table), or ValueError if it has no place in the model."""
+    in_model = name.removeprefix(TEXT_MODEL)  # a multimodal Llama 4's text model
+    layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", in_model)
+    module = layer and (expert_module(layer.group(2)) or LAYER_NAMES.get(layer.group(2)))
+    if module:
+        target = f"layers.{layer.group(1)}.{module}.{layer.group(3)}"
+    else:
+        target = TOP_NAMES.get(in_model)
+    if target is not None:
+        heads = rotated_heads(target, params) if rotate_half else None
+        return {target: lambda: _load(handle, name, heads)}
+    fused = re.fullmatch(r"model\.layers\.(\d+)\.feed_forward\.experts\.\w+", in_model)
+    if fused and (experts := fused_expert_loaders(name, fused.group(1), handle)) is not None:
+        return experts
+    if name.endswith("rotary_emb.inv_freq"):
+        return {}  # older exports store the rotary table, which the model recomputes
+    raise ValueError(f"{file} holds tensor {name!r}, which has no place in a Llama model")
 
 
 def _load(handle, name: str, heads: Optional[int]) -> torch.Tensor:

@@ -37,7 +37,7 @@ def ffn_params(dim: int, hidden_dim: int) -> dict:
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor of a Meta checkpoint for args with its unsplit shape, in the order they are written."""
-    q, kv, ffn = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
         shapes |= {
@@ -45,17 +45,33 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             f"layers.{i}.attention.wk.weight": (kv, args.dim),
             f"layers.{i}.attention.wv.weight": (kv, args.dim),
             f"layers.{i}.attention.wo.weight": (args.dim, q),
-            f"layers.{i}.feed_forward.w1.weight": (ffn, args.dim),
-            f"layers.{i}.feed_forward.w2.weight": (args.dim, ffn),
-            f"layers.{i}.feed_forward.w3.weight": (ffn, args.dim),
-            f"layers.{i}.attention_norm.weight": (args.dim,),
-            f"layers.{i}.ffn_norm.weight": (args.dim,),
         }
+        if args.has_experts(i):
+            shapes |= expert_shapes(args, f"layers.{i}.feed_forward")
+        else:
+            shapes |= swiglu_shapes(f"layers.{i}.feed_forward", args.dim, args.ffn_hidden_dim)
+        shapes |= {f"layers.{i}.attention_norm.weight": (args.dim,), f"layers.{i}.ffn_norm.weight": (args.dim,)}
         if args.qkv_bias:
             shapes |= {f"layers.{i}.attention.{name}.bias": (rows,) for name, rows in (("wq", q), ("wk", kv), ("wv", kv))}
         if args.qk_norm:
             shapes |= {f"layers.{i}.attention.{name}.weight": (args.head_dim,) for name in ("q_norm", "k_norm")}
     return shapes | {"norm.weight": (args.dim,), "output.weight": (args.vocab_size, args.dim)}
+
+
+def swiglu_shapes(prefix: str, dim: int, hidden_dim: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of a SwiGLU's w1, w2 and w3 under prefix."""
+    return {f"{prefix}.w1.weight": (hidden_dim, dim), f"{prefix}.w2.weight": (dim, hidden_dim),
+            f"{prefix}.w3.weight": (hidden_dim, dim)}
+
+
+def expert_shapes(args: ModelArgs, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A mixture of experts' tensors under prefix (feed_forward.py): the router and each expert's SwiGLU."""
+    shapes = {f"{prefix}.router.weight": (args.n_experts, args.dim)}
+    for expert in range(args.n_experts):
+        shapes |= swiglu_shapes(f"{prefix}.experts.{expert}", args.dim, args.expert_hidden_dim)
+    if args.shared_expert:
+        shapes |= swiglu_shapes(f"{prefix}.shared_expert", args.dim, args.expert_hidden_dim)
+    return shapes
 
 
 def meta_name(name: str, top_names: dict[str, str], layer_pattern: str,
