@@ -129,8 +129,9 @@ class GenerateLoops:
                       for row, length, token in zip(batch.rows, batch.lengths, chosen)]
             if adjustments is not None:  # the rows that generated at cur_pos advance their grammars
                 for row, token in enumerate(column):
-                    if cur_pos >= batch.lengths[row]:
-                        adjustments[row].accept(token)
+                    if cur_pos >= batch.lengths[row] and not adjustments[row].accept(token):
+                        raise ValueError(f"response_format: the answer of prompt {row} cannot go on: its grammar "
+                                         f"allows no token after {cur_pos - batch.lengths[row]} tokens; loosen it")
             if logprobs:
                 batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = logprobs_of(
                     logits, batch.tokens[:, prev_pos + 1 : cur_pos + 1]

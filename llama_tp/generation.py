@@ -364,7 +364,7 @@ class Llama(GenerateLoops):
 
                 grammars_for(self).compile(constraint)
         except ValueError as error:
-            raise ValueError(f"response_format: {error}") from None
+            raise ValueError(f"response_format {error}") from None
         return constraint
 
     def _encode_dialog(self, dialog: Dialog, index: int) -> list[int]:

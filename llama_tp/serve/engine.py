@@ -14,7 +14,7 @@ other ranks, waiting in the exchange, never reach the process group's timeout.
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import torch
@@ -25,9 +25,12 @@ from ..logs import logger
 from ..choices import agreed_tokens
 from ..sampler import TokenHistory, sample
 from ..speculative import Outcome, Row
+from ..structured.constraint import Constraint
+from ..structured.grammars import grammars_for
 from ..structured.rows import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
-from .mailbox import Cancel, Mailbox, ServerState
+from .grammar_shelf import HeldRequests, Shelf
+from .mailbox import ENGINE_FAILED, Cancel, Mailbox, ServerState
 from .requests import Delta, GenerationRequest, RequestState, RequestStream, TokenLogprob
 from .scheduler import Chunk, Scheduler, Sequence, prefill_passes
 
@@ -36,6 +39,11 @@ if TYPE_CHECKING:  # the generation API runs batch jobs through this engine (run
 
 # The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
 MAX_HEARTBEAT_SECONDS = 10.0
+# How often rank 0 asks the ranks, while nothing else runs, whether held requests' grammars are ready.
+GRAMMAR_POLL_SECONDS = 0.05
+# A constrained answer whose grammar allows no next token (the client's 400, code grammar_dead_end).
+DEAD_END = ("the answer's grammar allows no next token: it cannot go on from where it is; loosen the "
+            "schema, regex or grammar")
 
 
 # With speculation, the acceptance so far is logged (debug) each time this many more rows are verified.
@@ -47,6 +55,7 @@ class Admission:
     request: GenerationRequest
     slot: int
     seed: int  # the request's own, or one rank 0 drew: every rank samples alike
+    grammar: Optional[int] = None  # its grammar's number on every rank's Shelf (a batch job's: None)
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,8 @@ class News:
     admitted: tuple[Admission, ...] = ()
     cancelled: tuple[str, ...] = ()  # ids of running requests whose clients left
     stop: bool = False  # some rank was asked to stop: end every request and leave
+    compile: tuple[tuple[int, Constraint], ...] = ()  # grammars every rank starts compiling, by number
+    release: tuple[int, ...] = ()  # grammars no request uses any more
 
 
 @dataclass
@@ -84,6 +95,9 @@ class Engine:
         self.mailbox = mailbox
         self.waiting: deque[RequestStream] = deque()  # rank 0: submitted, not yet admitted
         self.streams: dict[str, RequestStream] = {}  # rank 0: admitted requests' streams
+        # Grammars compiled before their requests are admitted (grammar_shelf.py): every rank's, and rank 0's held requests.
+        self.shelf = Shelf(generator)
+        self.held = HeldRequests(parallel.model_parallel_size()) if mailbox is not None else None
         self.heartbeat = min(MAX_HEARTBEAT_SECONDS, parallel.collective_timeout().total_seconds() / 3)
         self.speculator = generator.speculator  # None: one token a step
         # Each cache row's tokens, for the repetition penalty: kept on the device, grown a token a step.
@@ -113,6 +127,9 @@ class Engine:
         is no news to exchange; each rank admits them in order as rows free up (a row that ends
         takes the next request at the next step) and steps until all have ended."""
         waiting = deque(requests)
+        for request, _ in waiting:  # every rank compiles every grammar before the first step
+            if request.constraint is not None:
+                grammars_for(self.generator).compile(request.constraint)
         while waiting or self.scheduler.running:
             admitted, taken = [], set()
             while waiting:
@@ -130,25 +147,38 @@ class Engine:
     def _exchange(self, stop_wish: bool) -> News:
         """Every rank's wish to stop, and rank 0's news, on every rank."""
         news = self._gather_news(stop_wish) if self.mailbox is not None else None
-        # A step without news or a wish to stop exchanges one byte a rank, no pickles.
-        votes = parallel.gather_objects_if_any((news, stop_wish), stop_wish or (news is not None and news != News()))
+        compiled = self.shelf.finished()
+        # A step without news, a wish to stop or a grammar compiled exchanges one byte a rank, no pickles.
+        votes = parallel.gather_objects_if_any((news, stop_wish, compiled),
+                                               stop_wish or bool(compiled) or (news is not None and news != News()))
         if votes is None:
             return News()
+        if self.held is not None:
+            for rank, (_, _, reports) in enumerate(votes):
+                self.held.heard(rank, reports)
         news = votes[0][0]
-        stop = any(wish for _, wish in votes)
-        return News(news.admitted, news.cancelled, stop) if stop != news.stop else news
+        stop = any(wish for _, wish, _ in votes)
+        return replace(news, stop=stop)
 
     def _gather_news(self, stop_wish: bool) -> News:
         """Rank 0: take the mailbox's messages (waiting for one while idle), admit what fits."""
         idle = not self.scheduler.running and not self.waiting and not stop_wish
         # Alone, nothing needs a heartbeat: wait until a request (or the stop signal's wake-up) comes.
         timeout = (self.heartbeat if parallel.model_parallel_size() > 1 else None) if idle else 0
+        if idle and self.held.streams:  # a grammar compiles somewhere: ask again soon
+            timeout = GRAMMAR_POLL_SECONDS
         cancelled = []
         for message in self.mailbox.take(timeout):
             if isinstance(message, RequestStream):
-                self.waiting.append(message)
+                if not self.held.hold(message):
+                    self.waiting.append(message)
             elif message.request_id:  # an empty id is a wake-up only
                 cancelled += self._cancel_request(message)
+        for stream, failure in self.held.failed():
+            self.mailbox.left_waiting()
+            self._end_stream(stream, Delta(finish_reason="error", error=f"the request's grammar: {failure}",
+                                           error_code="invalid_value", error_status=400), RequestState.FAILED)
+        self.waiting.extend(self.held.ready())
         admitted, taken = [], set()
         while self.waiting and not stop_wish:
             stream = self.waiting[0]
@@ -159,21 +189,24 @@ class Engine:
             self.mailbox.left_waiting()
             taken.add(slot)
             seed = stream.request.options.seed
-            admitted.append(Admission(stream.request, slot, random.getrandbits(63) if seed is None else seed))
+            admitted.append(Admission(stream.request, slot, random.getrandbits(63) if seed is None else seed,
+                                      self.held.number(stream.request)))
             self.streams[stream.request.id] = stream
-        return News(tuple(admitted), tuple(cancelled), stop_wish)
+        return News(tuple(admitted), tuple(cancelled), stop_wish, *self.held.news())
 
     def _cancel_request(self, message: Cancel) -> list[str]:
-        """A client left: drop its request from the waiting line here, or tell every rank."""
-        waiting = next((s for s in self.waiting if s.request.id == message.request_id), None)
+        """A client left: drop its request from the waiting line (or the held ones) here, or tell every rank."""
+        waiting = next((s for s in [*self.waiting, *self.held.streams] if s.request.id == message.request_id), None)
         if waiting is not None:
-            self.waiting.remove(waiting)
+            (self.waiting if waiting in self.waiting else self.held.streams).remove(waiting)
             self.mailbox.left_waiting()
             self._end_stream(waiting, Delta(finish_reason="cancelled"), RequestState.CANCELLED)
             return []
         return [message.request_id] if self.scheduler.find(message.request_id) else []
 
     def _apply(self, news: News) -> None:
+        self.shelf.start(news.compile)
+        self.shelf.release(news.release)
         for request_id in news.cancelled:
             sequence = self.scheduler.find(request_id)
             if sequence is not None:
@@ -187,8 +220,9 @@ class Engine:
             watches_text = self.mailbox is not None or bool(admission.request.stop)
             decoder = IncrementalDecoder(self.tokenizer, admission.request.stop) if watches_text else None
             # structured outputs (llama_tp/structured): each rank keeps its own grammar state
+            grammar = None if admission.grammar is None else self.shelf.grammar(admission.grammar)
             adjustment = make_adjustment(self.generator, request.constraint, request.logit_bias,
-                                         request.presence_penalty, request.frequency_penalty)
+                                         request.presence_penalty, request.frequency_penalty, grammar)
             sequence.sampling = Progress(generator, decoder, adjustment=adjustment)
             self.history.reset(admission.slot, request.prompt_tokens)
             if self.mailbox is not None:
@@ -344,8 +378,10 @@ class Engine:
         """Append a chosen token and end the sequence where it ends (then True); rank 0 hands the
         client its text."""
         request, progress = sequence.request, sequence.sampling
-        if progress.adjustment is not None:  # structured outputs (llama_tp/structured)
-            progress.adjustment.accept(token)
+        if progress.adjustment is not None and not progress.adjustment.accept(token):  # structured outputs
+            # its grammar allowed no token at all: this answer ends, the others go on
+            self._finish(sequence, "error", [])
+            return True
         sequence.tokens.append(token)
         sequence.generated += 1
         stopped = token in request.stop_tokens
@@ -372,7 +408,8 @@ class Engine:
     # Ends
 
     def _finish(self, sequence: Sequence, reason: str, deltas: list[Delta]) -> None:
-        """End a running sequence on every rank; rank 0 sends its last text and counts."""
+        """End a running sequence on every rank; rank 0 sends its last text and counts. reason
+        "error": the one way a running answer fails alone, its grammar's dead end (a 400)."""
         self.scheduler.release(sequence)
         if self.on_finish is not None:
             self.on_finish(sequence, reason)
@@ -388,14 +425,19 @@ class Engine:
             stream.put(delta)
         last = Delta(deltas[-1].text, deltas[-1].tokens, deltas[-1].logprobs, reason, sequence.prompt_length,
                      sequence.generated, sequence.reused)
+        if reason == "error":
+            last = replace(last, error=DEAD_END, error_code="grammar_dead_end", error_status=400)
         if progress.first_token_at is not None and sequence.generated > 1:
             per_token = (time.monotonic() - progress.first_token_at) / (sequence.generated - 1)
             self.mailbox.metrics.time_per_output_token.observe(per_token)
-        self._end_stream(stream, last, RequestState.CANCELLED if reason == "cancelled" else RequestState.FINISHED)
+        state = {"cancelled": RequestState.CANCELLED, "error": RequestState.FAILED}.get(reason, RequestState.FINISHED)
+        self._end_stream(stream, last, state)
         self.mailbox.metrics.requests_running.set(len(self.scheduler.running))
 
     def _end_stream(self, stream: RequestStream, delta: Delta, state: RequestState) -> None:
+        """Rank 0: a request's last delta, wherever it was (held, waiting or running)."""
         stream.put(delta)
+        self.held.ended(stream.request)
         self.mailbox.metrics.requests_ended.labels(state.value).inc()
 
     def _end_everything(self) -> None:
@@ -404,23 +446,28 @@ class Engine:
             self._finish(sequence, "cancelled", [])
         if self.mailbox is not None:
             self.mailbox.set_state(ServerState.STOPPING)
-            while self.waiting:
+            refused = Delta(finish_reason="error", error="the server is shutting down", error_code="service_unavailable")
+            for stream in [*self.waiting, *self.held.streams, *self.mailbox.drain()]:
                 self.mailbox.left_waiting()
-                self._end_stream(self.waiting.popleft(), Delta(finish_reason="error", error="the server is shutting down"),
-                                 RequestState.CANCELLED)
+                self._end_stream(stream, refused, RequestState.CANCELLED)
+            self.waiting.clear()
+            self.held.streams.clear()
 
     def _fail_everything(self, error: BaseException) -> None:
-        """A rank is lost (or this one broke): every request ends with the error, /health says 503."""
+        """A rank is lost (or this one broke): /health says 503 and nothing more is queued, then
+        every request, running, waiting or still in the mailbox, ends with OpenAI's error
+        (engine_failed). Why goes to the log: the error's text can hold internal addresses."""
         if self.mailbox is None:
             return
+        self.mailbox.set_state(ServerState.FAILED)
         reason = parallel.describe_peer_failure(error) if parallel.is_peer_failure(error) else f"{type(error).__name__}: {error}"
         logger.error(f"the engine stopped: {reason}")
-        self.mailbox.set_state(ServerState.FAILED, reason)
-        failed = Delta(finish_reason="error", error=f"the server failed: {reason}")
-        for stream in [*self.streams.values(), *self.waiting]:
+        failed = Delta(finish_reason="error", error=ENGINE_FAILED)
+        for stream in [*self.streams.values(), *self.waiting, *self.held.streams, *self.mailbox.drain()]:
             self._end_stream(stream, failed, RequestState.FAILED)
         self.streams.clear()
         self.waiting.clear()
+        self.held.streams.clear()
         self.mailbox.metrics.requests_running.set(0)
         self.mailbox.metrics.requests_waiting.set(0)
 

@@ -67,7 +67,12 @@ class Delta:
     prompt_tokens: int = 0  # on the last delta
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys and values were reused, not computed
-    error: Optional[str] = None  # with finish_reason "error": what went wrong, for the client
+    # With finish_reason "error": what went wrong, for the client (never internal detail: that is
+    # logged), OpenAI's code for it, and the status of a whole answer: 503 where the server failed
+    # or stops, 400 where the request itself could not go on (its grammar allows no next token).
+    error: Optional[str] = None
+    error_code: str = "engine_failed"
+    error_status: int = 503
 
     @property
     def finished(self) -> bool:

@@ -30,22 +30,27 @@ class RowAdjustment:
     def penalizes(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty)
 
-    def accept(self, token: int) -> None:
-        """The answer's next token, chosen: advance the grammar, count it."""
-        if self.matcher is not None and not self.matcher.is_terminated():
-            # The mask allowed nothing else, so the grammar takes it: a refusal is xgrammar's or our bug.
-            if not self.matcher.accept_token(token):
-                raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+    def accept(self, token: int) -> bool:
+        """The answer's next token, chosen: advance the grammar, count it. False where the grammar
+        refuses it: only where its mask allowed no token at all (the row's logits were all -inf,
+        and the sampler took a token anyway), so the answer cannot go on."""
+        if self.matcher is not None and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            return False
         if self.penalizes:
             self.counts[token] = self.counts.get(token, 0) + 1
+        return True
 
 
 def make_adjustment(generator, constraint: Optional[Constraint] = None, logit_bias: tuple = (),
-                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Optional[RowAdjustment]:
-    """A new answer's adjustments for a Llama (generator), or None when it asks for none."""
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    grammar: Optional[xgrammar.CompiledGrammar] = None) -> Optional[RowAdjustment]:
+    """A new answer's adjustments for a Llama (generator), or None when it asks for none.
+    grammar: the constraint's, compiled already (else it is compiled, or taken from the cache, here)."""
     if constraint is None and not logit_bias and not presence_penalty and not frequency_penalty:
         return None
-    matcher = grammars_for(generator).matcher(constraint) if constraint is not None else None
+    matcher = None
+    if constraint is not None:
+        matcher = xgrammar.GrammarMatcher(grammar or grammars_for(generator).compile(constraint))
     return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty)
 
 

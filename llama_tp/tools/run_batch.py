@@ -23,9 +23,9 @@ from ..continuous import JOB_PREFILL_TOKENS, prompt_seeds
 from ..generation import Llama
 from ..logs import logger
 from ..parallel import global_rank
-from ..serve.engine import Engine
+from ..serve.engine import DEAD_END, Engine
 from ..serve.prepare import chat_request, choices, completion_request
-from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
 from ..serve.requests import Delta, GenerationRequest
 from ..serve.responses import Answered, ChatReply, CompletionReply, Reply
 from ..serve.scheduler import Sequence
@@ -160,7 +160,10 @@ def answer_all(generator: Llama, model_name: str, lines: list[str], output: Outp
 
     def finished(sequence: Sequence, reason: str) -> None:
         done = pending[sequence.request.id]
-        output.write(done.custom_id, response(200, answer(done, sequence, reason, generator)), None)
+        if reason == "error":  # its grammar allowed no next token: the server's 400 for it
+            output.write(done.custom_id, response(400, error_body(400, DEAD_END, None, "grammar_dead_end")), None)
+        else:
+            output.write(done.custom_id, response(200, answer(done, sequence, reason, generator)), None)
         progress.update(sequence.generated)
 
     requests = list(pending.values())
