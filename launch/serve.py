@@ -19,9 +19,11 @@ from llama_tp import Llama, parallel
 from llama_tp.parallel import print0
 from llama_tp.serve.app import create_app
 from llama_tp.serve.engine import Engine
+from llama_tp.serve.limits import ServerLimits
 from llama_tp.serve.mailbox import Mailbox, ServerState
 from llama_tp.serve.metrics import ServerMetrics
 from llama_tp.serve.server import ServerThread, bind
+from llama_tp.structured.constraint import GrammarLimits
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
 
@@ -47,6 +49,10 @@ def main(
     api_key: Optional[str] = None,
     ssl_certfile: Optional[str] = None,
     ssl_keyfile: Optional[str] = None,
+    max_body_bytes: int = ServerLimits.max_body_bytes,
+    read_timeout: float = ServerLimits.read_timeout,
+    max_grammar_bytes: int = GrammarLimits.max_bytes,
+    grammar_timeout: float = GrammarLimits.max_seconds,
 ):
     """Answer OpenAI-style HTTP requests until Ctrl-C or SIGTERM.
 
@@ -75,12 +81,20 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
-        api_key: every /v1/ request must then carry `Authorization: Bearer API_KEY`, else 401
-            (default: $LLAMA_TP_API_KEY, else none; /health and /metrics stay open). Prefer the
-            variable: a command line is visible to every user of the machine.
+        api_key: every request must then carry `Authorization: Bearer API_KEY`, else 401
+            (default: $LLAMA_TP_API_KEY, else none; /health and /metrics stay open, the docs
+            pages are off). Prefer the variable: a command line is visible to every user of the machine.
         ssl_certfile: serve HTTPS with this PEM certificate (with --ssl_keyfile).
         ssl_keyfile: the certificate's PEM private key.
+        max_body_bytes: the largest request body taken; larger: 413, before it is read.
+        read_timeout: seconds a request's headers may take to arrive, and then its body; slower:
+            the connection is closed (408 for a body).
+        max_grammar_bytes: the largest structured output (a schema, regex or grammar) compiled; larger: 400.
+        grammar_timeout: seconds a structured output's grammar may take to compile; longer: 400
+            (docs/serving.md, "Limits").
     """
+    limits = ServerLimits(max_body_bytes, read_timeout, GrammarLimits(max_grammar_bytes, grammar_timeout))
+    _check_limits(limits)
     placement = parallel.init()
     api_key = api_key if api_key is not None else os.environ.get("LLAMA_TP_API_KEY") or None
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
@@ -90,9 +104,10 @@ def main(
     with parallel.agreement("opening the server's port"):  # a busy port fails every rank, before loading
         if placement.is_main:  # only rank 0 reads the TLS files
             _check_tls(ssl_certfile, ssl_keyfile)
-            app = create_app(mailbox, None, name, api_key)
+            app = create_app(mailbox, None, name, api_key, limits)
             # /health says 503 while loading
-            server = ServerThread(app, bind(host, port), ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile).start()
+            server = ServerThread(app, bind(host, port), ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+                                  read_timeout=read_timeout).start()
     try:
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
                                 quantize=quantize, compile=compile,
@@ -112,6 +127,15 @@ def main(
     finally:
         if server is not None:
             server.stop()  # open streams get their last events first
+
+
+def _check_limits(limits: ServerLimits) -> None:
+    """Each limit must leave room for a request."""
+    for option, value in (("--max_body_bytes", limits.max_body_bytes), ("--read_timeout", limits.read_timeout),
+                          ("--max_grammar_bytes", limits.grammar.max_bytes),
+                          ("--grammar_timeout", limits.grammar.max_seconds)):
+        if not value > 0:
+            raise ValueError(f"{option} is {value}, but it must be more than 0; leave it out for its default")
 
 
 def _check_tls(ssl_certfile: Optional[str], ssl_keyfile: Optional[str]) -> None:

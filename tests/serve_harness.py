@@ -1,5 +1,6 @@
 """The serving engine driven from Python, without HTTP: a mailbox, the engine's loop in a thread,
-and an event loop in another, as the HTTP side holds one."""
+and an event loop in another, as the HTTP side holds one; and the same behind the real app on a
+port the OS chose (HttpServer)."""
 
 import asyncio
 import itertools
@@ -7,10 +8,13 @@ import threading
 from typing import Optional
 
 from llama_tp import Llama
+from llama_tp.serve.app import create_app
 from llama_tp.serve.engine import Engine
+from llama_tp.serve.limits import ServerLimits
 from llama_tp.serve.mailbox import Mailbox, ServerState
 from llama_tp.serve.metrics import ServerMetrics
 from llama_tp.serve.requests import Delta, GenerationRequest, RequestStream
+from llama_tp.serve.server import ServerThread, bind
 
 _ids = itertools.count()
 
@@ -82,6 +86,21 @@ class Harness:
         if self.thread.is_alive():
             self.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class HttpServer(Harness):
+    """The app on a port of 127.0.0.1 the OS chose, the real engine in a thread behind it."""
+
+    def __init__(self, generator: Llama, model: str, mailbox: Optional[Mailbox] = None, api_key: Optional[str] = None,
+                 limits: ServerLimits = ServerLimits()):
+        super().__init__(generator, mailbox=mailbox)
+        self.app = create_app(self.mailbox, generator, model, api_key, limits)
+        self.http = ServerThread(self.app, bind("127.0.0.1", 0), read_timeout=limits.read_timeout).start()
+        self.url = self.http.url
+
+    def close(self) -> None:
+        super().close()
+        self.http.stop()
 
 
 def tokens_of(deltas: list[Delta]) -> list[int]:

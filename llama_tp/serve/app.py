@@ -7,8 +7,6 @@ the server stopping) cancels the request in the engine, so its slot is freed wit
 """
 
 import asyncio
-import hmac
-import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
@@ -20,10 +18,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..structured.tools import tool_format
+from .edge import Edge, error_response
+from .limits import ServerLimits
 from .mailbox import Mailbox, ServerState
 from .prepare import chat_request, choices, completion_request, dialog_tokens, text_tokens
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
-                       error_body, parse_body)
+                       parse_body)
 from .requests import Delta, Overloaded, RequestStream, Unavailable
 from .responses import Answered, ChatReply, CompletionReply, Reply, event
 
@@ -45,28 +45,19 @@ COMPLETION = Endpoint(CompletionRequest, completion_request, CompletionReply)
 
 
 def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
-               api_key: Optional[str] = None) -> FastAPI:
+               api_key: Optional[str] = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The server's routes. generator (a Llama) gives the tokenizer, chat format, max_seq_len and
     sampling defaults; None while the model loads, then set app.state.generator before the mailbox
-    goes READY. model_name is the one name clients may ask for. api_key: every /v1/ route then
-    needs `Authorization: Bearer API_KEY` (/health and /metrics stay open, as in vLLM)."""
-    app = FastAPI(title="llama_tp", summary="An OpenAI-compatible server over tensor-parallel Llama ranks")
+    goes READY. model_name is the one name clients may ask for. api_key: every route but /health
+    and /metrics then needs `Authorization: Bearer API_KEY` (as in vLLM), and the API's docs
+    pages are off. limits: what one request may ask of the server (edge.py, limits.py)."""
+    documented = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="llama_tp", summary="An OpenAI-compatible server over tensor-parallel Llama ranks",
+                  **documented)
     app.state.generator = generator
     started = int(time.time())
-
-    if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if request.url.path.startswith("/v1/"):
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):  # in constant time: no guessing byte by byte
-                    said = "a wrong API key" if given else "no API key"
-                    return refuse(RequestError(401, f"the request has {said}; send the server's key as "
-                                               "`Authorization: Bearer KEY` (the openai client's api_key)",
-                                               None, "invalid_api_key"))
-            return await call_next(request)
+    app.add_middleware(Edge, api_key=api_key, limits=limits,
+                       refused=lambda status: mailbox.metrics.requests_refused.labels(str(status)).inc())
 
     def refuse(error: RequestError) -> Response:
         mailbox.metrics.requests_refused.labels(str(error.status)).inc()
@@ -82,8 +73,8 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
                 raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
                                    f"`{model_name}`", "model", "model_not_found")
             reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage, body.n or 1)
-            # Off the event loop: a long prompt takes a while to encode.
-            prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id)
+            # Off the event loop: a long prompt takes a while to encode, a grammar to compile.
+            prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id, limits.grammar)
             requests = choices(body, prepared, generator)
             if getattr(body, "tools", None) and body.tool_choice != "none":  # answers parsed for calls
                 reply.tools = (tool_format(generator.formatter), {tool.function.name for tool in body.tools})
@@ -135,7 +126,10 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         def answer(body: DetokenizeRequest, generator) -> dict:
-            vocab = generator.model.args.vocab_size
+            vocab, max_seq_len = generator.model.args.vocab_size, generator.model.max_seq_len
+            if len(body.tokens) > max_seq_len:  # the limit /tokenize and the prompts have
+                raise RequestError(400, f"`tokens` holds {len(body.tokens)} ids, more than the model's max_seq_len "
+                                   f"of {max_seq_len}", "tokens", "context_length_exceeded")
             outside = [token for token in body.tokens if not 0 <= token < vocab]
             if outside:
                 raise RequestError(400, f"`tokens` holds token id {outside[0]}, outside the vocabulary [0, {vocab})",
@@ -185,9 +179,9 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
     return app
 
 
-def error_response(error: RequestError) -> Response:
-    # ASCII-escaped: a message may quote the client's text, lone surrogates and all
-    return Response(json.dumps(error.body()), status_code=error.status, media_type="application/json")
+def failure(delta: Delta) -> RequestError:
+    """The error a request's last delta ended it with (finish_reason "error"), as the client sees it."""
+    return RequestError(delta.error_status, delta.error or "the engine failed", None, delta.error_code)
 
 
 class Answer:
@@ -257,7 +251,7 @@ async def whole(answer: Answer, reply: Reply, logprobs: bool) -> Response:
         return Response(status_code=499)
     failed = next((final for final in finals.values() if final.finish_reason == "error"), None)
     if failed is not None:
-        return error_response(RequestError(503, failed.error or "the engine failed", None, "engine_failed"))
+        return error_response(failure(failed))
     return JSONResponse(reply.response([Answered("".join(texts[index]), items[index] if logprobs else None,
                                                  finals[index]) for index in range(len(answer.streams))]))
 
@@ -269,7 +263,7 @@ async def events(answer: Answer, reply: Reply, logprobs: bool) -> AsyncIterator[
         yield chunk
     async for index, delta in answer.deltas():
         if delta.finish_reason == "error":
-            yield event(error_body(503, delta.error or "the engine failed", None, "engine_failed"))
+            yield event(failure(delta).body())
             return
         for chunk in reply.chunks(index, delta, logprobs):
             yield chunk

@@ -9,10 +9,11 @@ import json
 from dataclasses import replace
 from typing import Any, Optional
 
-from ..structured.constraint import Constraint
+from ..structured.constraint import Constraint, GrammarLimits
 from ..structured.grammars import grammars_for
 from ..structured.tools import call_constraint, render_dialog, tool_format
 from ..text.streaming import check_stop
+from .limits import text_beyond
 from .protocol import INT64, ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
 from .requests import GenerationRequest
 
@@ -20,8 +21,10 @@ from .requests import GenerationRequest
 OPTION_PARAMS = {"min_gen_len": "min_tokens"}
 
 
-def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> GenerationRequest:
-    """The request for a chat completion: the dialog in the model's chat format, ended by its end of turn."""
+def chat_request(body: ChatCompletionRequest, generator, request_id: str,
+                 grammar_limits: GrammarLimits = GrammarLimits()) -> GenerationRequest:
+    """The request for a chat completion: the dialog in the model's chat format, ended by its end
+    of turn; a structured output or forced call compiled within grammar_limits."""
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
     forced = _forced_call(body, tools, generator)
     if body.tool_choice == "none":
@@ -37,7 +40,8 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> Gen
                                "max_completion_tokens", "invalid_value")
         max_tokens, limit_param = body.max_completion_tokens, "max_completion_tokens"
     return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
-                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param, forced)
+                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, grammar_limits,
+                    limit_param, forced)
 
 
 def choices(body: SamplingRequest, request: GenerationRequest, generator) -> list[GenerationRequest]:
@@ -88,6 +92,8 @@ def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None)
     writes them), else in the model's chat format, the tools described and earlier calls and
     answers written in its tool format."""
     formatter = generator.formatter
+    text = sum(len(m.content or "") + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in messages)
+    _check_room(text + (len(json.dumps(tools)) if tools else 0), generator, "messages")
     forged_tools = False  # tools that a template writes into the prompt spell a control token
     try:
         if formatter.takes_tools:
@@ -134,14 +140,26 @@ def _json_or_text(arguments: str) -> Any:
 
 def text_tokens(prompt: str, generator, bos: bool = True) -> list[int]:
     """A completion prompt's tokens, after the begin token where the tokenizer adds one."""
+    _check_room(len(prompt), generator, "prompt")
     try:
         return generator.tokenizer.encode(prompt, bos=bos, eos=False)
     except ValueError as error:
         raise RequestError(400, f"`prompt`: {error}", "prompt", "invalid_value") from None
 
 
-def completion_request(body: CompletionRequest, generator, request_id: str) -> GenerationRequest:
-    """The request for a text completion: the prompt after bos, ended by the tokenizer's stop tokens."""
+def _check_room(characters: int, generator, param: str) -> None:
+    """Refuse prompt text that surely holds more tokens than max_seq_len, before tokenizing it: a
+    few megabytes take seconds of the GIL, and memory for every token."""
+    max_seq_len = generator.model.max_seq_len
+    if text_beyond(characters, generator.tokenizer, max_seq_len):
+        raise RequestError(400, f"`{param}` holds {characters} characters of text, more than the model's max_seq_len "
+                           f"of {max_seq_len} tokens could hold; shorten it", param, "context_length_exceeded")
+
+
+def completion_request(body: CompletionRequest, generator, request_id: str,
+                       grammar_limits: GrammarLimits = GrammarLimits()) -> GenerationRequest:
+    """The request for a text completion: the prompt after bos, ended by the tokenizer's stop
+    tokens; a structured output compiled within grammar_limits."""
     if isinstance(body.prompt, str):
         prompt_tokens = text_tokens(body.prompt, generator)
     else:
@@ -155,14 +173,14 @@ def completion_request(body: CompletionRequest, generator, request_id: str) -> G
         raise RequestError(400, "`echo` with `logprobs` is not supported by this server: it gives the answer's "
                            "log probabilities only; send one of them", "echo", "unsupported_parameter")
     return _request(body, generator, request_id, prompt_tokens, "prompt", body.max_tokens,
-                    generator.tokenizer.stop_tokens, body.logprobs is not None, body.logprobs or 0)
+                    generator.tokenizer.stop_tokens, body.logprobs is not None, body.logprobs or 0, grammar_limits)
 
 
 def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: list[int], prompt_param: str,
-             max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int,
+             max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int, grammar_limits: GrammarLimits,
              limit_param: str = "max_tokens", forced: Optional[Constraint] = None) -> GenerationRequest:
     """The checks and the request both endpoints share; limit_param: the field max_tokens came from."""
-    constraint = _constraint(body, generator, forced)
+    constraint = _constraint(body, generator, grammar_limits, forced)
     max_seq_len = generator.model.max_seq_len
     if not prompt_tokens:
         raise RequestError(400, f"`{prompt_param}` is empty; it needs at least one token", prompt_param,
@@ -208,10 +226,11 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
 
 
 def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} as (token, bias) pairs, each id checked against the vocabulary."""
+    """OpenAI's {"token id": bias} as (token, bias) pairs, each id checked against the vocabulary:
+    ASCII digits only ("²" and "١" are digits to str.isdigit, and int() takes neither or the other)."""
     pairs = []
     for key, bias in (logit_bias or {}).items():
-        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= len(str(vocab)) else None
         if token is None or not 0 <= token < vocab:
             raise RequestError(400, f"`logit_bias` has the key {json.dumps(key)}, which is not a token id in the "
                                f"vocabulary [0, {vocab})", "logit_bias", "invalid_value")
@@ -220,10 +239,12 @@ def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tup
     return tuple(pairs)
 
 
-def _constraint(body: SamplingRequest, generator, forced: Optional[Constraint] = None) -> Optional[Constraint]:
+def _constraint(body: SamplingRequest, generator, limits: GrammarLimits,
+                forced: Optional[Constraint] = None) -> Optional[Constraint]:
     """The one structured output the body asks for (forced: a tool call tool_choice forces),
-    compiled once here so that a grammar the engine cannot compile is a 400 naming the field (the
-    ranks find it in their caches)."""
+    compiled here within limits, so that a grammar too large, too slow, that matches no text or
+    that xgrammar cannot compile is a 400 naming the field (every rank compiles it again before
+    the request is admitted: grammar_shelf.py)."""
     asked = [(param, constraint) for param, constraint in _constraints_asked(body) if constraint is not None]
     if forced is not None:
         asked.insert(0, ("tool_choice", forced))
@@ -234,9 +255,9 @@ def _constraint(body: SamplingRequest, generator, forced: Optional[Constraint] =
         return None
     param, constraint = asked[0]
     try:
-        grammars_for(generator).compile(constraint)
+        grammars_for(generator).compile(constraint, limits)
     except ValueError as error:
-        raise RequestError(400, f"`{param}` cannot be compiled into a grammar: {error}", param,
+        raise RequestError(400, f"`{param}` {error}", param,
                            "invalid_value") from None
     return constraint
 

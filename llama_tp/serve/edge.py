@@ -1,0 +1,145 @@
+"""What every request passes before any route sees it: the API key, one way of framing its body,
+and the body itself, read whole within a size and a time limit (ServerLimits). An ASGI
+middleware around the whole app, so that every route has it, the routes to come too; refusals
+are OpenAI's error JSON, and a refusal that leaves a body unread closes the connection.
+
+The headers' own deadline is the HTTP protocol's (server.py); this one starts once they are in.
+"""
+
+import asyncio
+import ctypes
+import ctypes.util
+import hmac
+import json
+from typing import Callable, Optional
+
+from fastapi.responses import Response
+
+from .limits import ServerLimits
+from .protocol import RequestError
+
+# Open without the key, as in vLLM: load balancers and Prometheus ask these.
+OPEN_PATHS = ("/health", "/metrics")
+# After a body this large, the memory it took is handed back to the system (trim_memory).
+TRIMMED_BODY_BYTES = 2**20
+
+
+def error_response(error: RequestError, close: bool = False) -> Response:
+    """OpenAI's error JSON for error; close: the connection ends after it (a body left unread)."""
+    # ASCII-escaped: a message may quote the client's text, lone surrogates and all
+    return Response(json.dumps(error.body()), status_code=error.status, media_type="application/json",
+                    headers={"Connection": "close"} if close else None)
+
+
+class Edge:
+    """The ASGI middleware: refused (the status) is told of every refusal, for /metrics."""
+
+    def __init__(self, app, api_key: Optional[str], limits: ServerLimits, refused: Callable[[int], None]):
+        self.app, self.limits, self.refused = app, limits, refused
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body, refusal = b"", self._refusal(scope)
+        if refusal is None:
+            try:
+                body = await asyncio.wait_for(self._body(receive), self.limits.read_timeout)
+            except asyncio.TimeoutError:
+                refusal = RequestError(408, f"the request's body did not arrive within {self.limits.read_timeout:g} s "
+                                       "(the server's --read_timeout)", None, "request_timeout")
+            except _Refused as error:
+                refusal = error.error
+            except _ClientLeft:
+                return
+        large = len(body) >= TRIMMED_BODY_BYTES or (refusal is not None and refusal.status == 413)
+        try:
+            if refusal is not None:
+                self.refused(refusal.status)
+                # The connection ends with the refusal: its body, unread, could be gigabytes, or
+                # (framed two ways) be taken for another request.
+                await error_response(refusal, close=True)(scope, receive, send)
+                return
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            if large:
+                trim_memory()
+
+    def _refusal(self, scope) -> Optional[RequestError]:
+        """What the headers alone refuse."""
+        headers = dict(scope["headers"])  # names in lower case (uvicorn's)
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            return RequestError(400, "the request has both `Transfer-Encoding` and `Content-Length`, which could "
+                                "frame its body two ways; send one of them", None, "invalid_framing")
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # in constant time: no guessing byte by byte
+                said = "a wrong API key" if given else "no API key"
+                return RequestError(401, f"the request has {said}; send the server's key as `Authorization: Bearer "
+                                    "KEY` (the openai client's api_key)", None, "invalid_api_key")
+        if int(headers.get(b"content-length", b"0")) > self.limits.max_body_bytes:  # digits: h11 checked them
+            return self._too_large()
+        return None
+
+    async def _body(self, receive) -> bytes:
+        """The whole body, refused as soon as it passes the size limit."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientLeft()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limits.max_body_bytes:
+                raise _Refused(self._too_large())
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self) -> RequestError:
+        return RequestError(413, f"the request's body is larger than the server takes ({self.limits.max_body_bytes} "
+                            "bytes, --max_body_bytes)", None, "request_too_large")
+
+
+def trim_memory() -> None:
+    """Hand the memory freed since back to the system (glibc's malloc_trim; elsewhere nothing).
+    A large body's copies (the bytes, the parsed JSON, its text) are freed once answered, but
+    glibc keeps freed chunks of that size in each thread's arena for the next: a few such bodies
+    would hold hundreds of megabytes for good."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> Optional[ctypes.CDLL]:
+    try:
+        library = ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+    return library if hasattr(library, "malloc_trim") else None
+
+
+_LIBC = _glibc()
+
+
+def _replay(body: bytes, receive):
+    """The app's receive: the body read already, then the connection's own messages (its disconnect)."""
+    given = False
+
+    async def replayed():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+class _Refused(Exception):
+    def __init__(self, error: RequestError):
+        self.error = error
+
+
+class _ClientLeft(Exception):
+    pass
