@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from llama_tp import Llama
+from llama_tp.serve.app import GRAMMAR_REQUESTS
 from llama_tp.serve.engine import DEAD_END
 from llama_tp.serve.limits import GrammarLimits, ServerLimits
 from llama_tp.serve.mailbox import ENGINE_FAILED, ServerState
@@ -137,6 +139,31 @@ def test_a_grammar_over_the_size_or_time_limit_is_a_400_and_the_server_goes_on(l
             assert_serves(server.url, seconds=10)  # while the compile runs on
 
 
+def test_a_flood_of_slow_grammars_is_refused_at_once_past_its_threads_and_the_others_go_on(llama, monkeypatch):
+    """More requests with slow grammars than the HTTP side's threads (40): GRAMMAR_REQUESTS of them
+    wait for their compile on threads of their own, the rest are refused at once (429), and a
+    free request is answered in its usual time meanwhile. (The compile is held back here: a
+    grammar that takes long to compile takes long to send too.)"""
+    grammars, compiled = grammars_for(llama), threading.Event()
+    compile_now = grammars._compile
+    monkeypatch.setattr(grammars, "_compile", lambda constraint: compiled.wait(60) and compile_now(constraint))
+    flood = GRAMMAR_REQUESTS + 32
+    try:
+        with serving(llama) as server, ThreadPoolExecutor(flood) as pool:
+            body = GOOD_CHAT | {"guided_regex": "(slow)+"}
+            slow = [pool.submit(httpx.post, f"{server.url}{CHAT}", json=body, timeout=120) for _ in range(flood)]
+            wait_until(lambda: metric(server.url, "llama_tp_requests_refused_total", status="429") == 32, seconds=60)
+            assert_serves(server.url, seconds=5)
+            compiled.set()
+            statuses = sorted(future.result().status_code for future in slow)
+            assert statuses == [200] * GRAMMAR_REQUESTS + [429] * 32
+            assert refusal(next(future.result() for future in slow if future.result().status_code == 429)) == (
+                429, "rate_limit_exceeded", None,
+                f"{GRAMMAR_REQUESTS} requests already wait for their grammars to compile; try again shortly")
+    finally:
+        compiled.set()
+
+
 def test_a_schema_is_compiled_once(server, monkeypatch):
     grammars = grammars_for(server.generator)
     compiled = []
@@ -175,6 +202,9 @@ def test_prompt_text_far_beyond_max_seq_len_is_refused_before_it_is_tokenized(se
 
     monkeypatch.setattr(server.generator.tokenizer, "encode", short_only)
     giant = "hello world " * 100_000  # 1.2 million characters, for max_seq_len 64
+    status, code, named, message = refusal(httpx.post(f"{server.url}/detokenize", json={"tokens": [5] * 65}))
+    assert (status, code, named, message) == (400, "context_length_exceeded", "tokens",
+                                              "`tokens` holds 65 ids, more than the model's max_seq_len of 64")
     for path, body, param in ((COMPLETION, {"model": MODEL, "prompt": giant}, "prompt"),
                               (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": giant}]}, "messages"),
                               ("/tokenize", {"prompt": giant}, "prompt"),
@@ -229,6 +259,10 @@ INPUT_ERRORS = {
     "logit_bias of 5000 digits": ({"logit_bias": {"9" * 5000: 1}}, "logit_bias", "invalid_value", None),
     "logit_bias with spaces": ({"logit_bias": {" 5": 1}}, "logit_bias", "invalid_value", None),
     "logit_bias beyond the vocabulary": ({"logit_bias": {"32000": 1}}, "logit_bias", "invalid_value", None),
+    "logit_bias of 1025 entries": ({"logit_bias": {str(token): 1 for token in range(1025)}}, "logit_bias",
+                                   "invalid_value", "`logit_bias`: dictionary should have at most 1024 items after "
+                                   "validation, not more, found {\"0\": 1, \"1\": 1, \"2\": 1, \"3\": 1, \"4\": 1, "
+                                   "\"5\": 1, \"6\": 1, \"7\": 1, \"8\": 1, \"9\":..."),
     "deep tool-call arguments": ({"messages": CALLED}, "messages[1].tool_calls[0].function.arguments",
                                  "invalid_value", f"`messages[1].tool_calls[0].function.arguments`: its JSON {NESTED}"),
     "deep guided_json string": ({"guided_json": DEEP_ARRAY}, "guided_json", "invalid_value",

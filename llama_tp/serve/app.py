@@ -7,10 +7,12 @@ the server stopping) cancels the request in the engine, so its slot is freed wit
 """
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,7 +23,7 @@ from ..structured.tools import tool_format
 from .edge import Edge, error_response
 from .limits import ServerLimits
 from .mailbox import Mailbox, ServerState
-from .prepare import chat_request, choices, completion_request, dialog_tokens, text_tokens
+from .prepare import asks_for_grammar, chat_request, choices, completion_request, dialog_tokens, text_tokens
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
                        parse_body)
 from .requests import Delta, Overloaded, RequestStream, Unavailable
@@ -42,6 +44,10 @@ class Endpoint:
 
 CHAT = Endpoint(ChatCompletionRequest, chat_request, ChatReply)
 COMPLETION = Endpoint(CompletionRequest, completion_request, CompletionReply)
+# Requests prepared at once whose grammar may take up to --grammar_timeout to compile, on threads
+# of their own (beyond: 429): however many slow grammars come, the threads that prepare the
+# other requests stay free.
+GRAMMAR_REQUESTS = 16
 
 
 def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
@@ -56,6 +62,8 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
                   **documented)
     app.state.generator = generator
     started = int(time.time())
+    grammar_threads = anyio.CapacityLimiter(GRAMMAR_REQUESTS)
+    compiling = 0  # requests preparing on grammar_threads: counted on the event loop, so never past them
     app.add_middleware(Edge, api_key=api_key, limits=limits,
                        refused=lambda status: mailbox.metrics.requests_refused.labels(str(status)).inc())
 
@@ -64,17 +72,30 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
         return error_response(error)
 
     async def generate(request: Request, endpoint: Endpoint) -> Response:
+        nonlocal compiling
         generator = app.state.generator
         try:
             if generator is None:
                 raise Unavailable("the model is still loading; try again shortly")
-            body = parse_body(await request.body(), endpoint.body)
+            # Off the event loop: parsing a body of megabytes takes a while, and every stream waits on the loop.
+            body = await run_in_threadpool(parse_body, await request.body(), endpoint.body)
             if body.model != model_name:
                 raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
                                    f"`{model_name}`", "model", "model_not_found")
             reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage, body.n or 1)
             # Off the event loop: a long prompt takes a while to encode, a grammar to compile.
-            prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id, limits.grammar)
+            prepare = functools.partial(endpoint.prepare, body, generator, reply.id, limits.grammar)
+            if asks_for_grammar(body):
+                if compiling == GRAMMAR_REQUESTS:
+                    raise Overloaded(f"{GRAMMAR_REQUESTS} requests already wait for their grammars to compile; "
+                                     "try again shortly")
+                compiling += 1
+                try:
+                    prepared = await anyio.to_thread.run_sync(prepare, limiter=grammar_threads)
+                finally:
+                    compiling -= 1
+            else:
+                prepared = await run_in_threadpool(prepare)
             requests = choices(body, prepared, generator)
             if getattr(body, "tools", None) and body.tool_choice != "none":  # answers parsed for calls
                 reply.tools = (tool_format(generator.formatter), {tool.function.name for tool in body.tools})
@@ -106,7 +127,7 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
         try:
             if generator is None:
                 raise RequestError(503, "the model is still loading; try again shortly", None, "service_unavailable")
-            body = parse_body(await request.body(), body_type)
+            body = await run_in_threadpool(parse_body, await request.body(), body_type)
             if body.model not in (None, model_name):
                 raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
                                    f"`{model_name}`", "model", "model_not_found")

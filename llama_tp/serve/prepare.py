@@ -239,6 +239,13 @@ def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tup
     return tuple(pairs)
 
 
+def asks_for_grammar(body: SamplingRequest) -> bool:
+    """Whether the body asks for a grammar (a structured output, or a tool call tool_choice
+    forces), which preparing it compiles."""
+    return getattr(body, "tool_choice", None) not in (None, "none", "auto") or any(
+        constraint is not None for _, constraint in _constraints_asked(body))
+
+
 def _constraint(body: SamplingRequest, generator, limits: GrammarLimits,
                 forced: Optional[Constraint] = None) -> Optional[Constraint]:
     """The one structured output the body asks for (forced: a tool call tool_choice forces),
