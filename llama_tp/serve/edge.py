@@ -57,11 +57,11 @@ class Edge:
         try:
             if refusal is not None:
                 self.refused(refusal.status)
-                # The connection ends with the refusal: its body, unread, could be gigabytes, or
-                # (framed two ways) be taken for another request.
                 await error_response(refusal, close=True)(scope, receive, send)
                 return
-            await self.app(scope, _replay(body, receive), send)
+            # the body's one holder from here is the replay, which lets go of it once it is read
+            replay, body = _Replay(body, receive), b""
+            await self.app(scope, replay, send)
         finally:
             if large:
                 trim_memory()
@@ -122,18 +122,18 @@ def _glibc() -> Optional[ctypes.CDLL]:
 _LIBC = _glibc()
 
 
-def _replay(body: bytes, receive):
-    """The app's receive: the body read already, then the connection's own messages (its disconnect)."""
-    given = False
+class _Replay:
+    """The app's receive: the body read already, then the connection's own messages (its disconnect).
+    It keeps no copy of the body once given, so that the memory is free to trim when the app is done."""
 
-    async def replayed():
-        nonlocal given
-        if not given:
-            given = True
+    def __init__(self, body: bytes, receive):
+        self.body, self.receive = body, receive
+
+    async def __call__(self) -> dict:
+        if self.body is not None:
+            body, self.body = self.body, None
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
+        return await self.receive()
 
 
 class _Refused(Exception):
