@@ -6,9 +6,11 @@ Rank 0 reads your lines from stdin (a terminal or a pipe) and hands them to ever
 streams as it is generated. Each turn sends the whole conversation, whose keys and values are
 still in the cache from the turn before: only the newest message is prefilled. Commands:
 /system TEXT (set the system prompt; /system alone clears it), /reset (forget the conversation),
-/exit. Ctrl-C stops the current reply; Ctrl-D or the end of piped input ends every rank. In a
-terminal, Ctrl-C is read as a key rather than a signal, so torchrun does not take it as a request
-to stop the job; with piped input under torchrun, Ctrl-C reaches torchrun and ends the job.
+/exit. In a terminal, lines are edited as in a shell (readline: arrow keys, history); Ctrl-C
+stops the current reply, or drops the line being typed; Ctrl-D or the end of piped input ends
+every rank. In a terminal, Ctrl-C is read as a key rather than a signal, so torchrun does not take
+it as a request to stop the job; with piped input under torchrun, Ctrl-C reaches torchrun and
+ends the job.
 """
 
 import os
@@ -16,6 +18,7 @@ import select
 import signal
 import sys
 import termios
+import threading
 from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional, Union
 
@@ -37,7 +40,8 @@ def heartbeat_seconds() -> float:
 
 
 class Keyboard:
-    """Rank 0's stdin: whole lines (with a time limit, for the heartbeat) and Ctrl-C during replies."""
+    """Rank 0's stdin: whole lines, edited with readline in a terminal, else read with a time limit
+    (for the heartbeat); and Ctrl-C during replies."""
 
     def __init__(self, fd: int):
         self.fd = fd
@@ -46,11 +50,38 @@ class Keyboard:
         self.interrupted = False
         self.tty = os.isatty(fd)
         self.saved_mode = termios.tcgetattr(fd) if self.tty else None
+        # input() edits lines with readline where both ends are a terminal
+        self.edits = self.tty and os.isatty(sys.stdout.fileno())
+        if self.edits:
+            import readline  # input() then edits lines (arrow keys, Ctrl-A, ...) and keeps their history
+
+            # readline turns the terminal's signal keys back on while it reads: keep Ctrl-C a key
+            readline.set_startup_hook(self._keys_not_signals)
+            # Ctrl-C while typing: clear the line and hand in a Ctrl-C alone (chat says it was dropped)
+            readline.parse_and_bind(r'"\C-c": "\C-e\C-u\C-v\C-c\n"')
         # A signal only reaches us when run without torchrun (e.g. python launch/chat.py < file).
         signal.signal(signal.SIGINT, self._on_interrupt)
 
     def _on_interrupt(self, signum, frame) -> None:
         self.interrupted = True
+
+    def _keys_not_signals(self) -> None:
+        """In a terminal, make Ctrl-C a key, not a signal (which would reach torchrun, not us)."""
+        mode = termios.tcgetattr(self.fd)
+        mode[3] &= ~termios.ISIG
+        termios.tcsetattr(self.fd, termios.TCSANOW, mode)
+
+    def ask(self, prompt: str) -> Optional[str]:
+        """A line typed after prompt, with readline's editing and history; None at Ctrl-D."""
+        try:
+            line = input(prompt)
+        except EOFError:
+            return None
+        if "\x03" in line:  # a dropped line (Ctrl-C) is no history
+            import readline
+
+            readline.remove_history_item(readline.get_current_history_length() - 1)
+        return line
 
     def read_line(self, timeout: float) -> Union[str, None, bool]:
         """The next line, None at end of input, or WAITING if none arrived within timeout."""
@@ -76,9 +107,7 @@ class Keyboard:
     def session(self) -> Iterator[None]:
         """In a terminal, make Ctrl-C a key (not a signal to torchrun); restore the terminal after."""
         if self.tty:
-            mode = termios.tcgetattr(self.fd)
-            mode[3] &= ~termios.ISIG
-            termios.tcsetattr(self.fd, termios.TCSADRAIN, mode)
+            self._keys_not_signals()
         try:
             yield
         finally:
@@ -102,13 +131,37 @@ class Keyboard:
                 termios.tcsetattr(self.fd, termios.TCSAFLUSH, line_mode)
 
 
-def next_line(keyboard: Optional[Keyboard]) -> Optional[str]:
-    """Rank 0's next input line on every rank (None at end of input)."""
+def next_line(keyboard: Optional[Keyboard], prompt: str) -> Optional[str]:
+    """Rank 0's next input line, typed after prompt, on every rank (None at end of input)."""
+    if keyboard is not None and keyboard.edits:
+        with heartbeats():
+            line = keyboard.ask(prompt)
+        return broadcast_object(line)
+    print0(prompt, end="")
     while True:
         line = keyboard.read_line(heartbeat_seconds()) if keyboard else None
         line = broadcast_object(line)
         if line is not WAITING:
             return line
+
+
+@contextmanager
+def heartbeats() -> Iterator[None]:
+    """While rank 0 waits in input(), say WAITING to the other ranks (waiting in next_line's
+    broadcast) every heartbeat_seconds, from a thread of its own."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(heartbeat_seconds()):
+            broadcast_object(WAITING)
+
+    beating = threading.Thread(target=beat, name="chat heartbeat", daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beating.join()  # a heartbeat under way ends first: the line's broadcast comes after it
 
 
 def fit(dialog: Dialog, generator: Llama, room: int) -> tuple[Dialog, int]:
@@ -202,8 +255,7 @@ def chat(generator: Llama, keyboard: Optional[Keyboard], system: Optional[str], 
     turns: Dialog = []
     echo = keyboard is not None and not keyboard.tty  # show piped lines, so transcripts read well
     while True:
-        print0("You: ", end="")
-        line = next_line(keyboard)
+        line = next_line(keyboard, "You: ")
         if line is None:
             print0("\n(end of input)")
             return

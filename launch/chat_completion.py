@@ -10,7 +10,7 @@ from llama_tp import Dialog, Llama
 from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
-from llama_tp.tools.job_output import run_job
+from llama_tp.tools.job_output import check_output, run_job
 from llama_tp.tools.prompts import batch_rows, load_prompts, prompt_record, write_json
 
 EXAMPLE_DIALOGS: list[Dialog] = [
@@ -48,6 +48,7 @@ def main(
     output_json: Optional[str] = None,
     output_jsonl: Optional[str] = None,
     resume: bool = False,
+    overwrite: bool = False,
     top_k: Optional[int] = None,
     repetition_penalty: Optional[float] = None,
     stop: Optional[list[str]] = None,
@@ -61,6 +62,7 @@ def main(
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
     draft_quantize: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ):
     """Print each dialog and the model's reply.
 
@@ -81,6 +83,8 @@ def main(
         output_jsonl: rank 0 appends a JSON line here as each dialog finishes, {index, prompt,
             generation, token_ids}, whole and flushed: a killed job keeps what it finished.
         resume: skip the dialogs that --output_jsonl holds already, and go on appending.
+        overwrite: start --output_jsonl afresh, discarding the results it holds (without --resume
+            or --overwrite, a file that holds results is refused).
         output_json: rank 0 writes a JSON list here at the end, per dialog {prompt, generation, token_ids}.
         top_k: sample only among the k most likely tokens (default: the model's, else no limit).
         repetition_penalty: >1 discourages tokens already in the dialog (default: the model's, else 1: off).
@@ -99,21 +103,26 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+        reasoning_parser: qwen3 or deepseek_r1: a thinking model's <think>...</think> goes apart
+            from its chat answers (reasoning_content); none: left in them (default: the one the
+            chat template calls for, where it is clear).
     """
+    if stream and (output_jsonl or resume or overwrite):
+        raise ValueError("--output_jsonl, --resume and --overwrite are for batch jobs; run them without --stream")
+    check_output(output_jsonl, resume, overwrite)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
-    if stream and (output_jsonl or resume):
-        raise ValueError("--output_jsonl and --resume are for batch jobs; run them without --stream")
     dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(dialogs), stream),
                             dtype=dtype, quantize=quantize, compile=compile,
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
-                            draft_quantize=draft_quantize)
+                            draft_quantize=draft_quantize, reasoning_parser=reasoning_parser)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     results = [] if stream else run_job(
         dialogs, lambda batch, batch_seed, on_result: generator.chat_completion(
             batch, token_ids=True, on_result=on_result, **(options | {"seed": batch_seed})),
-        lambda result: result["generation"]["content"], output_jsonl, resume, seed)
+        lambda result: result["generation"]["content"], output_jsonl, resume, seed,
+        lambda result: result["generation"].get("reasoning_content"), overwrite=overwrite)
     records = []
     for index, dialog in enumerate(dialogs):
         for message in dialog:
@@ -124,13 +133,23 @@ def main(
             for piece in pieces:
                 print0(piece, end="")
             print0()
-            records.append(prompt_record(dialog, pieces.text, pieces.tokens))
+            records.append(streamed_record(generator, dialog, pieces))
         else:
             records.append(results[index])
+            if "reasoning_content" in results[index]:  # a reasoning model's thinking, before its answer
+                print0(f"(thinking) {results[index]['reasoning_content'].strip()}\n")
             print0(results[index]["generation"])
         print0("\n==================================\n")
     if output_json:
         write_json(output_json, records)
+
+
+def streamed_record(generator: Llama, dialog: Dialog, pieces) -> dict:
+    """A streamed reply's record: a reasoning model's thinking apart, as chat_completion keeps it."""
+    if generator.reasoning is None:
+        return prompt_record(dialog, pieces.text, pieces.tokens)
+    split = generator.reasoning.thinking(generator.formatter.encode_dialog_prompt(dialog)).split(pieces.text)
+    return prompt_record(dialog, split.content, pieces.tokens, split.reasoning)
 
 
 if __name__ == "__main__":

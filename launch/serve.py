@@ -3,8 +3,8 @@
     torchrun --nproc_per_node N launch/serve.py --ckpt_dir DIR --tokenizer_path FILE --port 8000
     torchrun --nproc_per_node 1 launch/serve.py   # the built-in demo model (1 or 3 processes)
 
-Rank 0 listens for requests (/v1/chat/completions, /v1/completions, /v1/models, /health,
-/metrics) while every rank runs the engine in lockstep, many requests in one batch (continuous
+Rank 0 listens for requests (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
+/health, /metrics) while every rank runs the engine in lockstep, many requests in one batch (continuous
 batching). It prints one line with the URL once it answers. Ctrl-C or SIGTERM stops it: running
 requests end with what they have, new ones are refused, and every rank leaves.
 """
@@ -13,19 +13,18 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from llama_tp import Llama, parallel
+from llama_tp.optional import require_all
 from llama_tp.parallel import print0
-from llama_tp.serve.app import create_app
-from llama_tp.serve.engine import Engine
-from llama_tp.serve.limits import ServerLimits
-from llama_tp.serve.mailbox import Mailbox, ServerState
-from llama_tp.serve.metrics import ServerMetrics
-from llama_tp.serve.server import ServerThread, bind
+from llama_tp.serve.limits import ServerLimits  # core-only modules: the options' defaults
 from llama_tp.structured.constraint import GrammarLimits
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
+
+if TYPE_CHECKING:
+    from llama_tp.serve.mailbox import Mailbox
 
 
 def main(
@@ -49,6 +48,8 @@ def main(
     api_key: Optional[str] = None,
     ssl_certfile: Optional[str] = None,
     ssl_keyfile: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
+    max_stored_responses: int = 1024,
     max_body_bytes: int = ServerLimits.max_body_bytes,
     read_timeout: float = ServerLimits.read_timeout,
     max_grammar_bytes: int = GrammarLimits.max_bytes,
@@ -81,11 +82,17 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
-        api_key: every request must then carry `Authorization: Bearer API_KEY`, else 401
+        api_key: every request must then carry `Authorization: Bearer API_KEY` or `x-api-key:
+            API_KEY`, else 401
             (default: $LLAMA_TP_API_KEY, else none; /health and /metrics stay open, the docs
             pages are off). Prefer the variable: a command line is visible to every user of the machine.
         ssl_certfile: serve HTTPS with this PEM certificate (with --ssl_keyfile).
         ssl_keyfile: the certificate's PEM private key.
+        reasoning_parser: qwen3 or deepseek_r1: a thinking model's <think>...</think> goes apart
+            from its chat answers (reasoning_content); none: left in them (default: the one the
+            chat template calls for, where it is clear).
+        max_stored_responses: Responses API answers kept for previous_response_id and GET
+            /v1/responses/{id}, for the server's lifetime; beyond, the oldest are evicted first.
         max_body_bytes: the largest request body taken; larger: 413, before it is read.
         read_timeout: seconds a request's headers may take to arrive, and then its body; slower:
             the connection is closed (408 for a body).
@@ -95,16 +102,23 @@ def main(
     """
     limits = ServerLimits(max_body_bytes, read_timeout, GrammarLimits(max_grammar_bytes, grammar_timeout))
     _check_limits(limits)
+    require_all(("fastapi", "uvicorn", "prometheus_client", "xgrammar"), "the server")  # every rank, first
+    from llama_tp.serve.app import create_app
+    from llama_tp.serve.engine import Engine
+    from llama_tp.serve.mailbox import Mailbox, ServerState
+    from llama_tp.serve.metrics import ServerMetrics
+    from llama_tp.serve.server import ServerThread, bind
+
     placement = parallel.init()
     api_key = api_key if api_key is not None else os.environ.get("LLAMA_TP_API_KEY") or None
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
-    mailbox = Mailbox(max_waiting, ServerMetrics()) if placement.is_main else None
+    mailbox = Mailbox(max_waiting, ServerMetrics(name)) if placement.is_main else None
     app = server = None
     with parallel.agreement("opening the server's port"):  # a busy port fails every rank, before loading
         if placement.is_main:  # only rank 0 reads the TLS files
             _check_tls(ssl_certfile, ssl_keyfile)
-            app = create_app(mailbox, None, name, api_key, limits)
+            app = create_app(mailbox, None, name, api_key, max_stored_responses, limits)
             # /health says 503 while loading
             server = ServerThread(app, bind(host, port), ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
                                   read_timeout=read_timeout).start()
@@ -112,7 +126,7 @@ def main(
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
                                 quantize=quantize, compile=compile,
                                 speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
-                                draft_quantize=draft_quantize)
+                                draft_quantize=draft_quantize, reasoning_parser=reasoning_parser)
         generator.model.prefix_cache.enabled = not no_prefix_cache
         generator.model.warm_up_decoding()  # before /health says ready, not in the first requests
         engine = Engine(generator, max_prefill_tokens, mailbox)
@@ -148,7 +162,7 @@ def _check_tls(ssl_certfile: Optional[str], ssl_keyfile: Optional[str]) -> None:
             raise ValueError(f"{option} {path} is not a file; pass the PEM file's path")
 
 
-def _stop_on_signals(stopping: threading.Event, mailbox: Optional[Mailbox]) -> None:
+def _stop_on_signals(stopping: threading.Event, mailbox: "Optional[Mailbox]") -> None:
     """Ctrl-C and SIGTERM (torchrun forwards both) end the serving loop cleanly at its next step."""
 
     def stop(signum, frame) -> None:

@@ -10,7 +10,7 @@ from llama_tp import Llama
 from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
-from llama_tp.tools.job_output import run_job
+from llama_tp.tools.job_output import check_output, run_job
 from llama_tp.tools.prompts import batch_rows, load_prompts, prompt_record, write_json
 
 EXAMPLE_PROMPTS = [
@@ -44,6 +44,7 @@ def main(
     output_json: Optional[str] = None,
     output_jsonl: Optional[str] = None,
     resume: bool = False,
+    overwrite: bool = False,
     top_k: Optional[int] = None,
     repetition_penalty: Optional[float] = None,
     stop: Optional[list[str]] = None,
@@ -77,6 +78,8 @@ def main(
         output_jsonl: rank 0 appends a JSON line here as each prompt finishes, {index, prompt,
             generation, token_ids}, whole and flushed: a killed job keeps what it finished.
         resume: skip the prompts that --output_jsonl holds already, and go on appending.
+        overwrite: start --output_jsonl afresh, discarding the results it holds (without --resume
+            or --overwrite, a file that holds results is refused).
         output_json: rank 0 writes a JSON list here at the end, per prompt {prompt, generation, token_ids}.
         top_k: sample only among the k most likely tokens (default: the model's, else no limit).
         repetition_penalty: >1 discourages tokens already in the text (default: the model's, else 1: off).
@@ -97,11 +100,12 @@ def main(
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
     """
-    ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     if stream and show_top:
         raise ValueError("--show_top lists candidates after generation; run it without --stream")
-    if stream and (output_jsonl or resume):
-        raise ValueError("--output_jsonl and --resume are for batch jobs; run them without --stream")
+    if stream and (output_jsonl or resume or overwrite):
+        raise ValueError("--output_jsonl, --resume and --overwrite are for batch jobs; run them without --stream")
+    check_output(output_jsonl, resume, overwrite)
+    ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     prompts = load_prompts(prompts_file, "text") if prompts_file else EXAMPLE_PROMPTS
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(prompts), stream),
                             dtype=dtype, quantize=quantize, compile=compile,
@@ -127,7 +131,8 @@ def main(
                                                 **(options | {"seed": batch_seed}))
             first_top.append(results[0].get("top"))
 
-        records = run_job(prompts, answer, lambda result: result["generation"], output_jsonl, resume, seed)
+        records = run_job(prompts, answer, lambda result: result["generation"], output_jsonl, resume, seed,
+                          overwrite=overwrite)
         for record in records:
             print0(record["prompt"])
             print0(f"> {record['generation']}")

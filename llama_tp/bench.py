@@ -1,7 +1,6 @@
 """`python -m llama_tp.bench`: see llama_tp/tools/bench.py."""
 
-from .tools.cli import run
-from .tools.bench import main
+from .tools.cli import run_tool
 
 if __name__ == "__main__":
-    run(main)
+    run_tool("llama_tp.tools.bench", "python -m llama_tp.bench")

@@ -1,7 +1,6 @@
 """`python -m llama_tp.bench_serve`: see llama_tp/tools/bench_serve.py."""
 
-from .tools.cli import run
-from .tools.bench_serve import main
+from .tools.cli import run_tool
 
 if __name__ == "__main__":
-    run(main)
+    run_tool("llama_tp.tools.bench_serve", "python -m llama_tp.bench_serve")

@@ -1,7 +1,6 @@
 """`python -m llama_tp.convert`: see llama_tp/tools/convert/."""
 
-from .tools.cli import run
-from .tools.convert.__main__ import main
+from .tools.cli import run_tool
 
 if __name__ == "__main__":
-    run(main)
+    run_tool("llama_tp.tools.convert.__main__", "python -m llama_tp.convert")

@@ -17,6 +17,7 @@ from .sampler import sample
 from .sampling import SamplingOptions, stop_ban, top_candidates
 from .speculative.decoding import decode_rounds
 from .structured.constraint import Constraint
+from .text.reasoning import Thinking
 
 
 class GenerateLoops:
@@ -24,7 +25,8 @@ class GenerateLoops:
                   stop: tuple[str, ...], logprobs: bool = False, echo: bool = False,
                   show_top: int = 0, stop_tokens: Optional[set[int]] = None, seed: "int | list[int] | None" = None,
                   on_row: Optional[Callable[[int, Generated], None]] = None,
-                  constraint: Optional[Constraint] = None) -> Generated:
+                  constraint: Optional[Constraint] = None,
+                  thinking: Optional[list[Optional[Thinking]]] = None) -> Generated:
         """generate's work, through continuous batching (continuous.py); on_row(i, generated) is
         called as prompt i's result is in generated. In static batches of max_batch_size, sharing
         one generator: one prompt (the same thing, and its conversation's cache row stays row 0);
@@ -32,13 +34,14 @@ class GenerateLoops:
         with logprobs) are wanted, which the engine does not keep; and sampling with speculation,
         whose rounds guess fewer tokens a row the more rows share them (Speculator.guesses_for),
         so that a sampled answer would change with what runs beside it; and structured outputs
-        (constraint), whose grammars the API applies in its own decoding loop."""
+        (constraint), whose grammars the API applies in its own decoding loop (after each prompt's
+        thinking, where a reasoning model thinks)."""
         sampled_rounds = self.speculator is not None and not options.greedy
         if len(prompt_tokens) == 1 or show_top or (logprobs and echo) or sampled_rounds or constraint is not None:
             if isinstance(seed, list):
                 options = dataclasses.replace(options, seed=seed[0])
             result = self._generate_static(prompt_tokens, max_gen_len, options, stop, logprobs, echo, show_top,
-                                           stop_tokens, constraint)
+                                           stop_tokens, constraint, thinking)
             for row in range(len(prompt_tokens)) if on_row is not None else ():
                 on_row(row, result)
             return result
@@ -56,7 +59,8 @@ class GenerateLoops:
 
     def _generate_static(self, prompt_tokens: list[list[int]], max_gen_len: int, options: SamplingOptions,
                          stop: tuple[str, ...], logprobs: bool, echo: bool, show_top: int,
-                         stop_tokens: Optional[set[int]], constraint: Optional[Constraint] = None) -> Generated:
+                         stop_tokens: Optional[set[int]], constraint: Optional[Constraint] = None,
+                         thinking: Optional[list[Optional[Thinking]]] = None) -> Generated:
         """Consecutive batches of max_batch_size under Meta's schedule, keeping what _decode keeps."""
         size = self.model.max_batch_size
         result = Generated([], [], [])
@@ -65,7 +69,7 @@ class GenerateLoops:
             # Run every step; keep the last state.
             *_, batch = self._decode(prompt_tokens[first : first + size], max_gen_len, options, stop,
                                      generator, logprobs, show_top, stop_tokens, reuse=not (logprobs and echo),
-                                     constraint=constraint)
+                                     constraint=constraint, thinking=thinking and thinking[first : first + size])
             batch.collect(result, echo)
         return result
 
@@ -73,7 +77,8 @@ class GenerateLoops:
     def _decode(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions,
                 stop: tuple[str, ...], generator: Optional[torch.Generator], logprobs: bool = False,
                 show_top: int = 0, stop_tokens: Optional[set[int]] = None, reuse: bool = True,
-                constraint: Optional[Constraint] = None) -> Iterator[Batch]:
+                constraint: Optional[Constraint] = None,
+                thinking: Optional[list[Optional[Thinking]]] = None) -> Iterator[Batch]:
         """Meta's schedule: decode from the shortest prompt; longer prompts feed their own tokens.
 
         Rows end at stop_tokens (by default the tokenizer's; a chat format may add its end of turn).
@@ -83,7 +88,8 @@ class GenerateLoops:
         call before (the conversation so far): the same results, less prefill. Not where the
         prompts' own log probabilities are wanted, which need their logits.
         constraint: every row's answer follows this grammar (structured outputs), and ends at
-        one of the grammar's stop tokens too; no speculation then.
+        one of the grammar's stop tokens too; no speculation then. thinking: each row's, where a
+        reasoning model's grammar waits for the end of its thinking.
         """
         batch = Batch.start(prompts, max_gen_len, self.model.max_seq_len, self.model.rotary.device, show_top)
         stop_tokens = set(stop_tokens or self.tokenizer.stop_tokens)
@@ -92,7 +98,8 @@ class GenerateLoops:
             from .structured.grammars import grammars_for
             from .structured.rows import make_adjustment
 
-            adjustments = [make_adjustment(self, constraint) for _ in prompts]
+            adjustments = [make_adjustment(self, constraint, thinking=thinking[row] if thinking else None)
+                           for row in range(len(prompts))]
             stop_tokens |= grammars_for(self).stop_tokens
         yield batch
         cache = self.model.prefix_cache

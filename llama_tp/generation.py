@@ -14,18 +14,20 @@ from .args import ModelArgs
 from .batch import Generated
 from .checkpoint import load_model, open_checkpoint
 from .checkpoint.record import read_record
+from .context import check_max_seq_len, trained_context
 from .continuous import check_seeds, prompt_seeds
 from .generate_loops import GenerateLoops
 from .kernels import matmul
 from .logs import logger
-from .memory import plan, report
+from .memory import check_fits, plan, report
 from .model import Transformer
 from .quantize import check_quantize_on
 from .sampling import SamplingOptions
 from .speculative import Speculator, build_speculator, check_speculation
 from .structured.constraint import Constraint, from_response_format
-from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for
+from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, encode_dialog
 from .text.hf_tokenizer import HFTokenizer
+from .text.reasoning import ReasoningParser, Split, Thinking, check_parser_name, parser_for
 from .text.streaming import IncrementalDecoder, TextStream, check_stop, cut_at_stop
 from .text.tokenizer import load_tokenizer
 
@@ -47,10 +49,10 @@ class ChatPrediction(TypedDict, total=False):
 class Llama(GenerateLoops):
     @staticmethod
     def build(
-        ckpt_dir: str,
-        tokenizer_path: str,
-        max_seq_len: int,
-        max_batch_size: int,
+        ckpt_dir: Optional[str] = None,
+        tokenizer_path: Optional[str] = None,
+        max_seq_len: int = 512,
+        max_batch_size: int = 4,
         model_parallel_size: Optional[int] = None,
         seed: int = 1,
         dtype: "str | torch.dtype | None" = None,
@@ -60,8 +62,12 @@ class Llama(GenerateLoops):
         speculate_k: Optional[int] = None,
         draft_ckpt_dir: Optional[str] = None,
         draft_quantize: Optional[str] = None,
+        reasoning_parser: Optional[str] = None,
     ) -> "Llama":
         """Join the process group, load this rank's slice of the checkpoint, and return a generator.
+
+        Without paths, the built-in demo model (fetched and converted on first use); without a
+        tokenizer_path, the tokenizer in the checkpoint folder.
 
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see quantize.py.
@@ -84,19 +90,27 @@ class Llama(GenerateLoops):
         draft_ckpt_dir: the draft's checkpoint, sharing the tokenizer (default: the target's own).
         draft_quantize: the draft's linear layers, as quantize: "int8" alone makes the draft an
             int8 copy of the target.
+        reasoning_parser: how the model marks its thinking, told apart from its answer in chat
+            answers (docs/serving.md, "Reasoning"): "qwen3" or "deepseek_r1" (both
+            `<think>...</think>`), "none"; by default the one the chat template clearly calls for.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
-        check_quantize_on(quantize, placement.device)  # int4 on a GPU is refused here, before loading
+        check_quantize_on(quantize, placement.device)  # int4 without a kernel there: refused before loading
         if compile is None:
             compile = placement.device.type == "cuda" and speculate != "lookup"
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, found {compile!r}")
         check_speculation(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile)
         check_quantize_on(draft_quantize, placement.device)
+        check_parser_name(reasoning_parser)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
+        if ckpt_dir is None or tokenizer_path is None:
+            from .tools.demo import model_paths  # the demo's download and conversion: only when asked for
+
+            ckpt_dir, tokenizer_path = model_paths(ckpt_dir, tokenizer_path)
         ckpt_dir = Path(ckpt_dir)
         start = time.perf_counter()
         # Each rank reads its own files: a mistake seen by one rank must stop them all.
@@ -104,33 +118,38 @@ class Llama(GenerateLoops):
             args = ModelArgs.load(ckpt_dir / "params.json")
             tokenizer = load_tokenizer(tokenizer_path)
             record = read_record(ckpt_dir)  # a converted model's chat format, stop tokens, sampling
+            reasoning = parser_for(reasoning_parser, tokenizer, record.chat_template)
             tokenizer.stop_tokens = tokenizer.stop_tokens | set(record.stop_tokens)
             args = args.with_vocab_size(tokenizer.n_words, padded=isinstance(tokenizer, HFTokenizer))
             args.check_model_parallel_size(placement.world_size)
+            check_max_seq_len(max_seq_len, trained_context(args, tokenizer, record))
             dtype = parallel.resolve_dtype(dtype, placement.device)
             checkpoint = open_checkpoint(ckpt_dir, args)  # an int8 checkpoint loads as int8
-            logger.info(report(plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
-                               quantize or checkpoint.quantization)))
+            memory = plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
+                          quantize or checkpoint.quantization)
+            logger.info(report(memory))
+            check_fits(memory, placement.device, placement.processes_here)
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
-            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             if compile and speculate is None:
                 compile_decoding(model, placement.device)
+            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
             speculator = build_speculator(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile, ckpt_dir,
                                           checkpoint.args, placement, dtype, max_batch_size, max_seq_len)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         logger.info(f"Loaded in {time.perf_counter() - start:.2f} seconds")
         formatter = chat_format_for(tokenizer, record.chat_format, record.default_system_prompt, record.chat_template)
-        return Llama(model, tokenizer, formatter, record.sampling, speculator)
+        return Llama(model, tokenizer, formatter, record.sampling, speculator, reasoning)
 
     def __init__(self, model: Transformer, tokenizer, formatter=None, sampling_defaults: Optional[dict] = None,
-                 speculator: Optional[Speculator] = None):
+                 speculator: Optional[Speculator] = None, reasoning: Optional[ReasoningParser] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = formatter or chat_format_for(tokenizer)
         # The model's recommended temperature, top_p, top_k, repetition_penalty (checkpoint/record.py)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.speculator = speculator  # None: one token a step
+        self.reasoning = reasoning  # None: the model does not think, or its thinking is left in its answers
 
     def sampling_options(self, temperature: Optional[float] = None, top_p: Optional[float] = None,
                          top_k: Optional[int] = None, repetition_penalty: Optional[float] = None,
@@ -248,27 +267,37 @@ class Llama(GenerateLoops):
         token_ids: bool = False,
         on_result: Optional[Callable[[int, ChatPrediction], None]] = None,
         response_format: Optional[dict] = None,
+        chat_template_kwargs: Optional[dict] = None,
     ) -> list[ChatPrediction]:
         """The assistant's next message for each dialog, in the chat format the tokenizer implies.
 
         With token_ids, "token_ids" holds the generated token ids (none for a refused dialog).
         seed and on_result as in text_completion (a refused dialog's result comes first).
         response_format: OpenAI's ({"type": "json_object"} or {"type": "json_schema",
-        "json_schema": {"schema": ...}}): every answer follows it.
+        "json_schema": {"schema": ...}}): every answer follows it (a reasoning model's answer
+        after its thinking). chat_template_kwargs: variables for the model's chat template, such
+        as Qwen3's {"enable_thinking": False}. A reasoning model's message (Llama.reasoning) holds
+        its thinking apart, in "reasoning_content".
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
-        prompt_tokens = [self._encode_dialog(dialog, index) for index, dialog in enumerate(dialogs)]
+        prompt_tokens = [self._encode_dialog(dialog, index, chat_template_kwargs) for index, dialog in enumerate(dialogs)]
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
         safe_tokens = [prompt_tokens[row] for row in safe]
         constraint = self._constraint(response_format)
         self._check_generate_args(safe_tokens, max_gen_len, options, (constraint,), seed=seed, prompts=len(dialogs))
         results: list[ChatPrediction] = [{} for _ in dialogs]
+        thinking = [self.reasoning.thinking(prompt) for prompt in safe_tokens] if self.reasoning else None
 
-        def answered(row: int, tokens: list[int], token_logprobs: list[float], content: str) -> None:
-            result: ChatPrediction = {"generation": {"role": "assistant", "content": content}}
+        def answered(row: int, tokens: list[int], token_logprobs: list[float], text: str,
+                     answer_thinking: Optional[Thinking] = None) -> None:
+            message: Message = {"role": "assistant", "content": text}
+            if self.reasoning is not None:
+                split = answer_thinking.split(text) if answer_thinking else Split(content=text)
+                message = {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning}
+            result: ChatPrediction = {"generation": message}
             if token_ids:
                 result["token_ids"] = tokens
             if logprobs:
@@ -283,13 +312,14 @@ class Llama(GenerateLoops):
 
         def completed(index: int, generated: Generated) -> None:
             tokens = generated.tokens[index]
-            answered(safe[index], tokens, generated.logprobs[index], cut_at_stop(self.tokenizer.decode(tokens), stop))
+            answered(safe[index], tokens, generated.logprobs[index], cut_at_stop(self.tokenizer.decode(tokens), stop),
+                     thinking[index] if thinking else None)
 
         if safe:  # each dialog keeps the seed of its place in the call
             seeds = prompt_seeds(seed, len(dialogs)) if seed is not None else None
             self._generate(safe_tokens, max_gen_len, options, stop, logprobs, stop_tokens=self.formatter.stop_tokens,
                            seed=[seeds[row] for row in safe] if seeds else None, on_row=completed,
-                           constraint=constraint)
+                           constraint=constraint, thinking=thinking)
         return results
 
     def stream_text_completion(
@@ -367,10 +397,10 @@ class Llama(GenerateLoops):
             raise ValueError(f"response_format {error}") from None
         return constraint
 
-    def _encode_dialog(self, dialog: Dialog, index: int) -> list[int]:
+    def _encode_dialog(self, dialog: Dialog, index: int, template_variables: Optional[dict] = None) -> list[int]:
         """The dialog's prompt tokens; a malformed dialog's error names it within the batch."""
         try:
-            return self.formatter.encode_dialog_prompt(dialog)
+            return encode_dialog(self.formatter, dialog, template_variables)
         except ValueError as error:
             raise ValueError(f"dialog {index}: {error}") from None
 
@@ -401,7 +431,7 @@ class Llama(GenerateLoops):
 def compile_decoding(model: Transformer, device: torch.device) -> None:
     """Compile the model's one-token steps the way that suits the device."""
     compilation = parallel.decode_compilation(device)
-    model.compile_decoding(compilation.static_shapes, **compilation.options)
+    model.compile_decoding(compilation.graphs, **compilation.options)
 
 
 def _refusal(stream: TextStream) -> Iterator[str]:

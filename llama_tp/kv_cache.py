@@ -1,17 +1,35 @@
-"""Each layer's keys and values, kept for the tokens to come, and where a pass's tokens sit in them."""
+"""Each layer's keys and values in blocks of positions, which blocks hold each cache row's
+positions (block tables), and where a pass's tokens sit in them.
 
-from typing import NamedTuple, Optional
+The keys and values of every cache row share one pool a layer, in blocks of BLOCK_POSITIONS
+positions; a row's positions are found through its block table (BlockTables). Blocks need not
+follow one another, so a row holds the blocks its tokens fill and two rows can hold the same ones.
+Until a table is given, cache row r holds its own run of blocks, r's after r - 1's, as a cache of
+max_batch_size rows of max_seq_len positions would, and a batch of consecutive rows reads its
+keys and values in place (CacheRows.run).
+"""
+
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from .kernels import cpu_kernels
 
+# Positions in a block: a block is one part of our CPU kernel's attention (a task of its own for
+# a long context) and one of FlexAttention's blocks on a GPU.
+BLOCK_POSITIONS = 64
 
 # Eagerly, a step of up to this many tokens a row attends through our CPU kernel, token after
 # token as in steps of their own (guesses to verify, a short chunk of prompt); longer prompts
 # through torch's flash attention, which takes many queries at a time.
 MAX_KERNEL_STEP_TOKENS = 16
+
+
+def blocks_for(positions: int) -> int:
+    """The blocks that hold this many positions."""
+    return -(-positions // BLOCK_POSITIONS)
 
 
 class CacheRows(NamedTuple):
@@ -28,22 +46,73 @@ class CacheRows(NamedTuple):
     # [1 or bsz, 1, seqlen, end] which of them each query sees; None: a prompt from position 0
     # (causal), or one token a row with every row at the same position (all below end).
     mask: Optional[torch.Tensor]
-    first_slot: Optional[int]  # the rows are cache rows first_slot, first_slot + 1, ...: a view
+    tables: torch.Tensor  # [bsz, blocks a row] int64: each row's block table
+    # The pool position of the first row's position 0, where the rows are consecutive cache rows
+    # holding runs of blocks one after another (BlockTables.run_start): their positions are then
+    # a view of the pools, [bsz, positions a row] from there. Else None.
+    run: Optional[int]
     # [bsz] each row's first position, where an eager step attends through our kernel
     # (step_through_kernel; rotary is contiguous then); else None.
     kernel_starts: Optional[torch.Tensor]
-    # [max_batch_size] which cache rows take part, where a step runs every cache row (CUDA graphs:
-    # Transformer.every_row_step); the others keep what their caches hold. None: every row here does.
-    active: Optional[torch.Tensor] = None
+    # Where one token a row reads only its own blocks (Transformer.decode_step, block_attention.py):
+    # which blocks each row sees; mask and end are unused then.
+    block_mask: Optional[BlockMask] = None
+
+
+class BlockTables:
+    """Which blocks of the pools hold each cache row's positions, in order: [cache rows, blocks a
+    row] int64 on the device, and the same lists on the host (which decide, without asking the
+    device, whether rows can be read in place)."""
+
+    def __init__(self, rows: int, blocks_per_row: int, device: torch.device):
+        self.blocks_per_row = blocks_per_row
+        self.host = [self._own_run(row) for row in range(rows)]
+        self.tables = torch.tensor(self.host, dtype=torch.long, device=device)
+        self.in_own_run = [True] * rows  # whether a row holds the run of blocks it starts with
+
+    def give(self, row: int, blocks: Sequence[int]) -> None:
+        """Row's positions from now on in blocks (its first positions', then the next's, ...); its
+        other entries the last of them (never read)."""
+        table = list(blocks) + [blocks[-1]] * (self.blocks_per_row - len(blocks))
+        self.host[row] = table
+        self.tables[row] = torch.tensor(table, dtype=torch.long)
+        self.in_own_run[row] = table == self._own_run(row)
+
+    def _own_run(self, row: int) -> list[int]:
+        """The blocks a row starts with: the row's own run, after the row before's."""
+        return list(range(row * self.blocks_per_row, (row + 1) * self.blocks_per_row))
+
+    def of(self, slots: Sequence[int], slot_ids: torch.Tensor) -> torch.Tensor:
+        """The rows' tables [bsz, blocks a row] (slot_ids: slots on the device)."""
+        first = slots[0]
+        if list(slots) == list(range(first, first + len(slots))):
+            return self.tables[first : first + len(slots)]
+        return self.tables.index_select(0, slot_ids)
+
+    def run_start(self, slots: Sequence[int]) -> Optional[int]:
+        """The pool position of slots[0]'s position 0, where the slots are consecutive rows each in
+        its own run of blocks (one after another, then): their positions are a view of the pools."""
+        first = slots[0]
+        if all(slot == first + index and self.in_own_run[slot] for index, slot in enumerate(slots)):
+            return first * self.blocks_per_row * BLOCK_POSITIONS
+        return None
+
+
+def places(tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Where positions [1 or bsz, seqlen] of rows with these block tables [bsz, blocks a row] sit in
+    a pool's positions: [bsz, seqlen]."""
+    positions = positions.expand(len(tables), -1)
+    return tables.gather(1, positions // BLOCK_POSITIONS) * BLOCK_POSITIONS + positions % BLOCK_POSITIONS
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values of one layer: [max_batch_size, local kv heads, max_seq_len, head_dim]."""
+    """One layer's keys and values: pools [1, local kv heads, blocks * BLOCK_POSITIONS, head_dim],
+    every block's positions one after another (the one sequence FlexAttention reads for every row)."""
 
-    def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype, windowed: bool = False):
+    def __init__(self, blocks: int, n_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
+                 windowed: bool = False):
         super().__init__()
-        shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
+        shape = (1, n_kv_heads, blocks * BLOCK_POSITIONS, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         for buffer in (self.k, self.v):
@@ -57,32 +126,33 @@ class KVCache(nn.Module):
         self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
 
     def write(self, rows: CacheRows, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [bsz, heads, seqlen, head_dim] at the rows' cache rows and positions."""
-        if rows.first_slot is not None and len(rows.positions) == 1 and not torch.compiler.is_compiling():
+        """Store k, v [bsz, heads, seqlen, head_dim] at the rows' positions."""
+        if rows.run is not None and len(rows.positions) == 1 and not torch.compiler.is_compiling():
             # Eagerly the cheapest write (6 us against index_put_'s 21 for one token).
-            block = slice(rows.first_slot, rows.first_slot + len(k))
-            self.k[block].index_copy_(2, rows.positions[0], k)
-            self.v[block].index_copy_(2, rows.positions[0], v)
+            for pool, new in ((self.k, k), (self.v, v)):
+                self._rows_in_place(pool, rows, len(k)).index_copy_(2, rows.positions[0], new.transpose(0, 1))
             return
-        # Indexing the whole buffer: compiled, a write into a slice of it copies the whole cache.
-        where = (rows.slots[:, None, None], self.heads[None, :, None], rows.positions[:, None, :])
-        if rows.active is not None:  # rows outside the step write back what they hold
-            keep = ~rows.active[:, None, None, None]
-            k, v = torch.where(keep, self.k[where], k), torch.where(keep, self.v[where], v)
-        self.k.index_put_(where, k)
-        self.v.index_put_(where, v)
+        where = (self.heads[:, None], places(rows.tables, rows.positions).flatten()[None, :])  # heads, bsz * seqlen
+        self.k[0].index_put_(where, k.transpose(0, 1).flatten(1, 2))
+        self.v[0].index_put_(where, v.transpose(0, 1).flatten(1, 2))
 
-    def copy_positions(self, source: int, dest: int, start: int, end: int) -> None:
-        """Row dest takes row source's keys and values at positions [start, end)."""
-        self.k[dest, :, start:end] = self.k[source, :, start:end]
-        self.v[dest, :, start:end] = self.v[source, :, start:end]
+    def copy_positions(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """The keys and values at pool positions source [n] copied to dest [n]."""
+        for pool in (self.k, self.v):
+            pool[0, :, dest] = pool[0, :, source]
 
     def read(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values at positions [0, rows.end): [bsz, heads, end, head_dim]."""
-        if rows.first_slot is not None:
-            block = slice(rows.first_slot, rows.first_slot + len(rows.slots))
-            return self.k[block, :, : rows.end], self.v[block, :, : rows.end]
-        return self.k[rows.slots, :, : rows.end], self.v[rows.slots, :, : rows.end]  # gathered: a copy
+        if rows.run is not None:
+            return tuple(self._rows_in_place(pool, rows, len(rows.slots))[:, :, : rows.end].transpose(0, 1)
+                         for pool in (self.k, self.v))
+        where = places(rows.tables, torch.arange(rows.end, device=rows.tables.device)[None])  # bsz, end
+        return self.k[0][:, where].transpose(0, 1), self.v[0][:, where].transpose(0, 1)  # gathered: copies
+
+    def _rows_in_place(self, pool: torch.Tensor, rows: CacheRows, bsz: int) -> torch.Tensor:
+        """The positions of rows held in one run of the pool (rows.run): [heads, bsz, positions a row, head_dim]."""
+        row_positions = rows.tables.shape[1] * BLOCK_POSITIONS
+        return pool[0, :, rows.run : rows.run + bsz * row_positions].unflatten(1, (bsz, row_positions))
 
 
 def step_through_kernel(seqlen: int, cache: KVCache) -> bool:

@@ -3,9 +3,11 @@
 The figures count exactly what llama_tp allocates per process: its slice of every weight matrix
 (int8 and int4 layers with their scales and zeros or mins), the replicated norms, and the KV cache (KV heads are
 copied when there are more processes than KV heads). Activations and the framework's own
-overhead come on top.
+overhead come on top. Weights and cache are allocated at load, whatever the prompts: a job
+whose weights and cache exceed the memory free on its machine is refused before loading.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,6 +16,7 @@ import torch
 from .args import ModelArgs
 from .kernels import int4
 from .kernels.int8 import group_size
+from .kv_cache import BLOCK_POSITIONS, blocks_for
 from .model import local_kv_heads
 from .quantize import check_quantize, layer_quantization
 
@@ -43,8 +46,10 @@ class MemoryPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Keys and values of every layer, [max_batch_size, local kv heads, max_seq_len, head_dim] each."""
-        per_layer = 2 * self.max_batch_size * self.kv_heads_per_rank * self.max_seq_len * self.args.head_dim
+        """Keys and values of every layer: blocks enough for max_batch_size rows of max_seq_len
+        positions (kv_cache.py), local kv heads x head_dim a position."""
+        positions = self.max_batch_size * blocks_for(self.max_seq_len) * BLOCK_POSITIONS
+        per_layer = 2 * positions * self.kv_heads_per_rank * self.args.head_dim
         return self.args.n_layers * per_layer * self.dtype_bytes
 
     @property
@@ -137,6 +142,35 @@ def report(memory: MemoryPlan) -> str:
             f"work: {', '.join(map(str, working))}"
         )
     return "\n".join(lines)
+
+
+def check_fits(memory: MemoryPlan, device: torch.device, processes_here: int) -> None:
+    """Refuse a plan whose weights and KV cache do not fit in the memory free for this process: its
+    GPU's, or on CPU the machine's, shared by the job's processes_here processes on it."""
+    per_process = memory.weight_bytes + memory.kv_cache_bytes
+    sharing = processes_here if device.type == "cpu" else 1
+    free, where = free_memory(device)
+    if per_process * sharing <= free:
+        return
+    processes = f"{sharing} processes x " if sharing > 1 else ""
+    raise ValueError(
+        f"the weights and KV cache need {processes}{per_process / GIB:.2f} GiB ({memory.weight_bytes / GIB:.2f} + "
+        f"{memory.kv_cache_bytes / GIB:.2f} for batch {memory.max_batch_size} x {memory.max_seq_len} tokens), "
+        f"but {where} has {free / GIB:.2f} GiB free; lower --max_seq_len or --max_batch_size, quantize "
+        "(--quantize int8 or int4), or split the model over more machines"
+    )
+
+
+def free_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes free for new allocations on device, and what to call it in a message."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"GPU {device.index}"
+    try:  # Linux: what can be had without swapping, page cache included
+        with open("/proc/meminfo") as meminfo:
+            available = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(available.split()[1]) * 1024, "this machine"
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
 
 
 def _count(n: int) -> str:

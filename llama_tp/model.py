@@ -6,19 +6,22 @@ to other processes itself.
 
 import math
 import time
-from typing import Optional, Sequence
+from functools import partial
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
 from .kernels import cpu_kernels
-from .kv_cache import CacheRows, KVCache, step_through_kernel
+from .kv_cache import BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, blocks_for, places, step_through_kernel
 from .logs import logger
 from .prefix_cache import PrefixCache
-from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, parallel_embedding,
-                       row_parallel_linear)
+from .parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_linear, gather_objects,
+                       parallel_embedding, row_parallel_linear)
+from .step_graphs import StepGraphs
 
 
 # The model's linear layers, by attribute name: what quantization replaces and packing lays out.
@@ -140,7 +143,8 @@ class Attention(nn.Module):
         operations below (compiled, they are fused)."""
         if rows.kernel_starts is not None and not torch.compiler.is_compiling():
             return cpu_kernels.decode_step_attention(qkv.contiguous(), rows.rotary, self.cache.k, self.cache.v,
-                                                     rows.slots, rows.kernel_starts, self.n_local_heads)
+                                                     rows.tables, rows.kernel_starts, self.n_local_heads,
+                                                     BLOCK_POSITIONS)
         bsz, seqlen, _ = qkv.shape
         one_token_through_kernel = seqlen == 1 and self.cache.kernel_attends
         qk, v = qkv.split(self.qk_v_widths, dim=-1)
@@ -151,9 +155,11 @@ class Attention(nn.Module):
         # bsz, heads, seqlen, head_dim: the layout the cache and attention kernels want
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         self.cache.write(rows, k, v)
-        if one_token_through_kernel:  # compiled: each row reads its cache row up to its own position
+        if rows.block_mask is not None:  # a step of Transformer.decode_step: each row reads what it holds
+            out = attend_own_blocks(q, self.cache.k, self.cache.v, rows.block_mask)
+        elif one_token_through_kernel:  # compiled: each row reads its cache row up to its own position
             lengths = (rows.positions[:, 0] + 1).expand(bsz)
-            out = cpu_kernels.decode_attention(q, self.cache.k, self.cache.v, rows.slots, lengths)
+            out = cpu_kernels.decode_attention(q, self.cache.k, self.cache.v, rows.tables, lengths, BLOCK_POSITIONS)
         else:
             # Without a mask, a prompt from position 0 is plainly causal (the kernel skips the
             # masked half), and a single new token sees everything cached up to end.
@@ -286,8 +292,13 @@ class Transformer(nn.Module):
         return layout
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the KV caches and the rotary table for these runtime limits."""
+        """Allocate the KV caches (kv_cache.py: blocks enough for every row's max_seq_len
+        positions) and the rotary table for these runtime limits; where decoding steps run at the
+        sizes of a ladder (compile_decoding's graphs), one cache row more, which the padding rows
+        write (spare_slot), its every position in one block of its own."""
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        blocks_per_row = blocks_for(max_seq_len)
+        blocks = max_batch_size * blocks_per_row + self.whole_steps
         # A sliding window as long as the caches hides nothing: then attention runs as without one.
         window = self.args.sliding_window
         self.window = window if window is not None and window < max_seq_len else None
@@ -295,17 +306,31 @@ class Transformer(nn.Module):
         self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_batch_size, device=device), persistent=False)
         self.prefix_cache = PrefixCache(max_batch_size)
+        self.block_tables = BlockTables(max_batch_size + self.whole_steps, blocks_per_row, device)
         for layer in self.layers:
             attention = layer.attention
-            attention.cache = KVCache(max_batch_size, max_seq_len, attention.n_local_kv_heads,
-                                      attention.head_dim, device, dtype, windowed=self.window is not None)
+            attention.cache = KVCache(blocks, attention.n_local_kv_heads, attention.head_dim, device, dtype,
+                                      windowed=self.window is not None)
+        if self.whole_steps:
+            self.block_tables.give(self.spare_slot, [blocks - 1])
+            self.step_masks = StepMasks(max_batch_size, blocks * BLOCK_POSITIONS, device)
+            self.graphs = StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device,
+                                     record=device.type == "cuda", after_compiling=self._agree_on_compiling)
+
+    @property
+    def spare_slot(self) -> int:
+        """The cache row that decode_step's padding rows write and no row reads."""
+        return self.max_batch_size
 
     @torch.no_grad()
     def copy_cache_positions(self, source: int, dest: int, start: int, end: int) -> None:
         """Cache row dest takes row source's keys and values at positions [start, end) in every
         layer: a prompt prefilled once serves several rows (the server's `n` choices)."""
+        positions = torch.arange(start, end, device=self.positions.device)[None]
+        tables = self.block_tables.tables
+        source_places, dest_places = (places(tables[row : row + 1], positions)[0] for row in (source, dest))
         for layer in self.layers:
-            layer.attention.cache.copy_positions(source, dest, start, end)
+            layer.attention.cache.copy_positions(source_places, dest_places)
 
     @property
     def exact_steps(self) -> bool:
@@ -318,39 +343,51 @@ class Transformer(nn.Module):
         weights = (self.layers[0].attention.wqkv.weight, self.output.weight)
         return cpu_kernels.runs_on(self.positions.device) or all(weight.dtype == torch.float32 for weight in weights)
 
-    def compile_decoding(self, static_shapes: bool, **compile_options) -> None:
+    def compile_decoding(self, graphs: bool, **compile_options) -> None:
         """Run one-token steps through torch.compile, in equal groups of consecutive layers, then
         the output head.
 
         Every group shares one compiled graph, so compiling costs one group's time: about 1 s a
-        layer when nothing is cached. Each call of a compiled graph costs 100-200 us of checks
+        layer when nothing is cached. Each call of a compiled function costs 100-200 us of checks
         before it runs, which is 15% of a step of the demo model at one layer per call, and 2% in
         three groups of ten (MAX_LAYERS_PER_CALL).
 
-        static_shapes: attend to the whole cache under a mask, so that every step has the same
-        shapes, as CUDA graphs need; otherwise only to the positions filled so far.
+        graphs: run each step whole (decode_step) at the batch sizes of a ladder, as CUDA graphs
+        on a GPU (step_graphs.py), each row reading its cache up to its own position
+        (block_attention.py); otherwise each step at its own size, attending to the positions
+        filled so far. Call before setup_caches (else the caches are made again). Heads narrower
+        than the block masks' kernels take (tests' tiny models) compile without graphs.
         """
         size = layers_per_call(len(self.layers))
         self.decode_layer_groups = [self.layers[first : first + size] for first in range(0, len(self.layers), size)]
         # Before each call, skip checking the parameters of modules whose attributes are unchanged
         # since the call before: a group's checks take half the time.
         fewer_checks = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)
+        self.compile_failure: Optional[Exception] = None
         self.run_decode_layers = fewer_checks(torch.compile(run_layers, **compile_options))
         self.run_decode_head = fewer_checks(torch.compile(run_head, **compile_options))
-        self.static_decode_shapes = static_shapes
+        self.whole_steps = graphs and self.args.head_dim >= MIN_HEAD_DIM and self.args.sliding_window is None
+        if graphs and not self.whole_steps:
+            logger.info(f"heads of {self.args.head_dim} channels (FlexAttention takes {MIN_HEAD_DIM} or more) or a "
+                        f"sliding window ({self.args.sliding_window}): decoding steps compile without CUDA graphs")
+        if self.whole_steps and self.max_batch_size:
+            self.setup_caches(self.max_batch_size, self.max_seq_len, self.rotary.device,
+                              self.layers[0].attention.cache.k.dtype)
 
     @torch.inference_mode()
     def warm_up_decoding(self) -> None:
-        """Compile the one-token step now, for greedy steps (this rank's vocabulary slice) and for
-        sampled ones (the whole vocabulary), rather than in the first requests' steps: compiling
-        takes seconds (11 s for a 7B on an H200), which a server's first clients would wait.
-        Every rank calls it together; cache row 0 is left holding nothing."""
+        """Compile the one-token step now (and record its CUDA graphs), for greedy steps (this
+        rank's vocabulary slice) and sampled ones (the whole vocabulary), rather than in the first
+        requests' steps: compiling takes seconds (11 s for a 7B on an H200), which a server's
+        first clients would wait. Every rank calls it together; only the spare cache row is written."""
         if self.run_decode_layers is run_layers:  # not compiled
             return
         start = time.perf_counter()
-        token = torch.zeros(1, 1, dtype=torch.long, device=self.rotary.device)
-        for vocab_slice in (True, False):
-            for _ in range(2):  # the second call records the CUDA graph the later ones replay
+        if self.graphs is not None:
+            self.graphs.prepare(keys=(True, False))
+        else:
+            token = torch.zeros(1, 1, dtype=torch.long, device=self.rotary.device)
+            for vocab_slice in (True, False):
                 self.forward(token, 0, last_only=True, vocab_slice=vocab_slice, slots=[0])
         logger.info(f"compiled the decoding step in {time.perf_counter() - start:.1f} seconds")
 
@@ -371,21 +408,19 @@ class Transformer(nn.Module):
         column rank * vocab // world size, not gathered from the other ranks (parallel.vocab_argmax).
         """
         bsz, seqlen = tokens.shape
-        rows = self.cache_rows(bsz, seqlen, start_pos, slots)
+        starts, slots = self.checked_rows(bsz, seqlen, start_pos, slots)
+        self._overwrite(slots, starts)
+        if seqlen == 1 and self.graphs is not None:
+            logits = self.graphs.run(tokens[:, 0], slots, starts, vocab_slice)[:, None]
+            self._fall_back_if_compiling_failed()
+            return logits
+        rows = self.cache_rows(bsz, seqlen, starts, slots)
         last = None if lengths is None else torch.tensor(lengths, device=tokens.device) - 1
-        self._overwrite(slots or range(bsz), [start_pos] * bsz if isinstance(start_pos, int) else start_pos)
-        if seqlen == 1 and self.static_decode_shapes:
-            try:
-                return self.every_row_step(tokens, rows, last_only, vocab_slice)
-            except torch._dynamo.exc.TorchDynamoException as error:
-                self._fall_back(error)
-                rows = self.cache_rows(bsz, seqlen, start_pos, slots)
         h = self.tok_embeddings(tokens)
         if seqlen == 1 and self.run_decode_layers is not run_layers:
-            try:
-                return self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
-            except torch._dynamo.exc.TorchDynamoException as error:  # compiling failed, not the step itself
-                self._fall_back(error)
+            logits = self._run(h, rows, compiled=True, last_only=last_only, vocab_slice=vocab_slice)
+            self._fall_back_if_compiling_failed()
+            return logits
         return self._run(h, rows, compiled=False, last_only=last_only, vocab_slice=vocab_slice, last=last)
 
     @torch.inference_mode()
@@ -422,49 +457,77 @@ class Transformer(nn.Module):
         eagerly, not through compile_decoding's graphs."""
         return self.run_decode_layers is run_layers
 
-    def every_row_step(self, tokens: torch.Tensor, rows: CacheRows, last_only: bool, vocab_slice: bool) -> torch.Tensor:
-        """A compiled one-token step for CUDA graphs, which replay only the shapes they were
-        recorded with: every cache row runs (rows.active says which take part; the others' tokens
-        are 0 and their caches unchanged), so that each step has the same shapes and its rows and
-        positions arrive as tensors, whatever rows the step has: one graph, never recompiled, and
-        attention reads the caches where they are instead of gathering the rows' copy."""
-        every_row = torch.zeros(self.max_batch_size, 1, dtype=tokens.dtype, device=tokens.device)
-        every_row.index_copy_(0, rows.slots, tokens)  # max_batch_size, 1
-        logits = self._run(self.tok_embeddings(every_row), rows._replace(slots=self.slot_ids), compiled=True,
-                           last_only=last_only, vocab_slice=vocab_slice)
-        return logits.index_select(0, rows.slots)  # bsz, 1, vocab (or its slice)
+    def decode_step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                    vocab_slice: bool) -> torch.Tensor:
+        """One token a row, all given as tensors [rows] on the device (StepGraphs records it whole):
+        the logits [rows, vocab] in fp32, or this rank's slice of them."""
+        tables = self.block_tables.tables.index_select(0, slots)
+        rows = CacheRows(slots, positions[:, None], self.rotary[positions[:, None]], self.max_seq_len, None, tables,
+                         None, None, self.step_masks.block_mask(tables, positions))
+        h = self.tok_embeddings(tokens[:, None])  # rows, 1, dim
+        for layers in self.decode_layer_groups:
+            h = self._compiled_or_eager(self.run_decode_layers, run_layers, layers, h, rows)
+        return self._compiled_or_eager(self.run_decode_head, run_head, self.norm, self.output, h, not vocab_slice)[:, 0]
 
-    def _fall_back(self, error: Exception) -> None:
-        """After compiling failed: say so once, and decode eagerly from now on."""
-        cause = " ".join(str(error).split())[:400]  # one line
-        logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {type(error).__name__}: {cause}")
+    def _compiled_or_eager(self, compiled: Callable, eager: Callable, *args) -> torch.Tensor:
+        """compiled(*args), or eager(*args) where compiling has failed on this rank: this call's
+        part of the step runs all the same, with the same exchanges between ranks as the compiled
+        code's, so that ranks whose compiling went otherwise stay in step (the failure is dealt
+        with after the step: _fall_back_if_compiling_failed)."""
+        if self.compile_failure is None:
+            try:
+                return compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                self.compile_failure = error
+        return eager(*args)
+
+    def _fall_back_if_compiling_failed(self) -> None:
+        """After a compiled step: if compiling failed on this rank, say so once and decode eagerly
+        from now on."""
+        error = self.compile_failure
+        if error is not None and self.run_decode_layers is not run_layers:
+            self._fall_back(f"{type(error).__name__}: {' '.join(str(error).split())[:400]}")
+
+    def _agree_on_compiling(self) -> bool:
+        """After every rank compiled and recorded a step for a new rung (StepGraphs, at the same
+        step on every rank): if compiling failed on any rank, every rank decodes eagerly from now
+        on, rather than ranks running different code. Whether compiled steps go on."""
+        cause = None if self.compile_failure is None else f"{type(self.compile_failure).__name__}: {self.compile_failure}"
+        failed = [f"on rank {rank}: {cause}" for rank, cause in enumerate(gather_objects(cause)) if cause]
+        if failed:
+            self._fall_back(" ".join(failed[0].split())[:400])
+        return not failed
+
+    def _fall_back(self, cause: str) -> None:
+        """After compiling failed (cause: one line): say so once, and decode eagerly from now on."""
+        logger.warning(f"compiling the decoding step failed, decoding eagerly instead: {cause}")
         self.decode_eagerly()
 
     def _run(self, h: torch.Tensor, rows: CacheRows, compiled: bool, last_only: bool, vocab_slice: bool,
              last: Optional[torch.Tensor] = None) -> torch.Tensor:
         """forward's layers and head on the embedded tokens h, through compile_decoding's functions
-        or eagerly. Run again eagerly after a compiled attempt, a step rewrites the same cache entries."""
+        or eagerly."""
         run, groups, head = run_layers, [self.layers], run_head
         if compiled:
-            run, groups, head = self.run_decode_layers, self.decode_layer_groups, self.run_decode_head
-            if self.static_decode_shapes:
-                # CUDA graphs: the last step's outputs have been consumed, their memory may be reused.
-                torch.compiler.cudagraph_mark_step_begin()
+            run = partial(self._compiled_or_eager, self.run_decode_layers, run_layers)
+            groups, head = self.decode_layer_groups, partial(self._compiled_or_eager, self.run_decode_head, run_head)
         for layers in groups:
             h = run(layers, h, rows)
         if last_only:  # bsz, 1, dim
             h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]
-        return head(self.norm, self.output, h, gather=not vocab_slice)
+        return head(self.norm, self.output, h, not vocab_slice)
 
     def decode_eagerly(self) -> None:
         """Undo compile_decoding: one-token steps run eagerly again."""
         self.run_decode_layers, self.run_decode_head = run_layers, run_head
         self.decode_layer_groups = [self.layers]
-        self.static_decode_shapes = False
+        self.whole_steps = False  # whether one-token steps run as decode_step, through self.graphs
+        self.graphs: Optional[StepGraphs] = None
 
-    def cache_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
-                   slots: Optional[Sequence[int]]) -> CacheRows:
-        """Where tokens [bsz, seqlen] from start_pos go in the caches (see forward), checked."""
+    def checked_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
+                     slots: Optional[Sequence[int]]) -> tuple[list[int], list[int]]:
+        """Each row's start position and cache row for tokens [bsz, seqlen] from start_pos (see
+        forward), checked against the caches."""
         starts = [start_pos] * bsz if isinstance(start_pos, int) else list(start_pos)
         slots = list(range(bsz)) if slots is None else list(slots)
         if len(starts) != bsz or len(slots) != bsz or len(set(slots)) != bsz:
@@ -476,9 +539,17 @@ class Transformer(nn.Module):
                 f"a batch of {bsz} rows at cache rows {slots}, {seqlen} tokens from positions {starts}, does "
                 f"not fit the caches ({self.max_batch_size} x {self.max_seq_len}); raise max_batch_size/max_seq_len"
             )
+        return starts, slots
+
+    def cache_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
+                   slots: Optional[Sequence[int]]) -> CacheRows:
+        """Where tokens [bsz, seqlen] from start_pos go in the caches (see forward), checked."""
+        starts, slots = self.checked_rows(bsz, seqlen, start_pos, slots)
+        end = max(starts) + seqlen
         device = self.positions.device
         first = slots[0] if slots == list(range(slots[0], slots[0] + bsz)) else None
         slot_ids = self.slot_ids[first : first + bsz] if first is not None else torch.tensor(slots, device=device)
+        tables = self.block_tables.of(slots, slot_ids)
         one_start = len(set(starts)) == 1
         if one_start:  # views
             positions = self.positions[starts[0] : starts[0] + seqlen][None]  # 1, seqlen
@@ -488,8 +559,6 @@ class Transformer(nn.Module):
             rotary = self.rotary[positions]  # bsz, seqlen, head_dim // 2, 2
         # Our kernel reads each row up to each token's own position: no mask (compiled one-token steps too).
         kernel_attends = step_through_kernel(seqlen, self.layers[0].attention.cache)
-        if seqlen == 1 and self.static_decode_shapes:
-            return self._every_row(slot_ids, starts)
         mask = None
         if self.window is not None or not kernel_attends and not (one_start and (starts[0] == 0 or seqlen == 1)):
             mask = self.attention_mask(positions, end)  # 1 or bsz, 1, seqlen, end
@@ -497,7 +566,8 @@ class Transformer(nn.Module):
         if kernel_attends:
             rotary = rotary.contiguous()
             kernel_starts = positions[:, 0].expand(bsz)
-        return CacheRows(slot_ids, positions, rotary, end, mask, first, kernel_starts)
+        return CacheRows(slot_ids, positions, rotary, end, mask, tables, self.block_tables.run_start(slots),
+                         kernel_starts)
 
     def attention_mask(self, positions: torch.Tensor, end: int) -> torch.Tensor:
         """Which of the cached positions [0, end) each query at positions [1 or bsz, seqlen] sees,
@@ -507,19 +577,6 @@ class Transformer(nn.Module):
         if self.window is not None:
             mask &= keys > queries - self.window
         return mask
-
-    def _every_row(self, slot_ids: torch.Tensor, starts: list[int]) -> CacheRows:
-        """Where a one-token step of every cache row goes (every_row_step): rows slot_ids at starts
-        take part, the others sit at position 0. Each row attends to the whole cache under a mask,
-        so that every step has the same shapes; the rows are cache rows 0, 1, ..., a view. slots
-        are the rows taking part (every_row_step runs them all)."""
-        device = self.positions.device
-        every_start = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
-        every_start.index_copy_(0, slot_ids, torch.tensor(starts, device=device))
-        positions = every_start[:, None]  # max_batch_size, 1
-        mask = self.attention_mask(positions, self.max_seq_len)  # max_batch_size, 1, 1, max_seq_len
-        active = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device).index_fill_(0, slot_ids, True)
-        return CacheRows(slot_ids, positions, self.rotary[positions], self.max_seq_len, mask, 0, None, active)
 
 
 def layers_per_call(n_layers: int) -> int:

@@ -1,7 +1,6 @@
 """`python -m llama_tp.plan`: see llama_tp/tools/plan.py."""
 
-from .tools.cli import run
-from .tools.plan import main
+from .tools.cli import run_tool
 
 if __name__ == "__main__":
-    run(main)
+    run_tool("llama_tp.tools.plan", "python -m llama_tp.plan")

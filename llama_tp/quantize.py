@@ -8,17 +8,21 @@ checkpoint: checkpoint/quantized.py).
   product runs torch.compile's kernel for grouped_product, which does the same more slowly.
   Other products convert the weight back to the activations' dtype in one compiled pass and
   multiply it through oneDNN. All are compiled on first use (seconds; they need a C++ compiler,
-  as --compile does). On GPUs the same compiled code runs (Triton's), converting the weight back
-  as it reads it. The loader quantizes each weight on the CPU before it moves to its device
-  (checkpoint.load_into), so a model that fits in int8, not in bf16, loads.
+  as --compile does). On GPUs the same compiled code runs (Triton's): in a compiled step, products
+  of up to int8.GPU_SUMMED_MAX_ROWS rows read the weight as int8, converting it back as they read
+  it, and more convert it back to the activations' dtype for cuBLAS. The loader quantizes each
+  weight on the CPU before it moves to its device (checkpoint.load_into), so a model that fits in
+  int8, not in bf16, loads.
 - "int4": weight-only, grouped 4-bit (kernels/int4.py, GGUF's Q4_1 and Q4_0 arithmetic) in the
   transformer's layers, 0.625 bytes per weight; the output head grouped int8, as llama.cpp's
   4-bit files keep theirs at 6-8 bits (the demo model's is Q8_0). The demo model's greedy answers
-  do not change (python -m llama_tp.tools.answer_agreement --quantize int4). CPU only: on CPUs
-  with AVX-512 or AVX2 products of up to int4.MAX_ROWS rows (decoding) run our C++ kernel, which reads
+  do not change (python -m llama_tp.tools.answer_agreement --quantize int4). On CPUs with
+  AVX-512 or AVX2 products of up to int4.MAX_ROWS rows (decoding) run our C++ kernel, which reads
   the 4-bit codes as they are stored, and prompts convert each weight back to fp32 with it and
   multiply through oneDNN; on other CPUs torch.compile's code does the same more slowly (a
-  one-row product reading the codes, as int8's does).
+  one-row product reading the codes, as int8's does). On GPUs of compute capability 8.0 or newer
+  each layer is laid out once, as it loads, for torch's tinygemm kernel (TinygemmInt4Linear,
+  kernels/tinygemm.py).
 - "int8_dynamic": one grid per output channel, multiplied by fbgemm's int8 kernel, which also
   rounds each input row to int8 on the fly (dynamic quantization): 2-4x transformers' fp32 at
   batch 1, but its greedy answers drift from fp32's. CPU and fp32 only.
@@ -32,7 +36,7 @@ import torch
 from torch import nn
 
 from . import parallel
-from .kernels import cpu_kernels, int4, int8, matmul
+from .kernels import cpu_kernels, int4, int8, matmul, tinygemm
 from .kernels.int8 import dequantize, grouped_product, quantize_int8
 from .model import LINEAR_LAYERS
 
@@ -50,8 +54,8 @@ def check_quantize(quantize: Optional[str]) -> None:
 
 
 def check_quantize_on(quantize: Optional[str], device: torch.device) -> None:
-    """Refuse, before anything is loaded, a quantization the device cannot run: int4 off the CPU,
-    or int8 and int4 on a CPU without a C++ compiler for their compiled products."""
+    """Refuse, before anything is loaded, a quantization the device cannot run: int4 without a
+    kernel there, or int8 and int4 on a CPU without a C++ compiler for their compiled products."""
     check_quantize(quantize)
     if quantize == "int4":
         parallel.check_int4_device(device)
@@ -108,9 +112,9 @@ class Int8Linear(nn.Module):
             return self.communicate(matmul.linear(x, weight))
         # Elsewhere (GPUs too) compiled code converts the weight back as it reads it, in one kernel:
         # eagerly that would be an fp32 and an x.dtype copy of every weight at every step.
-        if x.shape[:-1].numel() == 1:  # bound by reading the weight: read it as int8
+        if x.shape[:-1].numel() <= int8.summed_max_rows(x.device):  # bound by reading the weight: read it as int8
             return self.communicate(_run(grouped_product, x, self.weight, self.scales, self.zeros))
-        # Bound by arithmetic: oneDNN's fp32 product on the weight converted back.
+        # Bound by arithmetic: the device's product (oneDNN, cuBLAS) on the weight converted back.
         weight = _run(dequantize, self.weight, self.scales, self.zeros, x.dtype)
         return self.communicate(matmul.linear(x, weight))
 
@@ -118,7 +122,7 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """A parallel linear layer holding its slice of the weight as grouped int4 (kernels/int4.py):
     codes (as `weight`, so that checkpoints name it as every layer's), scales and mins, built as
-    Int8Linear is. CPU only (parallel.check_int4_device)."""
+    Int8Linear is. On GPUs it becomes a TinygemmInt4Linear as the model loads (use_kernels)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  communicate: Callable[[torch.Tensor], torch.Tensor]):
@@ -150,6 +154,33 @@ class Int4Linear(nn.Module):
         if x.numel() <= int4.MAX_ROWS * x.shape[-1]:  # decoding: bound by reading the weight
             return self.communicate(int4.product(x, *operands))
         return self.communicate(matmul.linear(x, int4.weight(*operands).to(x.dtype)))
+
+
+class TinygemmInt4Linear(nn.Module):
+    """An Int4Linear laid out for torch's tinygemm kernel (kernels/tinygemm.py): int4 on GPUs.
+
+    The same codes and groups in tinygemm's packing (as `weight`), with its bf16 scales and zeros,
+    the same bytes as the Int4Linear it is packed from, whose communication it keeps."""
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                 communicate: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.communicate = communicate
+
+    @classmethod
+    def packing(cls, layer: Int4Linear) -> "TinygemmInt4Linear":
+        """layer's weight packed on its device (tinygemm.pack)."""
+        return cls(*tinygemm.pack(layer.weight, layer.scales, layer.mins), layer.communicate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Prompts: the weight converted back, for cuBLAS (tinygemm.MAX_ROWS). tinygemm.dequantize
+        # reads the CUDA packing; torch's CPU twin, which stands in for the tests, takes every row.
+        if x.is_cuda and x.numel() > tinygemm.MAX_ROWS * x.shape[-1]:
+            weight = _run(tinygemm.dequantize, self.weight, self.scales_and_zeros, x.dtype)
+            return self.communicate(matmul.linear(x, weight))
+        return self.communicate(tinygemm.product(x, self.weight, self.scales_and_zeros))
 
 
 def _weight_of(layer: nn.Module, weight: Optional[torch.Tensor]) -> torch.Tensor:
@@ -202,20 +233,31 @@ def _fbgemm_pack(weight: torch.Tensor) -> object:
 
 def replace_linear_layers(model: nn.Module, replacement: Callable[[str, nn.Module], nn.Module]) -> nn.Module:
     """Replace every linear layer of the model (attention, feed-forward, output) in place by
-    replacement(its name in the model, the layer)."""
-    for prefix, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            if name in LINEAR_LAYERS:
-                setattr(module, name, replacement(f"{prefix}.{name}".lstrip("."), child))
+    replacement(its name in the model, the layer). Nothing else here holds a replaced layer, so
+    each is freed as it goes."""
+    parents = [(prefix, module) for prefix, module in model.named_modules()
+               if any(name in LINEAR_LAYERS for name, _ in module.named_children())]
+    for prefix, module in parents:
+        for name in [name for name, _ in module.named_children() if name in LINEAR_LAYERS]:
+            setattr(module, name, replacement(f"{prefix}.{name}".lstrip("."), getattr(module, name)))
     return model
 
 
 def use_kernels(model: nn.Module) -> nn.Module:
-    """Hand the model's int8 and int4 layers to our kernels, where they run (a CPU with AVX-512 or AVX2)."""
+    """Hand the model's int8 and int4 layers to the kernels that take them on their device: ours
+    on a CPU with AVX-512 or AVX2, torch's tinygemm for int4 on a GPU."""
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int4Linear)) and cpu_kernels.decoding_kernels_run_on(module.weight.device):
             module.use_kernel()
-    return model
+    return use_tinygemm(model) if next(model.parameters()).is_cuda else model
+
+
+def use_tinygemm(model: nn.Module) -> nn.Module:
+    """Put TinygemmInt4Linear layers in place of the model's Int4Linear ones, packed on their
+    device, each freed as it goes: on GPUs as the model loads (use_kernels); on a CPU, torch's twin
+    of the kernel multiplies (the tests' stand-in for a GPU)."""
+    return replace_linear_layers(model, lambda name, layer: TinygemmInt4Linear.packing(layer)
+                                 if isinstance(layer, Int4Linear) else layer)
 
 
 def layer_quantization(name: str, quantize: Optional[str]) -> Optional[str]:

@@ -1,7 +1,6 @@
 """`python -m llama_tp.reshard`: see llama_tp/tools/reshard.py."""
 
-from .tools.cli import run
-from .tools.reshard import main
+from .tools.cli import run_tool
 
 if __name__ == "__main__":
-    run(main)
+    run_tool("llama_tp.tools.reshard", "python -m llama_tp.reshard")

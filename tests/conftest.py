@@ -9,7 +9,7 @@ import torch
 from hypothesis import settings
 
 from llama_tp.text.tokenizer import Tokenizer
-from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
+from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, TINY_WIDE_HEADS, full_weights, write_checkpoint
 
 # The suite runs on CPU with gloo wherever it runs, GPUs or not (and so do the processes it starts);
 # tests/gpu/ asks for the GPUs itself.
@@ -65,6 +65,13 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, int], Path]:
                 root / f"{family}-mp{n_shards}", params, weights, n_shards, layout
             )
     return folders
+
+
+@pytest.fixture(scope="session")
+def wide_heads_checkpoint(tmp_path_factory) -> Path:
+    """One shard of TINY_WIDE_HEADS: heads wide enough for the GPU's decoding steps."""
+    return write_checkpoint(tmp_path_factory.mktemp("wide-heads"), TINY_WIDE_HEADS,
+                            full_weights(TINY_WIDE_HEADS, VOCAB), 1, "vocab")
 
 
 @pytest.fixture(params=["torch's ops", "our kernel"])

@@ -51,7 +51,7 @@ def served(tokenizer, max_waiting: int = 8, ready: bool = True, max_seq_len: int
            api_key: Optional[str] = None, formatter=None, **engine_options) -> Iterator[Served]:
     """The app on a free port of 127.0.0.1 with a fake engine behind it (READY unless ready=False);
     formatter: the chat format (default: the one the tokenizer implies)."""
-    mailbox = Mailbox(max_waiting, ServerMetrics())
+    mailbox = Mailbox(max_waiting, ServerMetrics(MODEL))
     generator = Llama(StandInModel(max_seq_len), tokenizer, formatter)
     app = create_app(mailbox, generator, MODEL, api_key)
     server = ServerThread(app, bind("127.0.0.1", 0)).start()
@@ -162,7 +162,8 @@ class FakeEngine:
             self.metrics.time_per_output_token.observe((now - row.first_token_at) / (len(row.tokens) - 1))
         self._finish(request_id, RequestState.FINISHED, Delta(
             text=text, tokens=(token,), logprobs=logprobs, finish_reason=reason,
-            prompt_tokens=len(request.prompt_tokens), completion_tokens=len(row.tokens)))
+            prompt_tokens=len(request.prompt_tokens), completion_tokens=len(row.tokens),
+            stop_string=row.decoder.matched))
 
     def _finish(self, request_id: str, state: RequestState, delta: Delta) -> None:
         row = self._running.pop(request_id)

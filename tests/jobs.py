@@ -13,9 +13,10 @@ import runpy
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from distributed import rendezvous
 
@@ -135,6 +136,40 @@ def start_torchrun(script: Path, args: list[str], stderr_path: Path, launcher: t
         torchrun_command(script, args, launcher=launcher), cwd=PROJECT_ROOT, env=subprocess_env(),
         stdout=subprocess.PIPE, stderr=stderr_path.open("w"), text=True, start_new_session=True,
     )
+
+
+@contextmanager
+def plain_ranks(args: list[str], folder: Path, world_size: int = 2, **env: str) -> Iterator[list[subprocess.Popen]]:
+    """`python args` as world_size ranks, each a process of its own with torchrun's environment and
+    no launcher that would stop the others when one dies (as for ranks on other hosts); rank N's
+    stdout and stderr go to folder/rankN.out and .err. Whatever still runs at the end is killed."""
+    ranks: list[subprocess.Popen] = []
+    with rendezvous() as environment:
+        try:
+            for rank in range(world_size):
+                place = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                             LOCAL_WORLD_SIZE=str(world_size))
+                ranks.append(subprocess.Popen(
+                    [sys.executable, *args], cwd=PROJECT_ROOT, env=subprocess_env(**environment, **env, **place),
+                    stdout=(folder / f"rank{rank}.out").open("w"), stderr=(folder / f"rank{rank}.err").open("w"),
+                ))
+            yield ranks
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                rank.wait()
+
+
+def wait_for_text(ranks: list[subprocess.Popen], paths: list[Path], text: str, timeout: float) -> None:
+    """Wait until each of paths holds text; fail if a rank ends first or it takes longer."""
+    deadline = time.monotonic() + timeout
+    while not all(text in path.read_text() for path in paths):
+        ended = [rank.args for rank in ranks if rank.poll() is not None]
+        assert not ended, f"a rank ended before writing {text!r}: " + " ".join(
+            path.read_text() for path in paths[0].parent.glob("rank*.err"))
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout} s"
+        time.sleep(0.1)
 
 
 def wait_for_log_line(job: subprocess.Popen, stderr_path: Path, text: str, timeout: float) -> None:

@@ -1,7 +1,9 @@
 """The server tests as the server's clients: the official openai client, values from /metrics,
 and the check that the server still serves."""
 
+import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -48,3 +50,22 @@ def assert_serves(url: str) -> None:
 def assert_idle(url: str) -> None:
     """Nothing waits or runs any more (the fake engine keeps the gauges as the real one does)."""
     wait_until(lambda: metric(url, "llama_tp_requests_running") == 0 and metric(url, "llama_tp_requests_waiting") == 0)
+
+
+def anthropic_events(text: str) -> list[tuple[str, dict]]:
+    """An Anthropic stream's events, pings too (its client hides them), as (event type, data)."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        events.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    assert all(kind == data["type"] for kind, data in events), events
+    return events
+
+
+def whole_through_a_failure(served, path: str, body: dict, error: str) -> httpx.Response:
+    """The answer to a whole (not streamed) request when the fake engine fails while it runs."""
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, f"{served.url}{path}", json=body, timeout=10)
+        wait_until(lambda: metric(served.url, "llama_tp_requests_running") == 1)
+        served.engine.end_all("error", error)
+        return whole.result()

@@ -31,9 +31,9 @@ class Harness:
     """An engine serving generator's model in a thread; submit requests as the HTTP side would."""
 
     def __init__(self, generator: Llama, max_prefill_tokens: int = 16, max_waiting: int = 64, start: bool = True,
-                 mailbox: Optional[Mailbox] = None):
+                 mailbox: Optional[Mailbox] = None, model_name: str = "harness"):
         self.generator = generator
-        self.mailbox = mailbox or Mailbox(max_waiting, ServerMetrics())
+        self.mailbox = mailbox or Mailbox(max_waiting, ServerMetrics(model_name))
         self.engine = Engine(generator, max_prefill_tokens, self.mailbox)
         self.stopping = threading.Event()
         self.loop = asyncio.new_event_loop()
@@ -88,13 +88,14 @@ class Harness:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-class HttpServer(Harness):
-    """The app on a port of 127.0.0.1 the OS chose, the real engine in a thread behind it."""
+class HttpHarness(Harness):
+    """The HTTP side on a port the OS chose, with the real engine behind it; app_options as
+    create_app takes them."""
 
-    def __init__(self, generator: Llama, model: str, mailbox: Optional[Mailbox] = None, api_key: Optional[str] = None,
-                 limits: ServerLimits = ServerLimits()):
-        super().__init__(generator, mailbox=mailbox)
-        self.app = create_app(self.mailbox, generator, model, api_key, limits)
+    def __init__(self, generator: Llama, model_name: str, mailbox: Optional[Mailbox] = None, **app_options):
+        super().__init__(generator, mailbox=mailbox, model_name=model_name)
+        self.app = create_app(self.mailbox, generator, model_name, **app_options)
+        limits = app_options.get("limits", ServerLimits())
         self.http = ServerThread(self.app, bind("127.0.0.1", 0), read_timeout=limits.read_timeout).start()
         self.url = self.http.url
 

@@ -1,7 +1,7 @@
 """One new token's attention through our CPU kernel: scaled_dot_product_attention's result for
-every grouping of query heads, head width and cache length, eager and compiled; the whole eager
-step (rotation, cache write, attention) as the model's Python does it; and the model's one-token
-steps take it where it runs."""
+every grouping of query heads, head width and cache length, each row's positions in blocks its
+table scatters over the pools, eager and compiled; the whole eager step (rotation, cache write,
+attention) as the model's Python does it; and the model's one-token steps take it where it runs."""
 
 import pytest
 import torch
@@ -9,74 +9,93 @@ import torch.nn.functional as F
 
 from llama_tp import Llama
 from llama_tp.kernels import cpu_kernels
-from llama_tp.kv_cache import MAX_KERNEL_STEP_TOKENS
+from llama_tp.kv_cache import BLOCK_POSITIONS, MAX_KERNEL_STEP_TOKENS, places
 from llama_tp.model import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
                                 reason="the kernel needs AVX-512 or AVX2")
 
 
-def _attention_inputs(batch, heads, kv_heads, head_dim, positions, cached=64, seed=0):
-    """q [batch, heads, 1, head_dim], and preallocated caches [batch + 2, kv_heads, cached,
-    head_dim] whose rows 2, 3, ... hold the batch's keys and values (rows elsewhere than 0..batch-1,
-    as a server's batch sits), each row's first `positions[r]` positions filled."""
+def _pools(kv_heads, head_dim, blocks, generator):
+    """Random pools of keys and values [1, kv_heads, blocks * BLOCK_POSITIONS, head_dim]."""
+    return torch.randn(2, 1, kv_heads, blocks * BLOCK_POSITIONS, head_dim, generator=generator)
+
+
+def _scattered_tables(batch, positions, generator):
+    """Block tables [batch, blocks a row] for rows holding `positions` positions at most, each row's
+    blocks scattered over a pool with blocks to spare (none in order), and the pool's block count."""
+    blocks_per_row = max(positions) // BLOCK_POSITIONS + 1
+    blocks = batch * blocks_per_row + 3
+    order = torch.randperm(blocks, generator=generator)[: batch * blocks_per_row]
+    return order.view(batch, blocks_per_row), blocks
+
+
+def _row(pool, table, length):
+    """A row's first `length` positions of a pool, through its block table: [kv heads, length, head_dim]."""
+    return pool[0][:, places(table[None], torch.arange(length)[None])[0]]
+
+
+def _attention_inputs(batch, heads, kv_heads, head_dim, positions, seed=0):
+    """q [batch, heads, 1, head_dim], pools whose blocks the rows' tables scatter, the tables and the lengths."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, 1, head_dim, generator=generator) * 4  # some near-one-hot weights
-    k_cache, v_cache = torch.randn(2, batch + 2, kv_heads, cached, head_dim, generator=generator)
-    slots = torch.arange(2, batch + 2).flip(0)  # out of order too
-    return q, k_cache, v_cache, slots, torch.tensor(positions)
+    tables, blocks = _scattered_tables(batch, positions, generator)
+    k_pool, v_pool = _pools(kv_heads, head_dim, blocks, generator)
+    return q, k_pool, v_pool, tables, torch.tensor(positions)
 
 
-def _expected_attention(q, k_cache, v_cache, slots, lengths):
+def _expected_attention(q, k_pool, v_pool, tables, lengths):
     """scaled_dot_product_attention row by row, in double precision."""
-    rows = [F.scaled_dot_product_attention(q[r : r + 1].double(), k_cache[slot : slot + 1, :, :length].double(),
-                                           v_cache[slot : slot + 1, :, :length].double(), enable_gqa=True)
-            for r, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist()))]
+    rows = [F.scaled_dot_product_attention(q[r : r + 1].double(), _row(k_pool, table, length)[None].double(),
+                                           _row(v_pool, table, length)[None].double(), enable_gqa=True)
+            for r, (table, length) in enumerate(zip(tables, lengths.tolist()))]
     return torch.cat(rows)
 
 
 # 9 heads on 3 kv heads (the demo model's), one head per kv head, all heads on one; 17 and 33
-# positions leave a tail of a register (16 or 8 lanes); 8 rows split between threads, each its own length.
+# positions leave a tail of a register (16 or 8 lanes); 8 rows split between threads, each its own
+# length; contexts of several blocks, attended in parts.
 @pytest.mark.parametrize("batch, heads, kv_heads, head_dim, positions", [
     (1, 9, 3, 64, [1]), (1, 9, 3, 64, [17]), (8, 9, 3, 64, [60, 1, 33, 17, 2, 64, 5, 48]), (3, 4, 4, 48, [33] * 3),
-    (2, 8, 1, 128, [16, 3]), (2, 4, 2, 16, [5, 5]),
+    (2, 8, 1, 128, [16, 3]), (2, 4, 2, 16, [5, 5]), (3, 9, 3, 64, [65, 200, 128]),
 ])
 def test_decode_attention_is_scaled_dot_product_attention(batch, heads, kv_heads, head_dim, positions):
-    q, k_cache, v_cache, slots, lengths = _attention_inputs(batch, heads, kv_heads, head_dim, positions)
-    got = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths)
+    q, k_pool, v_pool, tables, lengths = _attention_inputs(batch, heads, kv_heads, head_dim, positions)
+    got = cpu_kernels.decode_attention(q, k_pool, v_pool, tables, lengths, BLOCK_POSITIONS)
     assert got.shape == q.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), _expected_attention(q, k_cache, v_cache, slots, lengths),
+    torch.testing.assert_close(got.double(), _expected_attention(q, k_pool, v_pool, tables, lengths),
                                atol=2e-6, rtol=1e-5)
 
 
 def test_scores_far_below_the_largest_weigh_nothing():
-    q, k_cache, v_cache, slots, lengths = _attention_inputs(1, 2, 1, 16, [20])
-    k_cache[2, 0, 3] = q[0, 0, 0] * 100  # a score thousands above the others for head 0
-    got = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths)
-    torch.testing.assert_close(got[0, 0, 0], v_cache[2, 0, 3])
+    q, k_pool, v_pool, tables, lengths = _attention_inputs(1, 2, 1, 16, [20])
+    place = tables[0, 0] * BLOCK_POSITIONS + 3
+    k_pool[0, 0, place] = q[0, 0, 0] * 100  # a score thousands above the others for head 0
+    got = cpu_kernels.decode_attention(q, k_pool, v_pool, tables, lengths, BLOCK_POSITIONS)
+    torch.testing.assert_close(got[0, 0, 0], v_pool[0, 0, place])
     assert torch.isfinite(got).all()
 
 
-def test_decode_attention_refuses_rows_outside_the_cache():
-    q, k_cache, v_cache, slots, _ = _attention_inputs(2, 4, 2, 16, [5, 5])
-    with pytest.raises(RuntimeError, match="row 1: cache row 2 or position 65 outside the cache"):
-        cpu_kernels.decode_attention(q, k_cache, v_cache, slots, torch.tensor([5, 65]))
-    with pytest.raises(RuntimeError, match="row 0: cache row 9"):
-        cpu_kernels.decode_attention(q, k_cache, v_cache, torch.tensor([9, 2]), torch.tensor([5, 5]))
+def test_decode_attention_refuses_positions_outside_the_tables_or_blocks_outside_the_pools():
+    q, k_pool, v_pool, tables, _ = _attention_inputs(2, 4, 2, 16, [5, 5])
+    with pytest.raises(RuntimeError, match="row 1: position 65 outside its block table"):
+        cpu_kernels.decode_attention(q, k_pool, v_pool, tables, torch.tensor([5, 65]), BLOCK_POSITIONS)
+    with pytest.raises(RuntimeError, match="row 0: block 9 outside the pools"):
+        cpu_kernels.decode_attention(q, k_pool, v_pool, torch.tensor([[9], [2]]), torch.tensor([5, 5]), BLOCK_POSITIONS)
 
 
 def test_compiled_decode_attention_calls_the_kernel_as_it_is():
-    inputs = _attention_inputs(2, 9, 3, 64, [21, 4])
+    inputs = _attention_inputs(2, 9, 3, 64, [21, 70]) + (BLOCK_POSITIONS,)
     cpu_kernels.load_decoding_kernels()
     torch._dynamo.reset()
     compiled = torch.compile(cpu_kernels.decode_attention, fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(*inputs), cpu_kernels.decode_attention(*inputs))
 
 
-# The demo model's grouping at one and three rows (a cache for five), one head per kv head, and
-# the first position (attending to itself alone) and the cache's last; rows at one position
-# (Meta's schedule) or each at its own (continuous batching); contexts attended in parts (longer
-# than kPartPositions, 64), with a part of one position, beside contexts of one part.
+# The demo model's grouping at one and three rows, one head per kv head, and the first position
+# (attending to itself alone); rows at one position (Meta's schedule) or each at its own
+# (continuous batching); contexts attended in parts (longer than a block), with a part of one
+# position, beside contexts of one part.
 @pytest.mark.parametrize("batch, heads, kv_heads, head_dim, positions", [
     (1, 9, 3, 64, [39]), (3, 9, 3, 64, [16, 16, 16]), (3, 9, 3, 64, [16, 0, 47]), (2, 4, 4, 16, [0, 0]),
     (2, 8, 2, 32, [47, 30]), (1, 9, 3, 64, [299]), (3, 9, 3, 64, [64, 10, 200]), (2, 8, 2, 32, [128, 63]),
@@ -86,25 +105,26 @@ def test_decode_step_rotates_caches_and_attends_as_the_model_does(batch, heads, 
     qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, generator=generator)
     angles = torch.rand(batch, 1, head_dim // 2, generator=generator) * 6.3
     turns = torch.stack([angles.cos(), angles.sin()], dim=-1)  # batch, 1, head_dim // 2, 2
-    capacity = max(48, max(positions) + 1)
-    k_cache, v_cache = torch.randn(2, 5, kv_heads, capacity, head_dim, generator=generator)
-    slots, positions = torch.tensor([4, 1, 2][:batch]), torch.tensor(positions)
+    tables, blocks = _scattered_tables(batch, positions, generator)
+    k_pool, v_pool = _pools(kv_heads, head_dim, blocks, generator)
+    positions = torch.tensor(positions)
 
     q, k, v = (part.unflatten(-1, (-1, head_dim)) for part in qkv.split(
         (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))  # batch, 1, heads, head_dim
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    expected_k[slots, :, positions] = apply_rotary(k, turns)[:, 0]
-    expected_v[slots, :, positions] = v[:, 0]
-    expected = _expected_attention(apply_rotary(q, turns).transpose(1, 2), expected_k, expected_v, slots, positions + 1)
+    expected_k, expected_v = k_pool.clone(), v_pool.clone()
+    where = places(tables, positions[:, None])[:, 0]  # batch
+    expected_k[0, :, where] = apply_rotary(k, turns)[:, 0].transpose(0, 1)
+    expected_v[0, :, where] = v[:, 0].transpose(0, 1)
+    expected = _expected_attention(apply_rotary(q, turns).transpose(1, 2), expected_k, expected_v, tables, positions + 1)
     expected = expected.transpose(1, 2).reshape(batch, 1, heads * head_dim)
 
-    got = cpu_kernels.decode_step_attention(qkv, turns, k_cache, v_cache, slots, positions, heads)
+    got = cpu_kernels.decode_step_attention(qkv, turns, k_pool, v_pool, tables, positions, heads, BLOCK_POSITIONS)
     assert got.shape == (batch, 1, heads * head_dim)
     torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(k_cache, expected_k, atol=1e-6, rtol=1e-6)  # the other rows untouched
-    assert torch.equal(v_cache, expected_v)
-    one_turn = cpu_kernels.decode_step_attention(qkv, turns[:1], k_cache.clone(), v_cache.clone(), slots,
-                                                 positions, heads)  # one angle for every row: as Meta's schedule
+    torch.testing.assert_close(k_pool, expected_k, atol=1e-6, rtol=1e-6)  # the other positions untouched
+    assert torch.equal(v_pool, expected_v)
+    one_turn = cpu_kernels.decode_step_attention(qkv, turns[:1], k_pool.clone(), v_pool.clone(), tables,
+                                                 positions, heads, BLOCK_POSITIONS)  # one angle for every row
     assert one_turn[:1].equal(got[:1])  # row 0's own angle
 
 
@@ -117,13 +137,14 @@ def test_a_steps_token_gets_the_bits_of_a_step_of_its_own_alone_or_among_other_r
     qkv = torch.randn(3, tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
     angles = torch.rand(3, tokens, head_dim // 2, generator=generator) * 6.3
     turns = torch.stack([angles.cos(), angles.sin()], dim=-1)
-    caches = torch.randn(2, 4, kv_heads, 300, head_dim, generator=generator)
-    slots, positions = torch.tensor([2, 0, 3]), torch.tensor([start, 7, start + 30])
-    together = cpu_kernels.decode_step_attention(qkv, turns, *caches.clone(), slots, positions, heads)
-    k_cache, v_cache = caches.clone()
+    tables, blocks = _scattered_tables(3, [300], generator)
+    pools = _pools(kv_heads, head_dim, blocks, generator)
+    positions = torch.tensor([start, 7, start + 30])
+    together = cpu_kernels.decode_step_attention(qkv, turns, *pools.clone(), tables, positions, heads, BLOCK_POSITIONS)
+    k_pool, v_pool = pools.clone()
     for t in range(tokens):  # row 0 alone, a token a step
-        alone = cpu_kernels.decode_step_attention(qkv[:1, t : t + 1], turns[:1, t : t + 1], k_cache, v_cache,
-                                                  slots[:1], positions[:1] + t, heads)
+        alone = cpu_kernels.decode_step_attention(qkv[:1, t : t + 1], turns[:1, t : t + 1], k_pool, v_pool,
+                                                  tables[:1], positions[:1] + t, heads, BLOCK_POSITIONS)
         assert torch.equal(alone[0, 0], together[0, t])
 
 

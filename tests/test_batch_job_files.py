@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jobs import LAUNCH, PROJECT_ROOT, subprocess_env
-from llama_tp.tools.job_output import JobProgress, ResultLog
+from llama_tp.tools.job_output import JobProgress, ResultLog, check_output
 from llama_tp.tools.prompts import load_prompts
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
@@ -45,8 +45,38 @@ def test_resuming_keeps_whole_lines_and_cuts_a_half_written_one(tmp_path):
     assert path.read_text().endswith("}\n")
     with pytest.raises(ValueError, match="not that prompt of --prompts_file"):
         ResultLog(str(path), PROMPTS[1:], resume=True)
-    assert ResultLog(str(path), PROMPTS, resume=False).done == {}  # without --resume: afresh
+    assert ResultLog(str(path), PROMPTS, resume=False, overwrite=True).done == {}  # --overwrite: afresh
     assert path.read_text() == ""
+
+
+def test_results_are_never_replaced_unasked(tmp_path):
+    path = tmp_path / "out.jsonl"
+    check_output(str(path), resume=False, overwrite=False)  # nothing there yet
+    path.write_text('{"index": 0}\n')
+    with pytest.raises(ValueError, match=f"^--output_jsonl {path} already holds results; pass --resume to go on "
+                                         "from them, or --overwrite to replace them$"):
+        ResultLog(str(path), PROMPTS, resume=False)
+    assert path.read_text() == '{"index": 0}\n'
+    with pytest.raises(ValueError, match="--resume goes on from the results in --output_jsonl and --overwrite "
+                                         "discards them; pass one"):
+        check_output(str(path), resume=True, overwrite=True)
+    with pytest.raises(ValueError, match="--overwrite is about the results in --output_jsonl; pass --output_jsonl FILE"):
+        check_output(None, resume=False, overwrite=True)
+    with pytest.raises(FileNotFoundError, match="folder .*nowhere does not exist"):
+        check_output(str(tmp_path / "nowhere" / "out.jsonl"), resume=False, overwrite=False)
+
+
+def test_a_script_refuses_to_replace_results_before_loading(tmp_path):
+    """The missing checkpoint shows that nothing was loaded: the file was refused first."""
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"index": 0, "prompt": "x", "generation": "y"}\n')
+    done = subprocess.run([sys.executable, str(LAUNCH / "text_completion.py"), "--ckpt_dir", str(tmp_path / "none"),
+                           "--tokenizer_path", str(LLAMA2_TOKENIZER), "--output_jsonl", str(results)],
+                          cwd=PROJECT_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr == (f"llama_tp error on rank 0: --output_jsonl {results} already holds results; pass "
+                           "--resume to go on from them, or --overwrite to replace them\n")
+    assert results.read_text() == '{"index": 0, "prompt": "x", "generation": "y"}\n'
 
 
 def test_progress_says_prompts_done_tokens_a_second_and_time_left():

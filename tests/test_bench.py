@@ -105,8 +105,9 @@ def test_bench_rejects_unknown_comparison(tiny_ckpt, tmp_path):
 
 def test_bench_says_how_to_install_llama_cpp_when_it_is_missing(tiny_ckpt, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the package were not installed
-    with pytest.raises(ModuleNotFoundError, match=r"--compare llamacpp needs the 'llama_cpp' package, which is not "
-                                                  r"installed; run: pip install \"llama-tp\[llamacpp\]\".*cmake"):
+    with pytest.raises(ModuleNotFoundError, match=r"--compare llamacpp needs the 'llama_cpp' package \(the 'llamacpp' "
+                                                  r"extra\), which is not installed; run: pip install .*\[llamacpp\]\""
+                                                  r"; pip builds llama.cpp .* cmake"):
         main(ckpt_dir=str(tiny_ckpt), compare="llamacpp", gguf=str(tmp_path / "x.gguf"), load_repeats=0,
              json_path=str(tmp_path / "x.json"))
 

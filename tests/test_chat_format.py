@@ -88,8 +88,12 @@ def test_the_recorded_format_wins_over_the_tokenizers():
     ([], "a dialog must be a non-empty list of messages, found []"),
     ({"role": "user"}, "a dialog must be a non-empty list of messages, found {'role': 'user'}"),
     ([{"role": "user", "content": "a", "x": 1}],
-     "message 0 must be {'role': ..., 'content': ...}, found {'role': 'user', 'content': 'a', 'x': 1}"),
-    (["hi"], "message 0 must be {'role': ..., 'content': ...}, found 'hi'"),
+     "message 0 must be {'role': ..., 'content': ...} (an assistant's may add 'reasoning_content'), found "
+     "{'role': 'user', 'content': 'a', 'x': 1}"),
+    (["hi"], "message 0 must be {'role': ..., 'content': ...} (an assistant's may add 'reasoning_content'), "
+     "found 'hi'"),
+    ([{"role": "user", "content": "a", "reasoning_content": "b"}],
+     "message 0: 'reasoning_content' is an assistant's thinking, a string; found 'b' in a 'user' message"),
     ([{"role": "tool", "content": "a"}], "message 0 has role 'tool'; roles are system, user, assistant"),
     ([{"role": "user", "content": ["a"]}], "message 0 content must be a string, found ['a']"),
     ([{"role": "system", "content": "s"}], "message 0 is a system message with no user message after it"),

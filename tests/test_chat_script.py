@@ -88,6 +88,36 @@ def test_ctrl_c_in_a_terminal_stops_only_the_reply(checkpoints):
     assert os.waitstatus_to_exitcode(status) == 0, screen.text
 
 
+def test_a_terminal_edits_lines_keeps_history_and_drops_a_line_at_ctrl_c(checkpoints):
+    """readline on rank 0, while its heartbeats keep rank 1 (waiting in a broadcast) from timing out."""
+    command = torchrun_command(2, str(LAUNCH / "chat.py"), "--ckpt_dir", checkpoints[2], "--tokenizer_path",
+                               str(LLAMA2_TOKENIZER), "--temperature", "0", "--max_seq_len", "64")
+    pid, terminal = pty.fork()
+    if pid == 0:
+        os.chdir(ROOT)
+        os.execve(command[0], command, environment() | {"LLAMA_TP_TIMEOUT": "15"})
+    screen, status = Screen(terminal), None
+    try:
+        screen.wait_for("You: ")
+        time.sleep(20)  # idle beyond the timeout: only the heartbeats keep rank 1 waiting
+        os.write(terminal, b"/rset" + b"\x1b[D" * 3 + b"e\r")  # three steps left, an e: /reset
+        screen.wait_for("(conversation cleared)\r\nYou: ")
+        os.write(terminal, b"\x1b[A\r")  # up: the line before, again
+        screen.wait_for("(conversation cleared)\r\nYou: ")
+        os.write(terminal, b"half a thought\x03")  # Ctrl-C, no Enter
+        screen.wait_for("(line cancelled)\r\nYou: ", timeout=10)
+        os.write(terminal, b"\x04")
+        screen.wait_for("(end of input)")
+        _, status = os.waitpid(pid, 0)
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)
+        screen.drain()
+        os.close(terminal)
+    assert os.waitstatus_to_exitcode(status) == 0, screen.text
+
+
 class Screen:
     """What a program writes to a pseudo-terminal, read until an expected text shows up."""
 

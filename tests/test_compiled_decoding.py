@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from kv_rows import by_row
 from llama_tp import Llama, model
 
 PROMPTS = [[1, 450, 4996, 17354, 1701], [1, 306, 4658], [1, 18637, 29892, 3186, 29991, 910, 338]]
@@ -104,45 +105,62 @@ def test_compiled_quantized_decoding_equals_eager(checkpoints, tokenizer_path, e
     assert_same_greedy(compiled, eager_quantized)
 
 
+# Whole steps compiled on CPU through AOTAutograd alone: Inductor's code for FlexAttention on CPUs
+# cannot read the queries where a step of one row leaves them (a view of the rotation's output),
+# and GPUs run Triton's instead (tests/gpu).
+CPU_BACKEND = "aot_eager"
+
+
+def whole_steps(folder: str, tokenizer_path: str, max_batch_size: int = 3, **compile_options) -> Llama:
+    """A model whose one-token steps run as on a GPU (decode_step at the ladder's sizes, through
+    block masks), compiled as compile_options say, without CUDA graphs (the CPU has none)."""
+    llama = build(folder, tokenizer_path, compile=False, max_batch_size=max_batch_size)
+    llama.model.compile_decoding(graphs=True, **compile_options)
+    assert llama.model.whole_steps
+    return llama
+
+
 @pytest.mark.slow
-def test_static_shapes_compile_one_step_for_every_position(checkpoints, tokenizer_path, eager, monkeypatch):
-    """The CUDA-graph layout (the whole cache under a mask) gives the same logits, and every
-    one-token step at a batch size reuses one compiled graph: nothing depends on the position,
-    nor on which group of layers runs (one layer a group here, so two groups)."""
+def test_whole_steps_compile_one_step_for_every_position(wide_heads_checkpoint, tokenizer_path, monkeypatch):
+    """The GPU's step (each row reading its cache through a block mask, at the ladder's sizes)
+    gives eager decoding's logits, and every one-token step at a batch size reuses one compiled
+    graph: nothing depends on the position, nor on which group of layers runs (one layer a group
+    here, so two groups)."""
     torch._dynamo.reset()
     monkeypatch.setattr(model, "MAX_LAYERS_PER_CALL", 1)
-    llama = build(str(checkpoints["llama3", 1]), tokenizer_path, compile=False)
-    llama.model.compile_decoding(static_shapes=True, dynamic=False)
+    expected = step_logits(build(str(wide_heads_checkpoint), tokenizer_path, compile=False))
+    llama = whole_steps(str(wide_heads_checkpoint), tokenizer_path, dynamic=False, backend=CPU_BACKEND)
     assert len(llama.model.decode_layer_groups) == 2
     torch._dynamo.utils.counters.clear()
     logits = step_logits(llama)
-    assert logits.keys() == eager()[0].keys()
+    assert logits.keys() == expected.keys()
     for batch in logits:
-        for got, want in zip(logits[batch], eager()[0][batch], strict=True):
+        for got, want in zip(logits[batch], expected[batch], strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # A group's graph and the head's, for batch 3 and batch 1 alike (a step runs every cache row),
-    # however many positions were stepped through.
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    # A group's graph and the head's, for batch 3 (the rung of 3 rows) and batch 1, however many
+    # positions were stepped through.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
 
 
 @pytest.mark.slow
-def test_static_shapes_serve_staggered_rows_without_recompiling(checkpoints, tokenizer_path):
+def test_whole_steps_serve_staggered_rows_without_recompiling(wide_heads_checkpoint, tokenizer_path):
     """Rows anywhere in the cache, each at its own position, in batches of any size (a server's
-    steps, speculation after a row ends): after one warm-up step, the CUDA-graph layout never
-    compiles again, and its logits are eager decoding's; rows outside a step keep their caches."""
+    steps, speculation after a row ends): after the warm-up, the GPU's step layout never compiles
+    again, and its logits are eager decoding's; rows outside a step keep their caches, and the
+    padding rows write only the spare cache row."""
     torch._dynamo.reset()
-    folder = str(checkpoints["llama3", 1])
-    eager_model = build(folder, tokenizer_path, compile=False).model
-    compiled = build(folder, tokenizer_path, compile=False).model
-    compiled.compile_decoding(static_shapes=True, dynamic=False)
-    tokens = torch.randint(0, 32000, (3, 20), generator=torch.Generator().manual_seed(5))
-    prompts = [(0, 0, 6), (1, 0, 3), (2, 0, 9)]  # cache row, start, length
+    folder = str(wide_heads_checkpoint)
+    eager_model = build(folder, tokenizer_path, compile=False, max_batch_size=5).model
+    compiled = whole_steps(folder, tokenizer_path, max_batch_size=5, dynamic=False, backend=CPU_BACKEND).model
+    assert compiled.graphs.rungs == [1, 2, 4, 5]
+    tokens = torch.randint(0, 32000, (5, 20), generator=torch.Generator().manual_seed(5))
+    prompts = [(0, 0, 6), (1, 0, 3), (2, 0, 9), (3, 0, 4), (4, 0, 2)]  # cache row, start, length
     for model_ in (eager_model, compiled):
         for slot, start, length in prompts:
             model_.forward(tokens[slot : slot + 1, start : start + length], start, slots=[slot])
-    compiled.forward(tokens[:1, 6:7], 6, slots=[0])  # warm-up: compiles the one graph
-    eager_model.forward(tokens[:1, 6:7], 6, slots=[0])
-    steps = [([2, 0], [9, 7]), ([1], [3]), ([0, 1, 2], [8, 4, 10]), ([2, 1], [11, 5]), ([1], [6]), ([0, 2], [9, 12])]
+    compiled.warm_up_decoding()
+    steps = [([2, 0], [9, 7]), ([1], [3]), ([0, 1, 2], [8, 4, 10]), ([2, 1], [11, 5]), ([1], [6]),
+             ([0, 2, 3, 4], [9, 12, 4, 2]), ([4, 3, 1, 0, 2], [3, 5, 7, 10, 13])]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for slots, starts in steps:
             step_tokens = torch.stack([tokens[slot, start : start + 1] for slot, start in zip(slots, starts)])
@@ -150,17 +168,32 @@ def test_static_shapes_serve_staggered_rows_without_recompiling(checkpoints, tok
             want = eager_model.forward(step_tokens, starts, slots=slots)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for layer, eager_layer in zip(compiled.layers, eager_model.layers):
-        torch.testing.assert_close(layer.attention.cache.k[:, :, :13], eager_layer.attention.cache.k[:, :, :13])
+        torch.testing.assert_close(by_row(layer.attention.cache.k, compiled)[:5, :, :14],
+                                   by_row(eager_layer.attention.cache.k, eager_model)[:, :, :14])
+
+
+def test_a_step_runs_at_the_next_rung_with_spare_rows_padding(wide_heads_checkpoint, tokenizer_path):
+    """A step of b rows runs at the ladder's next size: the step function sees that many rows, the
+    spare ones in the spare cache row at position 0, and the caller gets its b rows' logits."""
+    llama = whole_steps(str(wide_heads_checkpoint), tokenizer_path, max_batch_size=6, backend="eager")
+    graphs = llama.model.graphs
+    assert graphs.rungs == [1, 2, 4, 6] and graphs.rung(3) == 4 and graphs.rung(5) == 6
+    seen = []
+    step = graphs.step
+    graphs.step = lambda tokens, slots, positions, key: seen.append((slots.tolist(), positions.tolist())) or step(
+        tokens, slots, positions, key)
+    logits = llama.model.forward(torch.tensor([[5], [7], [9]]), [3, 1, 2], slots=[4, 0, 2])
+    assert seen == [([4, 0, 2, 6], [3, 1, 2, 0])] and logits.shape == (3, 1, 32000)
+    assert llama.model.spare_slot == 6 and llama.model.block_tables.tables.shape[0] == 7
 
 
 @pytest.mark.slow
-def test_a_warmed_up_step_compiles_nothing_more_for_greedy_or_sampled_rows(checkpoints, tokenizer_path):
+def test_a_warmed_up_step_compiles_nothing_more_for_greedy_or_sampled_rows(wide_heads_checkpoint, tokenizer_path):
     """launch/serve.py warms the compiled step up before it says it serves: afterwards neither a
     greedy step (the vocabulary slice) nor a sampled one (the whole vocabulary) compiles, and the
     warm-up leaves no cache row holding anything."""
     torch._dynamo.reset()
-    compiled = build(str(checkpoints["llama3", 1]), tokenizer_path, compile=False).model
-    compiled.compile_decoding(static_shapes=True, dynamic=False)
+    compiled = whole_steps(str(wide_heads_checkpoint), tokenizer_path, dynamic=False, backend=CPU_BACKEND).model
     compiled.warm_up_decoding()
     assert compiled.prefix_cache.rows[0] == []
     tokens = torch.randint(0, 32000, (1, 7), generator=torch.Generator().manual_seed(2))

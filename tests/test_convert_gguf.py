@@ -114,5 +114,5 @@ def test_convert_replicates_kv_heads_when_ranks_outnumber_them():
 def test_convert_missing_extra_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if the package were not installed
     (tmp_path / "tokenizer.json").write_text("{}")
-    with pytest.raises(ModuleNotFoundError, match=r"needs the 'tokenizers' package.*pip install \"llama-tp\[convert\]\""):
+    with pytest.raises(ModuleNotFoundError, match=r"needs the 'tokenizers' package \(the 'convert' extra\).*pip install --no-build-isolation -e \".*\[convert\]\""):
         load_tokenizer(str(tmp_path / "tokenizer.json"))

@@ -39,7 +39,7 @@ def write_tiny_gguf(path, tokenizer_json: dict, vocab: list[str], types: dict = 
     rng = np.random.default_rng(0)
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
-    writer.add_context_length(64)
+    writer.add_context_length(2048)
     writer.add_embedding_length(DIM)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
@@ -108,7 +108,7 @@ def test_convert_gguf_model_tokenizer_and_chat_record(tiny):
     record = json.loads((root / "mp1" / "llama_tp.json").read_text())
     assert record == {"chat_format": "chatml", "default_system_prompt": "You are tiny.", "stop_tokens": [2],
                       "converted_from": "tiny.gguf", "sampling": {"temperature": 0.25, "top_k": 30},
-                      "chat_template": CHATML_TEMPLATE}
+                      "chat_template": CHATML_TEMPLATE, "context_length": 2048}
     assert llama.sampling_defaults == {"temperature": 0.25, "top_k": 30}
     assert isinstance(llama.formatter.known, ChatMLFormat)  # what the template was recognised as
     params = json.loads((root / "mp1" / "params.json").read_text())

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_tp import Llama
 from llama_tp.text.chat_format import ChatMLFormat
+from llama_tp.text.hf_tokenizer import HFTokenizer
 from llama_tp.tools.convert.__main__ import main as convert
 from tiny_checkpoint import LLAMA2_TOKENIZER, split_dim
 
@@ -50,7 +51,7 @@ def hf_folder(folder: Path, tied: bool) -> LlamaForCausalLM:
         vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=200 if tied else 176,  # 200 needs an ffn_dim_multiplier, 176 only multiple_of
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        max_position_embeddings=64, tie_word_embeddings=tied, eos_token_id=0 if tied else 2,
+        max_position_embeddings=2048, tie_word_embeddings=tied, eos_token_id=0 if tied else 2,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float().eval()
@@ -77,6 +78,28 @@ def converted(request, tmp_path_factory):
     return reference, root, tokenizer, tied
 
 
+def test_convert_says_what_to_run_next_and_the_folder_needs_no_tokenizer_path(tmp_path, capsys):
+    hf_folder(tmp_path / "hf", tied=True)
+    convert("hf", str(tmp_path / "hf"), str(tmp_path / "my model"), mp=1)
+    assert capsys.readouterr().out == (
+        f"converted into {tmp_path / 'my model'}; chat with it, or serve it:\n"
+        f"  llama-tp --nproc_per_node 1 launch/chat.py --ckpt_dir '{tmp_path / 'my model'}'\n"
+        f"  llama-tp --nproc_per_node 1 launch/serve.py --ckpt_dir '{tmp_path / 'my model'}'\n")
+    llama = Llama.build(str(tmp_path / "my model"), max_seq_len=64, max_batch_size=1)  # its tokenizer.json
+    assert isinstance(llama.tokenizer, HFTokenizer)
+
+
+def test_build_without_paths_runs_the_demo_model(tmp_path, monkeypatch):
+    """A model converted where the demo model lives stands in for it: nothing is downloaded."""
+    hf_folder(tmp_path / "hf", tied=True)
+    convert("hf", str(tmp_path / "hf"), str(tmp_path / "home" / "smollm2-135m-instruct-mp1"))
+    monkeypatch.setenv("LLAMA_TP_HOME", str(tmp_path / "home"))
+    llama = Llama.build()
+    assert llama.model.args.dim == 64 and llama.sampling_defaults == {"temperature": 0.3, "top_p": 0.8,
+                                                                        "repetition_penalty": 1.05}
+    assert llama.model.max_seq_len == 512
+
+
 def test_convert_hf_logits_equal_transformers(converted):
     reference, root, tokenizer, tied = converted
     assert tied == (len(list((root / "hf").glob("*.safetensors"))) > 1)
@@ -92,6 +115,7 @@ def test_convert_hf_logits_equal_transformers(converted):
         assert llama.tokenizer.stop_tokens == {0, 2}  # <|endoftext|> (eos) and <|im_end|>
     recommended = {"temperature": 0.3, "top_p": 0.8, "repetition_penalty": 1.05} if tied else {}
     assert llama.sampling_defaults == recommended
+    assert json.loads((root / "mp1" / "llama_tp.json").read_text())["context_length"] == 2048  # max_position_embeddings
 
 
 def test_convert_hf_shards_concatenate_to_the_single_shard(converted, tmp_path):

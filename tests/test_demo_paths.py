@@ -14,12 +14,18 @@ from llama_tp.checkpoint.record import ModelRecord, read_record
 from llama_tp.tools import demo
 
 
-def test_demo_paths_given_paths_win_and_half_a_pair_is_refused():
+def test_demo_paths_given_paths_win_and_a_tokenizer_is_found_in_the_checkpoint_folder(tmp_path):
     assert demo.model_paths("ckpt", "tok.model") == ("ckpt", "tok.model")
     with pytest.raises(ValueError, match="--ckpt_dir is missing; pass both"):
         demo.model_paths(None, "tok.model")
-    with pytest.raises(ValueError, match="--tokenizer_path is missing; pass both"):
-        demo.model_paths("ckpt", None)
+    with pytest.raises(ValueError, match=f"^--tokenizer_path is missing and {tmp_path} holds no tokenizer.json or "
+                                         "tokenizer.model; pass --tokenizer_path with the tokenizer that came with "
+                                         "the checkpoint$"):
+        demo.model_paths(str(tmp_path), None)
+    (tmp_path / "tokenizer.model").write_bytes(b"")  # as Meta ships Llama 3 (original/)
+    assert demo.model_paths(str(tmp_path), None) == (str(tmp_path), str(tmp_path / "tokenizer.model"))
+    (tmp_path / "tokenizer.json").write_text("{}")  # as convert writes a Hugging Face model
+    assert demo.model_paths(str(tmp_path), None) == (str(tmp_path), str(tmp_path / "tokenizer.json"))
 
 
 def test_demo_paths_refuse_world_sizes_the_model_cannot_split_over(tmp_path):
@@ -80,10 +86,11 @@ def test_demo_is_prepared_by_rank_0_while_the_others_wait(tmp_path):
     assert sorted(lines[2:]) == ["0 done", "0 start", "1 done", "1 start", "2 done", "2 start"]
 
 
-def test_demo_converted_before_sampling_was_recorded_gets_it_without_converting_again(tmp_path):
+def test_demo_converted_before_sampling_and_context_were_recorded_gets_them_without_converting_again(tmp_path):
     old = tmp_path / "smollm2-135m-instruct-mp1"
     old.mkdir()
     (old / "llama_tp.json").write_text('{"chat_format": "chatml", "stop_tokens": [2]}')
     assert demo.demo_checkpoint(1, home=tmp_path) == old  # no download: there is no GGUF here
-    assert read_record(old) == ModelRecord(chat_format="chatml", stop_tokens=(2,), sampling=demo.SAMPLING)
+    assert read_record(old) == ModelRecord(chat_format="chatml", stop_tokens=(2,), sampling=demo.SAMPLING,
+                                           context_length=8192)
     assert sorted(p.name for p in old.iterdir()) == ["llama_tp.json"]

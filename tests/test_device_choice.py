@@ -67,3 +67,62 @@ def test_an_unknown_llama_tp_device_is_refused(monkeypatch):
     monkeypatch.setenv("LLAMA_TP_DEVICE", "gpu")
     with pytest.raises(ValueError, match="LLAMA_TP_DEVICE='gpu' is not one of auto, cpu, cuda"):
         group.device_for(0)
+
+
+def test_ranks_share_gpus_through_gloo(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LLAMA_TP_BACKEND", "gloo")
+    assert [group.device_for(rank) for rank in range(4)] == [torch.device("cuda", rank % 2) for rank in range(4)]
+    assert group.backend_for(torch.device("cuda", 0)) == "gloo"
+
+
+def test_more_processes_than_gpus_names_the_gloo_backend_as_a_way_out(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="set LLAMA_TP_BACKEND=gloo to share GPUs"):
+        group.device_for(0)
+
+
+@pytest.mark.parametrize("requested, device, backend", [
+    (None, "cuda", "nccl"), ("auto", "cuda", "nccl"), ("NCCL", "cuda", "nccl"), ("gloo", "cuda", "gloo"),
+    (None, "cpu", "gloo"), ("gloo", "cpu", "gloo"),
+])
+def test_the_backend_is_nccl_on_gpus_unless_gloo_is_asked_for(monkeypatch, requested, device, backend):
+    if requested is None:
+        monkeypatch.delenv("LLAMA_TP_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("LLAMA_TP_BACKEND", requested)
+    assert group.backend_for(torch.device(device)) == backend
+
+
+def test_nccl_on_the_cpu_is_refused(monkeypatch):
+    monkeypatch.setenv("LLAMA_TP_BACKEND", "nccl")
+    with pytest.raises(ValueError, match="LLAMA_TP_BACKEND=nccl needs GPUs, but this job runs on the CPU"):
+        group.backend_for(torch.device("cpu"))
+
+
+def test_an_unknown_backend_is_refused(monkeypatch):
+    monkeypatch.setenv("LLAMA_TP_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="LLAMA_TP_BACKEND='mpi' is not one of auto, nccl, gloo"):
+        group.backend_for(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("capability, dtype", [((7, 0), torch.float16), ((7, 5), torch.float16),
+                                               ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_gpus_that_only_emulate_bf16_get_fp16(monkeypatch, capability, dtype):
+    """V100 (7.0) and T4 (7.5): torch.cuda.is_bf16_supported() says yes (emulation), fp16 it is."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+                        or capability >= (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert group.resolve_dtype(None, torch.device("cuda", 0)) == dtype
+    assert group.resolve_dtype("bf16", torch.device("cuda", 0)) == torch.bfloat16  # as asked, though
+
+
+@pytest.mark.parametrize("backend, world_size, graphs", [("nccl", 2, True), ("gloo", 1, True), ("gloo", 2, False)])
+def test_cuda_graphs_only_where_they_can_hold_the_collectives(monkeypatch, backend, world_size, graphs):
+    """gloo's collectives on CUDA tensors copy through the host, which a graph capture refuses."""
+    monkeypatch.setattr(group.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(group.dist, "get_world_size", lambda group=None: world_size)
+    monkeypatch.setattr(group.dist, "get_backend", lambda group=None: backend)
+    assert group.decode_compilation(torch.device("cuda", 0)).graphs == graphs

@@ -37,14 +37,20 @@ VOCAB = 32000
 ALL_Q4 = {kind: Q.Q4_0 if kind in ("attn_k", "ffn_up") else Q.Q4_1 for kind in TYPES} | {"token_embd": Q.Q8_0}
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
-def test_gguf_blocks_come_in_as_they_are_stored(tmp_path, kind):
-    values = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
-    writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+def gguf_tensor(path, rows: int, width: int, kind: Q):
+    """A random weight [rows, width] in GGUF's blocks of `kind`, written to a file at path and read back."""
+    values = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32)
+    writer = GGUFWriter(str(path), "llama")
     writer.add_tensor("t", gguf_quantize(values, kind), raw_dtype=kind)
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
         write()
-    (tensor,) = GGUFReader(str(tmp_path / "t.gguf")).tensors
+    (tensor,) = GGUFReader(str(path)).tensors
+    return tensor
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
+def test_gguf_blocks_come_in_as_they_are_stored(tmp_path, kind):
+    tensor = gguf_tensor(tmp_path / "t.gguf", 6, 128, kind)
     weight = quantized_weight(tensor)
     expected = torch.from_numpy(gguf_dequantize(tensor.data, kind))  # gguf's own dequantisation, fp32
     assert weight.shape == (6, 128)
@@ -176,8 +182,8 @@ def test_int4_refusals_name_the_fix(folders, tmp_path):
     hf_folder(tmp_path / "hf", tied=False)  # ffn 176
     with pytest.raises(ValueError, match=r"176 inputs, not whole int4 groups of 32 inputs; use int8"):
         convert("hf", str(tmp_path / "hf"), str(tmp_path / "hf-int4"), quantize="int4")
-    with pytest.raises(ValueError, match=r"quantize='int4' runs on CPUs only, not on meta; on meta leave quantize "
-                                         r"unset \(bf16\) or use quantize='int8'"):
+    with pytest.raises(ValueError, match=r"quantize='int4' runs on CPUs and on CUDA GPUs of compute capability 8\.0 "
+                                         r"or newer, not on meta; leave quantize unset or use quantize='int8'"):
         check_int4_device(torch.device("meta"))
 
 

@@ -45,7 +45,7 @@ class InThisThread:
     (torch.bfloat16, "int8", Int8Linear), (torch.bfloat16, "int4", Int4Linear),
 ])
 def test_loading_allocates_only_the_final_weights_on_the_device(two_shards, monkeypatch, dtype, quantize, layer):
-    # int4 is refused off the CPU (Llama.build says so up front); here the meta device only counts bytes.
+    # int4 is refused where no kernel takes it (Llama.build says so up front); here the meta device only counts bytes.
     monkeypatch.setattr(loading, "check_quantize_on", lambda quantize, device: None)
     monkeypatch.setattr(loading, "ThreadPoolExecutor", InThisThread)
     placement = parallel.init()
@@ -59,14 +59,17 @@ def test_loading_allocates_only_the_final_weights_on_the_device(two_shards, monk
     assert 0 < allocations.total <= 1.1 * weights, (allocations.total, weights)
 
 
-def test_int4_on_a_gpu_is_refused_before_loading(checkpoints, monkeypatch, tokenizer_path):
-    """Llama.build refuses quantize='int4' (and draft_quantize='int4') off the CPU among its
-    argument checks: nothing is read or allocated first."""
+def test_int4_on_a_gpu_without_its_kernel_is_refused_before_loading(checkpoints, monkeypatch, tokenizer_path):
+    """Llama.build refuses quantize='int4' (and draft_quantize='int4') on a GPU that torch's int4
+    kernel does not run on (compute capability below 8.0) among its argument checks: nothing is
+    read or allocated first."""
     from llama_tp import Llama
     from llama_tp.parallel import group
 
     monkeypatch.setattr(group, "device_for", lambda local_rank: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
 
     def no_loading(*args, **kwargs):
         raise AssertionError("loading started before the refusal")
@@ -74,5 +77,5 @@ def test_int4_on_a_gpu_is_refused_before_loading(checkpoints, monkeypatch, token
     monkeypatch.setattr("llama_tp.generation.load_model", no_loading)
     monkeypatch.setattr("llama_tp.generation.open_checkpoint", no_loading)
     for options in ({"quantize": "int4"}, {"speculate": "draft", "draft_quantize": "int4"}):
-        with pytest.raises(ValueError, match="quantize='int4' runs on CPUs only, not on cuda:0"):
+        with pytest.raises(ValueError, match="cuda:0 is a Tesla V100-SXM2-16GB of compute capability 7.0"):
             Llama.build(str(checkpoints["llama3", 1]), tokenizer_path, 32, 1, **options)

@@ -14,7 +14,9 @@ import pytest
 
 from torchrun import LAUNCH, ROOT, environment, torchrun_command
 
-from llama_tp.tools.options import HYPHEN_NOTE, OptionError, checked_command_line, option_types, with_hyphen_note
+from llama_tp.tools.cli import run
+from llama_tp.tools.help import docstring_parts, help_text
+from llama_tp.tools.options import HYPHEN_NOTE, OptionError, checked_command_line, option_types, wants_help
 
 
 def sample(kind: str, dest: str = "out", max_seq_len: int = 128, temperature: Optional[float] = None,
@@ -92,8 +94,20 @@ def test_one_letter_shortcuts_resolve_only_when_unambiguous():
     assert refusal(["run", "-s", "x"]) == "-s: could be any of --stream, --stop; spell the option out"
 
 
-def test_help_goes_to_fire_whatever_else_is_on_the_line():
-    assert checked_command_line(sample, ["--temprature", "0", "--help"]) == ["--", "--help"]
+def test_one_letter_shortcuts_prefer_the_one_option_that_must_be_given():
+    def run_batch(input_file: str, output_file: str, overwrite: bool = False, other: int = 1):
+        pass
+
+    assert checked_command_line(run_batch, ["-i", "a", "-o", "b", "--overwrite"]) == [
+        "--input_file=a", "--output_file=b", "--overwrite"]
+    with pytest.raises(OptionError, match="^--output_file is missing: it has no default \\(see --help\\)$"):
+        checked_command_line(run_batch, ["-i", "a"])
+    assert checked_command_line(run_batch, ["a", "b"]) == ["a", "b"]  # or given by place
+
+
+def test_help_is_asked_for_whatever_else_is_on_the_line():
+    assert wants_help(["--temprature", "0", "--help"]) and wants_help(["-h"])
+    assert not wants_help(["run", "--", "--help"])  # fire's own flags, after a lone --
     assert checked_command_line(sample, ["run", "--", "--trace"]) == ["run", "--", "--trace"]
 
 
@@ -107,18 +121,39 @@ def test_options_passed_on_are_accepted_but_still_checked():
         checked_command_line(tool, ["--max_seq_lne", "9"], passes_on=sample)
 
 
-def test_help_mentions_the_hyphenated_spellings_once():
-    doc = with_hyphen_note(sample.__doc__)
-    assert doc.index(HYPHEN_NOTE) < doc.index("Args:")
-    assert with_hyphen_note(doc) == doc
+def test_help_mentions_the_hyphenated_spellings_and_each_option_whole():
+    text = help_text(sample, "sample.py")
+    assert text.startswith("usage: sample.py [--OPTION VALUE]...\n\nA script's main.\n\n" + HYPHEN_NOTE)
+    assert "  --kind TEXT  (required)\n        what to do.\n" in text
+    assert "  --max_seq_len N  (default: 128)\n" in text and "  --stream\n" in text
+    assert "  --temperature NUMBER\n" in text and "  --stop LIST\n" in text
+
+
+def test_a_description_with_colons_and_many_lines_is_kept_whole():
+    summary, described = docstring_parts("""Do it.
+
+    Args:
+        first: a value: with colons, and
+            a second line: still the first's.
+        second: short.
+
+    Returns:
+        nothing.
+    """)
+    assert summary == "Do it."
+    assert described == {"first": "a value: with colons, and a second line: still the first's.", "second": "short."}
+
+
+# `if __name__ == "__main__":` and what runs a main through llama_tp.tools.cli: run(main), or
+# run_tool("module", ...) for a python -m llama_tp.* command whose tool module holds it.
+ENTRY = re.compile(r'^if __name__ == "__main__":\n\s+(run\(main\b|run_tool\("(?P<tool>[\w.]+)")', re.MULTILINE)
 
 
 def entry_points() -> list[str]:
-    """Every file that runs a main through llama_tp.tools.cli.run: the launch scripts and the
+    """Every file that runs a main through llama_tp.tools.cli: the launch scripts and the
     python -m llama_tp.* commands."""
     files = sorted(ROOT.glob("launch/*.py")) + sorted(ROOT.glob("llama_tp/**/*.py"))
-    return [str(file.relative_to(ROOT)) for file in files
-            if re.search(r"^\s+run\(main\b", file.read_text(), re.MULTILINE)]
+    return [str(file.relative_to(ROOT)) for file in files if ENTRY.search(file.read_text())]
 
 
 def load_main(relative_path: str):
@@ -126,9 +161,9 @@ def load_main(relative_path: str):
         spec = importlib.util.spec_from_file_location(Path(relative_path).stem, ROOT / relative_path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(relative_path.removesuffix(".py").replace("/", "."))
-    return module.main
+        return module.main
+    tool = ENTRY.search((ROOT / relative_path).read_text())["tool"]
+    return importlib.import_module(tool or relative_path.removesuffix(".py").replace("/", ".")).main
 
 
 def test_every_launch_script_and_command_is_found():
@@ -149,8 +184,28 @@ def test_every_entry_point_refuses_misspelled_and_unknown_options_and_takes_hyph
         checked_command_line(main, [f"--{misspelled}", "1"])
     with pytest.raises(OptionError, match="^--no_such_option: no such option"):
         checked_command_line(main, ["--no_such_option", "1"])
-    hyphenated = checked_command_line(main, [f"--{option.replace('_', '-')}=1"])
+    required = [f"--{name}=1" for name, parameter in inspect.signature(main).parameters.items()
+                if parameter.default is parameter.empty and name != option and name in options]
+    hyphenated = checked_command_line(main, [*required, f"--{option.replace('_', '-')}=1"])
     assert hyphenated[-1].startswith(f"--{option}=") or hyphenated[-1] in (f"--{option}", f"--no{option}")
+
+
+@pytest.mark.parametrize("entry_point", entry_points())
+def test_every_entry_points_help_lists_each_option_with_its_whole_description(entry_point, monkeypatch, capsys):
+    main = load_main(entry_point)
+    monkeypatch.setattr(sys, "argv", [entry_point, "--help"])
+    with pytest.raises(SystemExit) as exit:
+        run(main)
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert "Optional" not in text and "Type:" not in text and "-h, " not in text
+    unwrapped = " ".join(text.split())
+    _, described = docstring_parts(main.__doc__)
+    for name, parameter in inspect.signature(main).parameters.items():
+        if parameter.kind is not parameter.VAR_KEYWORD:
+            assert f"--{name}" in text, name
+            assert name in described, f"{entry_point}: --{name} has no description in main's docstring"
+            assert " ".join(described[name].split()) in unwrapped, name
 
 
 @pytest.mark.slow

@@ -72,11 +72,32 @@ def test_planner_command_line(monkeypatch, capsys):
     assert "8 divides the 64 query heads, 8 KV heads" in printed
 
 
-def test_planner_names_the_world_sizes_that_work(capsys):
-    plan_main(str(PARAMS / "llama-2-70b.json"), world_size=3, max_batch_size=1, max_seq_len=128)
-    printed = capsys.readouterr().out
-    assert "3 processes cannot split this model" in printed
-    assert "world sizes that work: 1, 2, 4, 8, 16, 32, 64\n" in printed
+def test_planner_names_the_world_sizes_that_work_and_exits_1(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["plan", "--params", str(PARAMS / "llama-2-70b.json"), "--world_size", "3"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_module("llama_tp.plan", run_name="__main__")
+    assert exit.value.code == 1
+    printed = capsys.readouterr()
+    assert "3 processes cannot split this model" in printed.out
+    assert "world sizes that work: 1, 2, 4, 8, 16, 32, 64\n" in printed.out
+    assert printed.err == ("llama_tp error on rank 0: this model cannot be split over 3 processes (64 query heads, "
+                           "8 KV heads, ffn size 28672, vocabulary 32000); world sizes that work: 1, 2, 4, 8, 16, "
+                           "32, 64\n")
+
+
+def test_planner_defaults_are_the_chat_scripts_and_memory_gib_is_checked(monkeypatch, capsys):
+    """As the README runs it: no --max_seq_len (the scripts' 512) nor --max_batch_size (4)."""
+    monkeypatch.setattr(sys, "argv", ["plan", "--params", str(PARAMS / "llama-2-70b.json"), "--world_size", "8"])
+    runpy.run_module("llama_tp.plan", run_name="__main__")
+    assert "batch 4 x 512 tokens" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["plan", "--params", str(PARAMS / "llama-2-70b.json"), "--world_size", "8",
+                                      "--memory_gib", "16"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_module("llama_tp.plan", run_name="__main__")
+    assert exit.value.code == 1
+    assert capsys.readouterr().err == (
+        "llama_tp error on rank 0: the weights and KV cache need 16.14 GiB a process, more than --memory_gib 16; "
+        "use more processes, --quantize int8 or int4, or a smaller --max_seq_len or --max_batch_size\n")
 
 
 

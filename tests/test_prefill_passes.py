@@ -5,6 +5,7 @@ one unpadded pass beside the generating rows where steps run eagerly: test_mixed
 import pytest
 import torch
 
+from kv_rows import by_row
 from llama_tp import Llama
 from llama_tp.prefix_cache import PrefixCache
 from llama_tp.serve.scheduler import MAX_PADDING, Chunk, Scheduler, prefill_passes
@@ -71,7 +72,8 @@ def test_a_padded_pass_gives_each_row_its_own_passs_logits_and_cache(llama):
     for layer, keys in zip(model.layers, keys_alone):  # every row's own positions hold the same keys
         for slot, (prompt, start) in enumerate(zip(prompts, starts)):
             end = start + len(prompt)
-            torch.testing.assert_close(layer.attention.cache.k[slot, :, :end], keys[slot, :, :end], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(by_row(layer.attention.cache.k, model)[slot, :, :end],
+                                       by_row(keys, model)[slot, :, :end], rtol=1e-5, atol=1e-5)
 
 
 def test_generate_prefills_its_prompts_in_one_pass_and_answers_each_as_alone(llama, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 from jobs import PROJECT_ROOT, subprocess_env
 from llama_tp import Llama
-from llama_tp.tools.run_batch import Output, answer_all
+from llama_tp.tools.run_batch import Output, answer_all, main, read_lines
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
 
@@ -103,6 +103,49 @@ def test_a_seeded_request_gets_the_same_answer_in_any_batch(llama, tmp_path):
         answer_all(llama, MODEL, LINES, output)
     content = [by_id(path)["sampled"]["response"]["body"]["choices"][0]["message"] for path in (first, second)]
     assert content[0] == content[1]
+
+
+def test_a_resumed_job_answers_what_is_left_as_an_unbroken_run_would(llama, tmp_path):
+    unbroken, broken = tmp_path / "unbroken.jsonl", tmp_path / "broken.jsonl"
+    with Output(unbroken) as output:
+        answer_all(llama, MODEL, LINES, output)
+    kept = unbroken.read_text().splitlines(keepends=True)[:5]  # a job killed after five lines
+    broken.write_text("".join(kept) + '{"id": "batch_req_1", "custom_id": "compl')  # and one cut short
+    with Output(broken, resume=True) as output:
+        answer_all(llama, MODEL, LINES, output)
+    assert broken.read_text().startswith("".join(kept))
+    assert len(read(broken)) == len(LINES)  # each line once: none again, none lost
+    assert answers(broken) == answers(unbroken)
+
+
+def answers(path) -> list[str]:
+    """What each line got, less what differs between runs of the same request (ids and times)."""
+    return sorted(json.dumps([record["custom_id"], record["error"], record["response"] and [
+        record["response"]["status_code"],
+        {k: v for k, v in record["response"]["body"].items() if k not in ("id", "created")}]], sort_keys=True)
+        for record in read(path))
+
+
+def test_requests_sharing_a_custom_id_are_refused_before_loading(tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join([LINES[0], "{not json", LINES[7], LINES[0]]) + "\n")
+    with pytest.raises(ValueError, match=f"^{requests}: custom_id 'chat' is on request lines 1 and 4; give every "
+                                         "request its own custom_id, to match its answer$"):
+        read_lines(str(requests))
+
+
+def test_results_are_never_replaced_unasked(tmp_path):
+    """The missing checkpoint shows that nothing was loaded: the output was refused first."""
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    requests.write_text(LINES[0] + "\n")
+    results.write_text('{"custom_id": "chat"}\n')
+    with pytest.raises(ValueError, match=f"^-o {results} already holds results; pass --resume to go on from them, "
+                                         "or --overwrite to replace them$"):
+        main(str(requests), str(results), ckpt_dir=str(tmp_path / "none"), tokenizer_path=str(LLAMA2_TOKENIZER))
+    with pytest.raises(FileNotFoundError, match="none"):  # asked: on to loading, which finds no checkpoint
+        main(str(requests), str(results), overwrite=True, ckpt_dir=str(tmp_path / "none"),
+             tokenizer_path=str(LLAMA2_TOKENIZER))
+    assert results.read_text() == '{"custom_id": "chat"}\n'
 
 
 @pytest.mark.slow  # a process of its own

@@ -22,7 +22,7 @@ from llama_tp.serve.limits import GrammarLimits, ServerLimits
 from llama_tp.serve.mailbox import ENGINE_FAILED, ServerState
 from llama_tp.structured.grammars import grammars_for
 from serve_client import client, metric, wait_until
-from serve_harness import HttpServer
+from serve_harness import HttpHarness
 from tiny_checkpoint import LLAMA2_TOKENIZER
 from torchrun import one_thread  # noqa: F401  (a fixture)
 
@@ -44,8 +44,8 @@ def llama(checkpoints) -> Llama:
 
 
 @contextmanager
-def serving(llama: Llama, **options) -> Iterator[HttpServer]:
-    server = HttpServer(llama, MODEL, **options)
+def serving(llama: Llama, **options) -> Iterator[HttpHarness]:
+    server = HttpHarness(llama, MODEL, **options)
     try:
         yield server
     finally:
@@ -53,7 +53,7 @@ def serving(llama: Llama, **options) -> Iterator[HttpServer]:
 
 
 @pytest.fixture(scope="module")
-def server(llama) -> Iterator[HttpServer]:
+def server(llama) -> Iterator[HttpHarness]:
     with serving(llama) as running:
         yield running
 
@@ -349,7 +349,7 @@ def test_when_the_engine_fails_every_request_gets_engine_failed_and_no_internal_
 
 # 7. Connections
 
-def _connect(server: HttpServer) -> socket.socket:
+def _connect(server: HttpHarness) -> socket.socket:
     host, port = server.http.sock.getsockname()[:2]
     return socket.create_connection((host, port), timeout=10)
 

@@ -5,7 +5,6 @@ ends look like to clients, and disconnects that free their slot. Refusals: test_
 import json
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -15,7 +14,7 @@ from fake_engine import ANSWER, MODEL, served
 from llama_tp.serve.app import create_app
 from llama_tp.serve.server import ServerThread, bind
 from serve_client import (CHAT, GOOD_CHAT, HELLO, LONG_ANSWER, assert_idle, assert_serves, client, metric,
-                          wait_until)
+                          wait_until, whole_through_a_failure)
 
 
 @pytest.fixture(scope="module")
@@ -172,11 +171,7 @@ def test_engine_failure_is_an_error_event_or_a_503(llama2_tokenizer):
                                                                             stream=True)):
                 if index == 2:
                     s.engine.end_all("error", "rank 1 was lost")
-        with ThreadPoolExecutor(1) as pool:
-            whole = pool.submit(httpx.post, f"{s.url}{CHAT}", json=GOOD_CHAT, timeout=10)
-            wait_until(lambda: metric(s.url, "llama_tp_requests_running") == 1)
-            s.engine.end_all("error", "rank 1 was lost")
-            response = whole.result()
+        response = whole_through_a_failure(s, CHAT, GOOD_CHAT, "rank 1 was lost")
         assert response.status_code == 503
         assert response.json()["error"] == {"message": "rank 1 was lost", "type": "server_error", "param": None,
                                             "code": "engine_failed"}

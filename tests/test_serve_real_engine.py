@@ -14,7 +14,7 @@ from llama_tp import Llama
 from llama_tp.serve.mailbox import ENGINE_FAILED, Mailbox, ServerState
 from llama_tp.serve.metrics import ServerMetrics
 from serve_client import client, metric
-from serve_harness import HttpServer
+from serve_harness import HttpHarness
 from tiny_checkpoint import LLAMA2_TOKENIZER
 from torchrun import one_thread  # noqa: F401  (a fixture)
 
@@ -29,7 +29,7 @@ class GatedMailbox(Mailbox):
     they do behind long answers, without racing the model's speed."""
 
     def __init__(self, max_waiting: int, open_gate: bool):
-        super().__init__(max_waiting, ServerMetrics())
+        super().__init__(max_waiting, ServerMetrics(MODEL))
         self.gate = threading.Event()
         if open_gate:
             self.gate.set()
@@ -39,7 +39,7 @@ class GatedMailbox(Mailbox):
         return super().take(timeout)
 
 
-class RealServer(HttpServer):
+class RealServer(HttpHarness):
     """The app with the real engine behind a gated mailbox."""
 
     def __init__(self, llama: Llama, max_waiting: int, open_gate: bool):

@@ -159,9 +159,9 @@ REFUSALS = {
                                         "prompt", ["32000"]),
     "empty prompt": (COMPLETION, {"model": MODEL, "prompt": []}, 400, "invalid_value", "prompt", ["empty"]),
     "prompt and max_tokens beyond max_seq_len": (CHAT, GOOD_CHAT | {"max_tokens": 60}, 400,
-                                                 "context_length_exceeded", "max_tokens", ["70", "64", "54"]),
+                                                 "context_length_exceeded", "max_tokens", ["70", "64", "54", "--max_seq_len"]),
     "prompt beyond max_seq_len": (COMPLETION, {"model": MODEL, "prompt": "word " * 70}, 400,
-                                  "context_length_exceeded", "prompt", ["72 tokens", "64"]),
+                                  "context_length_exceeded", "prompt", ["72 tokens", "64", "--max_seq_len"]),
     "unknown model": (CHAT, {"model": "gpt-4", "messages": HELLO}, 404, "model_not_found", "model",
                       ["gpt-4", MODEL]),
 }

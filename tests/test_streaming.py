@@ -164,3 +164,12 @@ def test_the_decoder_hands_out_text_at_once_and_nothing_after_a_stop_string(toke
     decoder = IncrementalDecoder(tokenizer, stop=["world"])
     assert decoder.push(tokens[:3]) == "Hello " and decoder.stopped
     assert decoder.push(tokens) == ""
+
+
+def test_the_decoder_names_the_stop_string_that_ended_the_text(tokenizer):
+    tokens = tokenizer.encode("Hello world and more", bos=False, eos=False)
+    decoder = IncrementalDecoder(tokenizer, stop=["more", "and", "xyz"])
+    pieces = [decoder.push(tokens[:end]) for end in range(1, len(tokens) + 1)]
+    assert ("".join(pieces), decoder.stopped, decoder.matched) == ("Hello world ", True, "and")
+    unstopped = IncrementalDecoder(tokenizer, stop=["xyz"])
+    assert unstopped.push(tokens) == "Hello world and more" and unstopped.matched is None

@@ -9,7 +9,7 @@ import torch
 
 from llama_tp.structured.constraint import Constraint, from_response_format
 from llama_tp.structured.grammars import Grammars, tokenizer_info
-from llama_tp.structured.rows import RowAdjustment, adjust_rows
+from llama_tp.structured.rows import RowAdjustment, adjust_rows, allow_token
 from llama_tp.structured.logits import allowed_tokens, bias_logits, mask_logits, penalize_logits
 from llama_tp.text.tokenizer import Llama3Tokenizer
 from tiny_checkpoint import SHARED_DATA
@@ -20,6 +20,15 @@ def test_allowed_tokens_unpacks_xgrammars_bits():
     allowed = allowed_tokens(bitmask, 40)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2, *range(32, 40)]
     assert allowed[1].nonzero().flatten().tolist() == []  # bit 31 of word 1 is token 63, beyond the vocabulary
+
+
+def test_allow_token_sets_one_bit_the_sign_bit_too():
+    bitmask = torch.tensor([[0b101, 0], [0, 0]], dtype=torch.int32)
+    for token in (1, 63):
+        allow_token(bitmask, 1, token)
+    allow_token(bitmask, 0, 31)
+    assert allowed_tokens(bitmask, 64)[0].nonzero().flatten().tolist() == [0, 2, 31]
+    assert allowed_tokens(bitmask, 64)[1].nonzero().flatten().tolist() == [1, 63]
 
 
 def test_mask_bias_and_penalties():

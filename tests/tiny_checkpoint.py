@@ -20,6 +20,9 @@ TINY_LLAMA3 = {
     "ffn_dim_multiplier": 1.3, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": True,
     "vocab_size": 32000,
 }
+# TINY_LLAMA3 with heads of 16 channels, the narrowest FlexAttention takes: the GPU's decoding steps
+# (Transformer.decode_step, through block masks) need them.
+TINY_WIDE_HEADS = TINY_LLAMA3 | {"dim": 128}
 
 
 def full_weights(params: dict, vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:

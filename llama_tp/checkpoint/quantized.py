@@ -144,7 +144,8 @@ def quantized_tensors(name: str, tensor: torch.Tensor, n_shards: int, quantize: 
 def check_quantized_load(ckpt_dir: Path, args: ModelArgs, world_size: int, device: torch.device,
                          quantize: Optional[str], stored: str) -> None:
     """Refuse what cannot load a checkpoint stored as `stored`, before anything is read: another
-    quantization, a world size that cuts groups, int4 off the CPU, a CPU without a C++ compiler.
+    quantization, a world size that cuts groups, int4 where no kernel takes it, a CPU without a C++
+    compiler.
     quantize=None loads it as stored, and says so."""
     check_quantize(quantize)
     if quantize not in (None, stored):

@@ -1,8 +1,8 @@
 """What a converter writes beside params.json (llama_tp.json): how the model was tuned to be used.
 
 The chat template (Jinja, as Hugging Face keeps it) and the chat format recognised in it, the
-system prompt its template adds, the stop tokens that end a turn, and the sampling settings its
-makers recommend (Hugging Face's generation_config.json, GGUF's
+system prompt its template adds, the stop tokens that end a turn, the context it was trained
+for, and the sampling settings its makers recommend (Hugging Face's generation_config.json, GGUF's
 general.sampling.* keys), which generation uses where the caller gives none, as vLLM does.
 Meta's own checkpoints have no such file: Meta's chat formats and defaults apply.
 """
@@ -27,6 +27,9 @@ class ModelRecord:
     sampling: dict = field(default_factory=dict)  # recommended SAMPLING_SETTINGS, by name
     # The model's Hugging Face chat template (Jinja), which renders its chat prompts (text/chat_format.py)
     chat_template: Optional[str] = None
+    # The tokens it was trained to attend over (config.json's max_position_embeddings, GGUF's
+    # context_length): a longer max_seq_len is refused unless asked for (context.py)
+    context_length: Optional[int] = None
 
     def to_json(self) -> str:
         record = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -55,6 +58,9 @@ def read_record(ckpt_dir: Path) -> ModelRecord:
         raise ValueError(f"{path}: stop_tokens must be a list of token ids, found {stop_tokens!r}")
     if not isinstance(record.get("chat_template", ""), (str, type(None))):
         raise ValueError(f"{path}: chat_template must be a Jinja template as a string, or null")
+    context = record.get("context_length")
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+        raise ValueError(f"{path}: context_length must be a positive number of tokens or null, found {context!r}")
     check_sampling(record.get("sampling", {}), str(path))
     return ModelRecord(**{**record, "stop_tokens": tuple(stop_tokens)})
 

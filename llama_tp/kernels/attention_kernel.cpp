@@ -10,13 +10,14 @@
 // torch gather every row's cache into a copy and read it under a mask: 20% of a 16-row step of
 // the demo model in int4 (AMD EPYC, 2 threads), where each row here reads its own cache row.
 //
-// A served row decodes at its prompt's length and more: a context past 64 positions is attended
-// in parts, a task each (kPartPositions), so that one row's 3 kv heads do not leave one of 2
-// threads waiting for the other.
+// A served row decodes at its prompt's length and more: a context longer than a block of the
+// cache is attended in parts of a block, a task each, so that one row's 3 kv heads do not leave
+// one of 2 threads waiting for the other.
 //
-// Each row of the batch reads its own row of the preallocated caches, up to its own length (rows
-// at different positions: continuous batching). Query head h reads kv head h / (heads / kv heads),
-// as scaled_dot_product_attention's enable_gqa has it.
+// The keys and values are held in blocks (kv_cache.py), each row's found through its block table;
+// each row reads its own positions up to its own length (rows at different positions: continuous
+// batching). Query head h reads kv head h / (heads / kv heads), as scaled_dot_product_attention's
+// enable_gqa has it.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -88,14 +89,6 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
   }
 }
 
-// Positions one task of a step's attention reads at most: a token whose context is longer attends
-// to it in parts of this many positions, each a task of its own, then combines them (as flash
-// decoding does), so that a step of few rows with long contexts keeps every thread busy: one row
-// of the demo model is 3 kv heads, a task each, for 2 threads. The parts follow absolute
-// positions, so a token's result depends on its position alone, whatever else the step holds; a
-// context of one part is attended exactly as before (attend).
-constexpr int64_t kPartPositions = 64;
-
 // The group's attention from its parts (attend_part's, `parts` of them, each group * (head_dim +
 // 2) floats: highest scores, sums, then weighted values): each part's weights rescaled to the
 // highest score of all.
@@ -129,47 +122,128 @@ int64_t row_entry(const at::Tensor& vector, int64_t row) {
   return vector.data_ptr<int64_t>()[row * vector.stride(0)];
 }
 
-// Each row's cache row and position (or length, with first = 1: [1, capacity]) inside the caches.
-void check_rows(const at::Tensor& slots, const at::Tensor& positions, int64_t batch, const at::Tensor& k_cache,
-                int64_t first) {
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == batch && slots.scalar_type() == at::kLong &&
-              positions.dim() == 1 && positions.size(0) == batch && positions.scalar_type() == at::kLong,
-              "slots and positions (or lengths) must be int64 [batch]");
+// The keys and values of every cache row, in blocks of `block` positions: pools [1, kv heads,
+// blocks * block, head_dim] (contiguous), a row's positions found through its block table (row b
+// of tables [batch, blocks a row]: its first block's number, its second's, ...). A block holds
+// `block` consecutive positions of one row, so a part of a context that lies in one block is
+// read as a plain run of positions.
+struct Pool {
+  float* keys;
+  float* values;
+  const int64_t* tables;
+  int64_t table_stride, head_stride, block, head_dim;
+
+  Pool(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_tables, int64_t block_positions)
+      : keys(k_pool.data_ptr<float>()), values(v_pool.data_ptr<float>()), tables(block_tables.data_ptr<int64_t>()),
+        table_stride(block_tables.stride(0)), head_stride(k_pool.size(2) * k_pool.size(3)), block(block_positions),
+        head_dim(k_pool.size(3)) {}
+
+  // Where row b's kv head kv holds position `position`, in floats from a pool's start.
+  int64_t offset(int64_t b, int64_t kv, int64_t position) const {
+    return kv * head_stride + (tables[b * table_stride + position / block] * block + position % block) * head_dim;
+  }
+};
+
+// The pools, tables and each row's positions (or lengths, with first = 1) checked against each other.
+void check_pool(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
+                const at::Tensor& positions, int64_t batch, int64_t block, int64_t first) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == 1 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
+              v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
+              "the pools must be contiguous fp32 [1, kv heads, positions, head_dim] alike");
+  TORCH_CHECK(block > 0 && k_pool.size(2) % block == 0, "the pools must hold whole blocks of ", block, " positions");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && tables.scalar_type() == at::kLong && tables.stride(1) == 1,
+              "block tables must be int64 [batch, blocks a row], each row's entries contiguous");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == batch && positions.scalar_type() == at::kLong,
+              "positions (or lengths) must be int64 [batch]");
+  const int64_t blocks = k_pool.size(2) / block;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t slot = row_entry(slots, b), position = row_entry(positions, b);
-    TORCH_CHECK(0 <= slot && slot < k_cache.size(0) && first <= position && position < k_cache.size(2) + first,
-                "row ", b, ": cache row ", slot, " or position ", position, " outside the cache");
+    const int64_t position = row_entry(positions, b);
+    TORCH_CHECK(first <= position && position < tables.size(1) * block + first, "row ", b, ": position ", position,
+                " outside its block table");
+    for (int64_t i = 0; i <= (position - first) / block; ++i) {
+      const int64_t number = tables.data_ptr<int64_t>()[b * tables.stride(0) + i];
+      TORCH_CHECK(0 <= number && number < blocks, "row ", b, ": block ", number, " outside the pools");
+    }
   }
 }
 
-// Queries q [batch, heads, head_dim] (contiguous) attend to the keys and values of cache row
-// slots[b] at positions [0, lengths[b]): caches [rows, kv heads, capacity, head_dim], any strides
-// with head_dim contiguous.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lengths) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [batch, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-              k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.stride(3) == 1,
-              "the caches must be fp32 [rows, kv heads, positions, head_dim] alike, head_dim contiguous");
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0 && head_dim % kWidth == 0, "shapes do not match");
-  check_rows(slots, lengths, batch, k_cache, 1);
-  const int64_t group = heads / kv_heads;
-  at::Tensor out = at::empty_like(q);
-  const float *q_data = q.data_ptr<float>(), *k_data = k_cache.data_ptr<float>(), *v_data = v_cache.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+// A token whose queries attend to its row's positions [0, context).
+struct Token {
+  int64_t b, context, queries;  // queries: its turned queries' offset in the query buffer and in out
+};
+
+// Every token's attention, each kv head's a task: a context of one block whole (attend), a longer
+// one in parts of a block each, a task each (as flash decoding does), then combined. The parts
+// follow absolute positions, so a token's result depends on its own context alone, whatever else
+// the step holds; and a step of few rows with long contexts keeps every thread busy (one row of
+// the demo model is 3 kv heads, for 2 threads).
+void attend_tokens(const float* queries, const Pool& pool, const std::vector<Token>& tokens, int64_t kv_heads,
+                   int64_t group, float* out) {
+  const int64_t head_dim = pool.head_dim, block = pool.block;
+  struct Part {
+    int64_t token, kv, part, index;  // the part's number, and its place among the partials (-1: a whole context)
+  };
+  struct Parted {
+    int64_t token, kv, first, parts;  // a token's kv head attended in parts: partials [first, first + parts)
+  };
+  std::vector<Part> tasks;
+  std::vector<Parted> parted;
+  int64_t partial_count = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(tokens.size()); ++i)
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const int64_t parts = (tokens[i].context + block - 1) / block;
+      if (parts == 1) {
+        tasks.push_back({i, kv, 0, -1});
+        continue;
+      }
+      parted.push_back({i, kv, partial_count, parts});
+      for (int64_t part = 0; part < parts; ++part) tasks.push_back({i, kv, part, partial_count + part});
+      partial_count += parts;
+    }
+  const int64_t partial_size = group * (head_dim + 2);
+  std::vector<float> partials(partial_count * partial_size);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t finish) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, kv = task % kv_heads, positions = row_entry(lengths, b);
-      scores.resize(group * positions);
-      const int64_t offset = row_entry(slots, b) * k_cache.stride(0) + kv * k_cache.stride(1);
-      const int64_t first = (b * heads + kv * group) * head_dim;
-      attend(q_data + first, k_data + offset, v_data + offset, k_cache.stride(2), positions, group, head_dim,
-             scores.data(), out_data + first);
+    for (int64_t i = begin; i < finish; ++i) {
+      const Part& task = tasks[i];
+      const Token& token = tokens[task.token];
+      const int64_t first = token.queries + task.kv * group * head_dim;
+      const int64_t start = task.part * block, end = std::min(token.context, start + block);
+      const int64_t at = pool.offset(token.b, task.kv, start);  // the part's first position: one block holds it all
+      scores.resize(group * (end - start));
+      if (task.index < 0) {
+        attend(queries + first, pool.keys + at, pool.values + at, head_dim, end, group, head_dim, scores.data(),
+               out + first);
+        continue;
+      }
+      float* partial = partials.data() + task.index * partial_size;
+      attend_part(queries + first, pool.keys + at, pool.values + at, head_dim, 0, end - start, group, head_dim,
+                  scores.data(), partial, partial + group, partial + 2 * group);
     }
   });
+  at::parallel_for(0, static_cast<int64_t>(parted.size()), 1, [&](int64_t begin, int64_t finish) {
+    for (int64_t i = begin; i < finish; ++i) {
+      const Parted& token = parted[i];
+      combine_parts(partials.data() + token.first * partial_size, token.parts, group, head_dim,
+                    out + tokens[token.token].queries + token.kv * group * head_dim);
+    }
+  });
+}
+
+// Queries q [batch, heads, head_dim] (contiguous) attend to the keys and values of their rows'
+// positions [0, lengths[b]), found through the rows' block tables in the pools (Pool).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
+                            const at::Tensor& lengths, int64_t block) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [batch, heads, head_dim]");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  check_pool(k_pool, v_pool, tables, lengths, batch, block, 1);
+  const int64_t kv_heads = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(3) == head_dim && heads % kv_heads == 0 && head_dim % kWidth == 0, "shapes do not match");
+  std::vector<Token> tokens;
+  for (int64_t b = 0; b < batch; ++b) tokens.push_back({b, row_entry(lengths, b), b * heads * head_dim});
+  at::Tensor out = at::empty_like(q);
+  attend_tokens(q.data_ptr<float>(), Pool(k_pool, v_pool, tables, block), tokens, kv_heads, heads / kv_heads,
+                out.data_ptr<float>());
   return out;
 }
 
@@ -183,7 +257,7 @@ void rotate(const float* x, const float* turns, int64_t head_dim, float* out) {
   }
 }
 
-// A token's key (turned) and value written at their places in the caches, and its `group` queries
+// A token's key (turned) and value written at their places in the pools, and its `group` queries
 // of kv head kv turned into queries; row: its wqkv product (queries, then keys, then values).
 void write_token(const float* row, const float* turns, int64_t kv, int64_t heads, int64_t kv_heads, int64_t group,
                  int64_t head_dim, float* key, float* value, float* queries) {
@@ -193,138 +267,64 @@ void write_token(const float* row, const float* turns, int64_t kv, int64_t heads
   for (int64_t j = 0; j < group; ++j) rotate(row + (kv * group + j) * head_dim, turns, head_dim, queries + j * head_dim);
 }
 
-// A step's attention in one call, as apply_rotary, KVCache.update and decode_attention do it in
-// turn: row b's tokens, at positions positions[b], positions[b] + 1, ..., are taken one after the
-// other: the token's query and key heads turned to its position, its key and value written into
-// cache row slots[b] there, then its queries attend to positions [0, its own]. Rows may sit
-// anywhere in the caches, each at its own position (continuous batching) or all at one. A step
-// of several tokens a row (guesses to verify, a short chunk of prompt) gives every token exactly
-// the bits it would get in a step of its own.
+// A step's attention in one call, as apply_rotary, KVCache.write and decode_attention do it in
+// turn: row b's tokens, at positions positions[b], positions[b] + 1, ..., have their query and key
+// heads turned to their positions and their keys and values written at their places in the pools
+// (through the row's block table), then each token's queries attend to its row's positions [0,
+// its own]. Rows may be at any positions, each its own (continuous batching) or all at one. A
+// step of several tokens a row (guesses to verify, a short chunk of prompt) gives every token
+// exactly the bits it would get in a step of its own.
 // qkv [batch, tokens, (heads + 2 kv heads) * head_dim]: the wqkv product, queries then keys then
 // values; turns [batch or 1, tokens, head_dim / 2, 2]: each token's cos and sin (one set for all
-// rows); caches [rows, kv heads, capacity, head_dim], contiguous; slots, positions int64 [batch].
-// Returns [batch, tokens, heads * head_dim].
-at::Tensor decode_step_attention(const at::Tensor& qkv, const at::Tensor& turns, at::Tensor& k_cache,
-                                 at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& positions,
-                                 int64_t heads) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "the caches must be contiguous fp32 [rows, kv heads, positions, head_dim] alike");
-  const int64_t kv_heads = k_cache.size(1), capacity = k_cache.size(2), head_dim = k_cache.size(3);
-  const int64_t batch = qkv.size(0), tokens = qkv.size(1), width = (heads + 2 * kv_heads) * head_dim;
+// rows); pools and tables as Pool's; positions int64 [batch]. Returns [batch, tokens, heads * head_dim].
+at::Tensor decode_step_attention(const at::Tensor& qkv, const at::Tensor& turns, at::Tensor& k_pool,
+                                 at::Tensor& v_pool, const at::Tensor& tables, const at::Tensor& positions,
+                                 int64_t heads, int64_t block) {
+  const int64_t batch = qkv.size(0), tokens = qkv.size(1);
+  check_pool(k_pool, v_pool, tables, positions, batch, block, 0);
+  const int64_t kv_heads = k_pool.size(1), head_dim = k_pool.size(3), width = (heads + 2 * kv_heads) * head_dim;
   TORCH_CHECK(qkv.dim() == 3 && tokens > 0 && qkv.size(2) == width && qkv.scalar_type() == at::kFloat &&
               qkv.is_contiguous(), "qkv must be contiguous fp32 [batch, tokens, (heads + 2 kv heads) * head_dim]");
   TORCH_CHECK(turns.scalar_type() == at::kFloat && turns.is_contiguous() &&
               (turns.numel() == tokens * head_dim || turns.numel() == batch * tokens * head_dim),
               "turns must be contiguous fp32 cos and sin [batch or 1, tokens, head_dim / 2, 2]");
   TORCH_CHECK(heads % kv_heads == 0 && head_dim % kWidth == 0, "shapes do not match");
-  check_rows(slots, positions, batch, k_cache, 0);
   for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(row_entry(positions, b) + tokens <= capacity, "row ", b, ": its last token falls outside the cache");
+    TORCH_CHECK(row_entry(positions, b) + tokens <= tables.size(1) * block, "row ", b,
+                ": its last token falls outside its block table");
   const int64_t group = heads / kv_heads;
   const int64_t turns_stride = turns.numel() == tokens * head_dim ? 0 : tokens * head_dim;
-  at::Tensor out = at::empty({batch, tokens, heads * head_dim}, qkv.options());
-  const float *qkv_data = qkv.data_ptr<float>(), *turn_data = turns.data_ptr<float>();
-  float *k_data = k_cache.data_ptr<float>(), *v_data = v_cache.data_ptr<float>(), *out_data = out.data_ptr<float>();
-  int64_t longest = 0;  // the longest context of a token of the step
-  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, row_entry(positions, b) + tokens);
-  if (longest <= kPartPositions) {  // each token's attention is one task, done as its key is written
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t finish) {
-      std::vector<float> scores, queries(group * head_dim);
-      for (int64_t task = begin; task < finish; ++task) {
-        const int64_t b = task / kv_heads, kv = task % kv_heads;
-        const int64_t cached = (row_entry(slots, b) * kv_heads + kv) * capacity * head_dim;  // this kv head's first position
-        for (int64_t t = 0; t < tokens; ++t) {
-          const int64_t position = row_entry(positions, b) + t;
-          scores.resize(group * (position + 1));
-          write_token(qkv_data + (b * tokens + t) * width, turn_data + b * turns_stride + t * head_dim, kv, heads,
-                      kv_heads, group, head_dim, k_data + cached + position * head_dim,
-                      v_data + cached + position * head_dim, queries.data());
-          attend(queries.data(), k_data + cached, v_data + cached, head_dim, position + 1, group, head_dim,
-                 scores.data(), out_data + ((b * tokens + t) * heads + kv * group) * head_dim);
-        }
-      }
-    });
-    return out;
-  }
-  // Longer contexts: every token's key and value written and its queries turned first, then the
-  // attention's tasks (a token's whole context where it is one part, else each of its parts),
-  // then the parted tokens' parts combined.
+  const Pool pool(k_pool, v_pool, tables, block);
+  // Every token's key and value written and its queries turned first, then the attention's tasks.
   at::Tensor turned = at::empty({batch, tokens, heads, head_dim}, qkv.options());
+  const float *qkv_data = qkv.data_ptr<float>(), *turn_data = turns.data_ptr<float>();
   float* query_data = turned.data_ptr<float>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t finish) {
     for (int64_t task = begin; task < finish; ++task) {
       const int64_t b = task / kv_heads, kv = task % kv_heads;
-      const int64_t cached = (row_entry(slots, b) * kv_heads + kv) * capacity * head_dim;
       for (int64_t t = 0; t < tokens; ++t) {
-        const int64_t position = row_entry(positions, b) + t;
+        const int64_t at = pool.offset(b, kv, row_entry(positions, b) + t);
         write_token(qkv_data + (b * tokens + t) * width, turn_data + b * turns_stride + t * head_dim, kv, heads,
-                    kv_heads, group, head_dim, k_data + cached + position * head_dim,
-                    v_data + cached + position * head_dim,
+                    kv_heads, group, head_dim, pool.keys + at, pool.values + at,
                     query_data + ((b * tokens + t) * heads + kv * group) * head_dim);
       }
     }
   });
-  struct Part {
-    int64_t b, t, kv, part, index;  // the part's number, and its place among the partials (-1: a whole context)
-  };
-  struct Parted {
-    int64_t b, t, kv, first, parts;  // a token's kv head attended in parts: partials [first, first + parts)
-  };
-  std::vector<Part> tasks;
-  std::vector<Parted> parted;
-  int64_t partial_count = 0;
+  std::vector<Token> contexts;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t kv = 0; kv < kv_heads; ++kv) {
-        const int64_t parts = (row_entry(positions, b) + t + kPartPositions) / kPartPositions;  // ceil(context / P)
-        if (parts == 1) {
-          tasks.push_back({b, t, kv, 0, -1});
-          continue;
-        }
-        parted.push_back({b, t, kv, partial_count, parts});
-        for (int64_t part = 0; part < parts; ++part) tasks.push_back({b, t, kv, part, partial_count + part});
-        partial_count += parts;
-      }
-  const int64_t partial_size = group * (head_dim + 2);
-  std::vector<float> partials(partial_count * partial_size);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t finish) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < finish; ++i) {
-      const Part& task = tasks[i];
-      const int64_t cached = (row_entry(slots, task.b) * kv_heads + task.kv) * capacity * head_dim;
-      const int64_t first = ((task.b * tokens + task.t) * heads + task.kv * group) * head_dim;
-      const int64_t context = row_entry(positions, task.b) + task.t + 1;
-      if (task.index < 0) {
-        scores.resize(group * context);
-        attend(query_data + first, k_data + cached, v_data + cached, head_dim, context, group, head_dim,
-               scores.data(), out_data + first);
-        continue;
-      }
-      const int64_t start = task.part * kPartPositions;
-      float* partial = partials.data() + task.index * partial_size;
-      scores.resize(group * kPartPositions);
-      attend_part(query_data + first, k_data + cached, v_data + cached, head_dim, start,
-                  std::min(context, start + kPartPositions), group, head_dim, scores.data(), partial,
-                  partial + group, partial + 2 * group);
-    }
-  });
-  at::parallel_for(0, static_cast<int64_t>(parted.size()), 1, [&](int64_t begin, int64_t finish) {
-    for (int64_t i = begin; i < finish; ++i) {
-      const Parted& token = parted[i];
-      combine_parts(partials.data() + token.first * partial_size, token.parts, group, head_dim,
-                    out_data + ((token.b * tokens + token.t) * heads + token.kv * group) * head_dim);
-    }
-  });
+      contexts.push_back({b, row_entry(positions, b) + t + 1, (b * tokens + t) * heads * head_dim});
+  at::Tensor out = at::empty({batch, tokens, heads * head_dim}, qkv.options());
+  attend_tokens(query_data, pool, contexts, kv_heads, group, out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_tp, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths) -> Tensor");
-  m.def("decode_step_attention(Tensor qkv, Tensor turns, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-        "Tensor positions, int heads) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lengths, int block) -> Tensor");
+  m.def("decode_step_attention(Tensor qkv, Tensor turns, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor tables, "
+        "Tensor positions, int heads, int block) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_tp, CPU, m) {

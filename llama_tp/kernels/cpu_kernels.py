@@ -4,7 +4,7 @@ rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py); pro
 pass (norm_kernel.cpp, rms_norm); one new token's attention to the cache (attention_kernel.cpp,
 decode_attention), and eagerly the whole step of a few tokens, rotation and cache write included
 (decode_step_attention); every row's next token (sampler_kernel.cpp, sample_rows).
-torch.utils.cpp_extension compiles them on first use (10-25 s, then cached in
+torch.utils.cpp_extension compiles them on first use (a minute or more on a few cores, then cached in
 ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
 (parallel/shared_memory.cpp). CPUs with AVX2 but not AVX-512 build the decoding kernels alone:
 the fp32 and quantized products (avx2_float_product.cpp, avx2_kernels.cpp: the same operators on
@@ -16,11 +16,14 @@ torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment 
 (torch's kernels do the work instead), should they fail to build.
 """
 
+import contextlib
+import fcntl
 import functools
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -93,24 +96,63 @@ def _build(name: str, sources: list[Path], isa_flags: list[str]) -> None:
     """Compile (or take from torch's extension cache) and load one extension of torch operators."""
     from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
 
-    start = time.perf_counter()
     if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH: take the ninja package's
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    try:
-        # OpenMP: at::parallel_for's threads
-        cpp_extension.load(name=name, sources=[str(source) for source in sources],
-                           extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False)
-    except Exception as error:  # a compiler, linker or ninja failure, whatever torch raises for it
-        raise RuntimeError(
-            f"building llama_tp's CPU kernels failed ({type(error).__name__}: {str(error).strip()[:300]}); "
-            "fix the C++ toolchain (g++ or $CXX, ninja), or set LLAMA_TP_CPU_KERNELS=0 to use torch's kernels"
-        ) from error
-    if time.perf_counter() - start > 2:  # built, not taken from the cache
-        logger.info(f"compiled llama_tp's CPU kernels ({name}) in {time.perf_counter() - start:.0f} s "
-                    "(once: they are cached)")
+    # torch's own folder for the extension (~/.cache/torch_extensions/py311_cpu/NAME, or under $TORCH_EXTENSIONS_DIR)
+    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with _build_lock(folder):
+        building = _needs_building(folder / f"{name}.so", sources)
+        if building:
+            logger.info(f"building llama_tp's CPU kernels ({name}) in {folder}: once, a minute or more on a "
+                        "few cores (LLAMA_TP_CPU_KERNELS=0 runs without them)")
+        start = time.perf_counter()
+        try:
+            # OpenMP: at::parallel_for's threads
+            cpp_extension.load(name=name, sources=[str(source) for source in sources], build_directory=str(folder),
+                               extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               is_python_module=False)
+        except Exception as error:  # a compiler, linker or ninja failure, whatever torch raises for it
+            raise RuntimeError(
+                f"building llama_tp's CPU kernels failed ({type(error).__name__}: {str(error).strip()[:300]}); "
+                "fix the C++ toolchain (g++ or $CXX, ninja), or set LLAMA_TP_CPU_KERNELS=0 to use torch's kernels"
+            ) from error
+    if building:
+        logger.info(f"built llama_tp's CPU kernels ({name}) in {time.perf_counter() - start:.0f} s")
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Hold the extension folder for building and loading, against every other llama_tp process.
+
+    torch's own lock (folder/lock, created by cpp_extension.load) outlives a process that is killed
+    while it builds, and every later load then waits for it forever. Ours is a kernel lock
+    (flock), released when its holder dies however it dies: whoever holds it knows that no other
+    llama_tp process is building here, so a `lock` it finds was left by a dead one.
+    """
+    with open(folder / "llama_tp.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info(f"waiting for another process that is building llama_tp's CPU kernels in {folder}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.info(f"removing {stale}, left by a kernel build that was stopped half-way")
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _needs_building(library: Path, sources: list[Path]) -> bool:
+    """Whether the extension is missing or older than a source or header it is built from."""
+    if not library.exists():
+        return True
+    inputs = {source for source in sources} | set(Path(__file__).parent.glob("*.h"))
+    return max(path.stat().st_mtime for path in inputs) > library.stat().st_mtime
 
 
 def _register_decoding_shapes() -> None:
@@ -125,12 +167,12 @@ def _register_decoding_shapes() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("llama_tp::decode_attention")
-    def _(q, k_cache, v_cache, slots, lengths):
+    def _(q, k_pool, v_pool, tables, lengths, block):
         return torch.empty_like(q)
 
     @torch.library.register_fake("llama_tp::decode_step_attention")
-    def _(qkv, turns, k_cache, v_cache, slots, positions, heads):
-        return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads * k_cache.shape[-1])
+    def _(qkv, turns, k_pool, v_pool, tables, positions, heads, block):
+        return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads * k_pool.shape[-1])
 
     @torch.library.register_fake("llama_tp::int8_product")
     def _(x, q, scales, zeros, out_features):
@@ -162,31 +204,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.llama_tp.rms_norm(x.contiguous(), weight, eps)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
-    """One new token per row attending to its cache row: q [bsz, heads, 1, head_dim] to the
-    keys and values of cache row slots[b] at positions [0, lengths[b]), the caches [rows, kv heads,
-    positions, head_dim]; all fp32, head_dim a multiple of ATTENTION_LANES; slots, lengths int64
-    [bsz]. As scaled_dot_product_attention(q, keys, values, enable_gqa=True) row by row."""
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, block: int) -> torch.Tensor:
+    """One new token per row attending to its own positions: q [bsz, heads, 1, head_dim] to the
+    keys and values of positions [0, lengths[b]) of row b, found through its block table
+    (tables [bsz, blocks a row]) in the pools [1, kv heads, blocks * block, head_dim]
+    (kv_cache.KVCache); all fp32, head_dim a multiple of ATTENTION_LANES; tables, lengths int64.
+    As scaled_dot_product_attention(q, keys, values, enable_gqa=True) row by row."""
     if not torch.compiler.is_compiling():
         load_decoding_kernels()
     bsz, heads, _, head_dim = q.shape
-    out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), k_cache, v_cache,
-                                              slots, lengths)
+    out = torch.ops.llama_tp.decode_attention(q.reshape(bsz, heads, head_dim).contiguous(), k_pool, v_pool,
+                                              tables, lengths, block)
     return out.view(bsz, heads, 1, head_dim)
 
 
-def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slots: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
-    """A step of a few tokens a row, row b's from position positions[b] of cache row slots[b],
-    from their wqkv product qkv [bsz, tokens, (heads + 2 kv heads) * head_dim]: each token's
-    queries and keys turned by turns [bsz or 1, tokens, head_dim // 2, 2] (cos, sin), its keys and
-    values written into the caches [rows, kv heads, max positions, head_dim], then its attention to
-    the row's positions up to its own: [bsz, tokens, heads * head_dim]. As apply_rotary,
-    KVCache.update and decode_attention do it, in one call, and each token exactly as in a step of
-    its own: fp32, head_dim a multiple of ATTENTION_LANES; slots, positions int64 [bsz]."""
+def decode_step_attention(qkv: torch.Tensor, turns: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          tables: torch.Tensor, positions: torch.Tensor, heads: int, block: int) -> torch.Tensor:
+    """A step of a few tokens a row, row b's from position positions[b], from their wqkv product
+    qkv [bsz, tokens, (heads + 2 kv heads) * head_dim]: each token's queries and keys turned by
+    turns [bsz or 1, tokens, head_dim // 2, 2] (cos, sin), its key and value written at its place in
+    the pools (decode_attention's, through the row's block table), then its attention to the row's
+    positions up to its own: [bsz, tokens, heads * head_dim]. As apply_rotary, KVCache.write and
+    decode_attention do it, in one call, and each token exactly as in a step of its own: fp32,
+    head_dim a multiple of ATTENTION_LANES; tables, positions int64."""
     load_decoding_kernels()
-    return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_cache, v_cache, slots, positions, heads)
+    return torch.ops.llama_tp.decode_step_attention(qkv, turns, k_pool, v_pool, tables, positions, heads, block)
 
 
 def sample_rows(logits: torch.Tensor, history: torch.Tensor, settings: torch.Tensor, top_k: torch.Tensor,

@@ -33,6 +33,16 @@ LANES = 16  # output channels per block of the kernel's layout: one AVX-512 regi
 # (prompts) convert the weight back and multiply it through oneDNN.
 MAX_ROWS = 64
 
+# Where our kernel does not run (GPUs, other CPUs), products of a few rows read the weight as int8
+# through grouped_product, compiled; more convert it back for the device's matrix product (cuBLAS,
+# oneDNN), which reads 1.25 bytes a weight and writes and reads 2 more. Inductor's code for
+# grouped_product converts each weight back once per row: on CPUs that pays for one row only
+# (matmul.SUMMED_MAX_ROWS). A GPU converts int8 to fp32 at 16 a cycle per SM (a quarter or an
+# eighth of its multiply-adds), so a row costs about 1.6 ms for a 7B model's 6.5 G weights on an
+# H200, against about 3.5 ms for reading them in bf16 and 9 ms for converting them back: up to 4
+# rows, estimated so, not measured yet (tools/bench_products.py measures it).
+GPU_SUMMED_MAX_ROWS = 4
+
 
 def group_size(width: int) -> int:
     """Inputs per group for a weight `width` inputs wide: GROUP_SIZE, or fewer where width is not a multiple."""
@@ -90,6 +100,15 @@ def grouped_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zero
     weight = q.view(rows, 1, n_groups, -1).float() * scales[:, None, :, None] + zeros[:, None, :, None]
     product = (weight * x_groups).sum((-1, -2))  # out, r
     return product.t().reshape(*x.shape[:-1], rows).type_as(x)
+
+
+def summed_max_rows(device: torch.device) -> int:
+    """Products of up to this many rows on `device` go to grouped_product (where our kernel does
+    not run): GPU_SUMMED_MAX_ROWS on GPUs while torch.compile traces a step, else one. Eager
+    products compile grouped_product on its own for each shape they meet, and dynamo stops
+    compiling a function after 8 (its recompile_limit): one row keeps those to a model's 5 weight
+    shapes."""
+    return GPU_SUMMED_MAX_ROWS if device.type == "cuda" and torch.compiler.is_compiling() else 1
 
 
 def blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

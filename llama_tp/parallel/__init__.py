@@ -2,11 +2,13 @@
 
 Everything else asks this package; nothing outside it imports torch.distributed or reads the
 torchrun environment. NCCL and this process's GPU when CUDA is present (group.device_for), gloo
-and CPU otherwise or with LLAMA_TP_DEVICE=cpu; host objects always travel over gloo.
+and CPU otherwise or with LLAMA_TP_DEVICE=cpu (gloo on GPUs with LLAMA_TP_BACKEND=gloo); host
+objects always travel over gloo.
 
 `group`: this process's place, device, dtype and process groups; `failures`: failing and leaving
-together; `layers`: fairscale's parallel layers; `collectives`: their sums and gathers, through
-`shared_memory` between the ranks of one host.
+together; `watchdog`: ending a GPU rank whose job lost a rank where no timeout would; `layers`:
+fairscale's parallel layers; `collectives`: their sums and gathers, through `shared_memory`
+between the ranks of one host.
 """
 
 from .collectives import all_gather_last_dim, all_reduce, from_first_rank, vocab_argmax
@@ -16,7 +18,6 @@ from .failures import (
     describe_peer_failure,
     is_peer_failure,
     leave,
-    report_failure,
     wait_for_every_rank,
 )
 from .group import (
@@ -29,6 +30,7 @@ from .group import (
     gather_objects,
     gather_objects_if_any,
     global_rank,
+    graphs_hold_collectives,
     host_group,
     init,
     model_parallel_rank,
@@ -38,6 +40,7 @@ from .group import (
     resolve_dtype,
 )
 from .layers import EmbeddingLayout, column_parallel_linear, communication_after, parallel_embedding, row_parallel_linear
+from .watchdog import report_failure
 
 __all__ = [
     "DTYPES",
@@ -58,6 +61,7 @@ __all__ = [
     "gather_objects",
     "gather_objects_if_any",
     "global_rank",
+    "graphs_hold_collectives",
     "host_group",
     "init",
     "is_peer_failure",

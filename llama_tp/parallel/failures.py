@@ -3,7 +3,6 @@ cause, a collective that lost a rank is explained, torchrun is told the message,
 the ranks leave the process group together."""
 
 import hashlib
-import json
 import os
 import pickle
 import time
@@ -14,9 +13,11 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fairscale_mp
 
+from ..optional import MissingExtra
 from .collectives import forget_shared_sum
 from .group import _host_groups, collective_timeout, gather_objects, host_group, launcher_gone_message
 from .shared_memory import is_exchange_timeout
+from .watchdog import stop_watching
 
 @contextmanager
 def agreement(step: str) -> Iterator[None]:
@@ -42,7 +43,7 @@ def agreement(step: str) -> Iterator[None]:
 
 def _verdict(failure: Exception) -> tuple[type, str]:
     """What the other ranks raise for failure: the same kind of user error, else RuntimeError."""
-    for kind in (FileNotFoundError, ValueError):  # built-in classes: they pickle everywhere
+    for kind in (FileNotFoundError, ValueError, MissingExtra):  # classes every rank can unpickle
         if isinstance(failure, kind):
             return kind, str(failure)
     return RuntimeError, f"{type(failure).__name__}: {failure}"
@@ -95,16 +96,6 @@ def describe_peer_failure(error: BaseException) -> str:
     )
 
 
-def report_failure(message: str) -> None:
-    """Hand message to torchrun, which shows it in its failure summary instead of a link to its docs."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        # The layout torchrun's own @record writes; the summary prints py_callstack as "traceback".
-        details = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        with open(error_file, "w") as file:
-            json.dump({"message": {"message": message, "extraInfo": details}}, file)
-
-
 def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
     """Wait briefly until every rank gets here, e.g. before exiting on an error.
 
@@ -152,6 +143,7 @@ def leave() -> None:
     """
     if dist.is_initialized():
         wait_for_every_rank()
+        stop_watching()
         fairscale_mp.destroy_model_parallel()
         forget_shared_sum()
         dist.destroy_process_group()

@@ -19,6 +19,7 @@ from fairscale.nn.model_parallel import initialize as fairscale_mp
 
 from ..kernels.cpu_kernels import cxx_compiler_found
 from ..logs import set_rank as set_log_rank
+from .watchdog import global_rank, watch_peers
 
 # How long a rank waits for the others at process-group start-up or in any one collective before
 # giving up with an error instead of hanging; generous because ranks load shards at their own pace.
@@ -49,6 +50,7 @@ class Placement:
     world_size: int
     local_rank: int
     device: torch.device
+    processes_here: int = 1  # this host's processes of the job (LOCAL_WORLD_SIZE), which share its memory
 
     @property
     def is_main(self) -> bool:
@@ -62,10 +64,14 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 def requested_device() -> str:
     """LLAMA_TP_DEVICE, checked: one of DEVICE_CHOICES."""
-    value = os.environ.get("LLAMA_TP_DEVICE", "auto").strip().lower() or "auto"
-    if value not in DEVICE_CHOICES:
-        raise ValueError(f"LLAMA_TP_DEVICE={value!r} is not one of {', '.join(DEVICE_CHOICES)}; "
-                         "set it to cpu to run on CPU, or leave it unset")
+    return _setting("LLAMA_TP_DEVICE", DEVICE_CHOICES, "set it to cpu to run on CPU, or leave it unset")
+
+
+def _setting(variable: str, choices: tuple[str, ...], fix: str) -> str:
+    """The environment variable's value, "auto" where unset, refused with `fix` unless one of choices."""
+    value = os.environ.get(variable, "auto").strip().lower() or "auto"
+    if value not in choices:
+        raise ValueError(f"{variable}={value!r} is not one of {', '.join(choices)}; {fix}")
     return value
 
 
@@ -82,25 +88,52 @@ def device_for(local_rank: int) -> torch.device:
     """This process's device: its GPU if the job runs on GPUs (choose_gpu), else the CPU."""
     if accelerator_available():
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-        return torch.device("cuda", choose_gpu(local_rank, local_world_size, torch.cuda.device_count()))
+        shared = requested_backend() == "gloo"
+        return torch.device("cuda", choose_gpu(local_rank, local_world_size, torch.cuda.device_count(), shared))
     return torch.device("cpu")
 
 
-def choose_gpu(local_rank: int, local_world_size: int, visible: int) -> int:
+def choose_gpu(local_rank: int, local_world_size: int, visible: int, shared: bool = False) -> int:
     """The index of this process's GPU among the `visible` ones: 0 where each process sees one GPU
     of its own (SLURM, Kubernetes), else LOCAL_RANK's, which must exist: two processes on one
     GPU make NCCL fail with "Duplicate GPU" after a long wait. Checked against the host's process
-    count (LOCAL_WORLD_SIZE), so that every rank refuses, not only those without a GPU."""
+    count (LOCAL_WORLD_SIZE), so that every rank refuses, not only those without a GPU. Where the
+    ranks talk through gloo (`shared`), GPUs may be shared: the ranks take them in turn."""
     if visible == 1:
         return 0
+    if shared:
+        return local_rank % visible
     if max(local_rank + 1, local_world_size) > visible:
         raise ValueError(
             f"this host runs {max(local_rank + 1, local_world_size)} processes but shows {visible} GPUs to "
             f"each, so LOCAL_RANK {local_rank} may have no GPU of its own; start at most {visible} processes "
             f"a host (--nproc_per_node {visible}), give each its own GPU through CUDA_VISIBLE_DEVICES, "
-            "or set LLAMA_TP_DEVICE=cpu"
+            "set LLAMA_TP_BACKEND=gloo to share GPUs (collectives through the host: slow), or set LLAMA_TP_DEVICE=cpu"
         )
     return local_rank
+
+
+# LLAMA_TP_BACKEND: "gloo" runs the collectives through the host even on GPUs, where NCCL refuses
+# two ranks on one GPU (the GPU tests run a two-rank job on one GPU so); "nccl" insists on NCCL;
+# unset (or "auto"): NCCL on GPUs, gloo on CPUs.
+BACKEND_CHOICES = ("auto", "nccl", "gloo")
+
+
+def requested_backend() -> str:
+    """LLAMA_TP_BACKEND, checked: one of BACKEND_CHOICES."""
+    return _setting("LLAMA_TP_BACKEND", BACKEND_CHOICES, "leave it unset for NCCL on GPUs and gloo on CPUs")
+
+
+def backend_for(device: torch.device) -> str:
+    """The collectives' backend for a job on `device`: NCCL on GPUs unless LLAMA_TP_BACKEND=gloo,
+    gloo on CPUs (where NCCL cannot run)."""
+    requested = requested_backend()
+    if device.type == "cpu" and requested == "nccl":
+        raise ValueError("LLAMA_TP_BACKEND=nccl needs GPUs, but this job runs on the CPU; leave "
+                         "LLAMA_TP_BACKEND unset (gloo on CPUs) or run where CUDA sees a GPU")
+    if device.type == "cpu" or requested == "gloo":
+        return "gloo"
+    return "nccl"
 
 
 DTYPES = {
@@ -111,8 +144,8 @@ DTYPES = {
 
 
 def resolve_dtype(dtype: "str | torch.dtype | None", device: torch.device) -> torch.dtype:
-    """The compute dtype: as asked, else bf16 on GPUs that have it, fp16 on other GPUs, and fp32
-    on CPU, where bf16 matrix-vector products are about 3x slower."""
+    """The compute dtype: as asked, else bf16 on GPUs that compute in it, fp16 on other GPUs, and
+    fp32 on CPU, where bf16 matrix-vector products are about 3x slower."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is not None:
@@ -121,7 +154,19 @@ def resolve_dtype(dtype: "str | torch.dtype | None", device: torch.device) -> to
         return DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if computes_bf16(device) else torch.float16
+
+
+# NVIDIA GPUs compute in bf16 (its tensor cores) from compute capability 8.0 (Ampere) on.
+BF16_CAPABILITY = (8, 0)
+
+
+def computes_bf16(device: torch.device) -> bool:
+    """Whether the GPU computes in bf16 itself. V100 and T4 (7.x) only emulate it, slowly and
+    without flash attention (the math kernel instead), although torch.cuda.is_bf16_supported()
+    says yes there; its including_emulation=False asks the same of the current device, this asks
+    it of ours."""
+    return torch.cuda.get_device_capability(device) >= BF16_CAPABILITY
 
 
 @dataclass(frozen=True)
@@ -129,28 +174,49 @@ class DecodeCompilation:
     """How torch.compile runs one-token decoding steps on a device (see Transformer.compile_decoding)."""
 
     options: dict[str, Any]  # torch.compile's keywords
-    static_shapes: bool  # every step the same shapes: attend to the whole cache under a mask
+    graphs: bool  # whole steps at the sizes of a ladder, recorded as CUDA graphs (step_graphs.py)
 
 
 def decode_compilation(device: torch.device) -> DecodeCompilation:
-    """CUDA graphs on GPUs (they replay a step without launching its kernels one by one, but need
-    the same shapes every step); on CPU, code generation for a step whose length may grow, with
+    """CUDA graphs on GPUs (they replay a whole step as one launch, but need the same shapes every
+    time: the step runs at the next size of a ladder), where a graph can hold the step's
+    collectives; compiled without graphs of the compiler's own, which would replay each group of
+    layers apart; on CPU, code generation for a step whose length may grow, with
     the code that calls the kernels in C++ too (cpp_wrapper): a demo-model step at batch 1 took
     24.1 ms instead of 25.1, for 4 s more of compiling when nothing is cached."""
     if device.type == "cuda":
-        return DecodeCompilation({"mode": "reduce-overhead"}, static_shapes=True)
+        return DecodeCompilation({}, graphs=graphs_hold_collectives())
     require_cxx_compiler("compile=True on CPU", "leave compile off")
-    return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, static_shapes=False)
+    return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, graphs=False)
+
+
+def graphs_hold_collectives() -> bool:
+    """Whether a CUDA graph can capture this job's collectives: NCCL's, or none at world size 1.
+    gloo's (LLAMA_TP_BACKEND=gloo) copy through the host, which a capture refuses."""
+    return not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "nccl"
+
+
+# torch's int4 GPU kernel (tinygemm, kernels/tinygemm.py) multiplies on bf16 tensor cores, which
+# NVIDIA GPUs have from compute capability 8.0 (Ampere) on; on older ones it does not run.
+INT4_MIN_CAPABILITY = BF16_CAPABILITY
 
 
 def check_int4_device(device: torch.device) -> None:
-    """Refuse int4 layers on an accelerator up front: they multiply on CPUs only (our AVX-512 kernel,
-    elsewhere the weight converted back by torch's operations), and on a GPU that would be slower
-    than its own bf16 products. torch's _weight_int4pack_mm (as gpt-fast uses it) is the way there."""
-    if device.type != "cpu":
+    """Refuse int4 layers up front on a device without an int4 kernel: CPUs have ours, GPUs of
+    compute capability 8.0 or newer torch's tinygemm; other accelerators (MPS, ...) none."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
         raise ValueError(
-            f"quantize='int4' runs on CPUs only, not on {device}; on {device.type} leave quantize unset "
-            "(bf16) or use quantize='int8' to halve the weights' memory"
+            f"quantize='int4' runs on CPUs and on CUDA GPUs of compute capability 8.0 or newer, not on {device}; "
+            "leave quantize unset or use quantize='int8' to halve the weights' memory"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < INT4_MIN_CAPABILITY:
+        raise ValueError(
+            f"quantize='int4' runs on GPUs through torch's tinygemm kernel, which needs compute capability "
+            f"8.0 (Ampere) or newer; {device} is a {torch.cuda.get_device_name(device)} of compute capability "
+            f"{capability[0]}.{capability[1]}: leave quantize unset or use quantize='int8' to halve the weights' memory"
         )
 
 
@@ -185,10 +251,10 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
         # chunk brings new shapes: a server's first 16-client burst ran at half speed (docs/gpu.md).
         torch.backends.cuda.enable_cudnn_sdp(False)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend_for(device)
         timeout = collective_timeout()
         # device_id binds NCCL's communicator to this GPU now, rather than guessing it at the first collective.
-        bound = {"device_id": device} if device.type == "cuda" else {}
+        bound = {"device_id": device} if backend == "nccl" else {}
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout, **bound)
         else:
@@ -201,11 +267,13 @@ def init(model_parallel_size: Optional[int] = None) -> Placement:
         if world_size > 1:
             # Made now, on every rank together: creating a group is itself a collective.
             _host_groups.append(dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None)
+            if device.type == "cuda":  # a GPU can wait for a lost rank where no timeout reaches
+                watch_peers(dist.new_group(backend="gloo", timeout=timeout), rank, world_size, timeout.total_seconds())
             _start_launcher_watchdog()
     if not fairscale_mp.model_parallel_is_initialized():
         with _quiet(), _groups_with_timeout(collective_timeout()):
             fairscale_mp.initialize_model_parallel(model_parallel_size)
-    return Placement(rank, world_size, local_rank, device)
+    return Placement(rank, world_size, local_rank, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 @contextmanager
@@ -224,11 +292,6 @@ def _groups_with_timeout(timeout: timedelta) -> Iterator[None]:
         yield
     finally:
         dist.new_group = original
-
-
-def global_rank() -> int:
-    """This process's rank in the job, before or after the process group exists."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

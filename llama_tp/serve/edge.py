@@ -16,6 +16,7 @@ from typing import Callable, Optional
 from fastapi.responses import Response
 
 from .limits import ServerLimits
+from .messages.protocol import messages_error
 from .protocol import RequestError
 
 # Open without the key, as in vLLM: load balancers and Prometheus ask these.
@@ -24,10 +25,22 @@ OPEN_PATHS = ("/health", "/metrics")
 TRIMMED_BODY_BYTES = 2**20
 
 
-def error_response(error: RequestError, close: bool = False) -> Response:
-    """OpenAI's error JSON for error; close: the connection ends after it (a body left unread)."""
+def openai_error(error: RequestError) -> tuple[int, dict]:
+    """OpenAI's error JSON and its status."""
+    return error.status, error.body()
+
+
+def error_shape(path: str) -> Callable[[RequestError], tuple[int, dict]]:
+    """Anthropic's errors for its Messages routes, OpenAI's for every other."""
+    return messages_error if path.startswith("/v1/messages") else openai_error
+
+
+def error_response(error: RequestError, shape: Callable[[RequestError], tuple[int, dict]] = openai_error,
+                   close: bool = False) -> Response:
+    """error as shape writes it (OpenAI's JSON by default); close: the connection ends after it (a body left unread)."""
+    status, body = shape(error)
     # ASCII-escaped: a message may quote the client's text, lone surrogates and all
-    return Response(json.dumps(error.body()), status_code=error.status, media_type="application/json",
+    return Response(json.dumps(body), status_code=status, media_type="application/json",
                     headers={"Connection": "close"} if close else None)
 
 
@@ -36,7 +49,8 @@ class Edge:
 
     def __init__(self, app, api_key: Optional[str], limits: ServerLimits, refused: Callable[[int], None]):
         self.app, self.limits, self.refused = app, limits, refused
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        # OpenAI's way (Authorization: Bearer) and Anthropic's (x-api-key)
+        self.expected = None if api_key is None else (f"Bearer {api_key}".encode(), api_key.encode())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -56,8 +70,11 @@ class Edge:
         large = len(body) >= TRIMMED_BODY_BYTES or (refusal is not None and refusal.status == 413)
         try:
             if refusal is not None:
-                self.refused(refusal.status)
-                await error_response(refusal, close=True)(scope, receive, send)
+                # The connection ends with the refusal: its body, unread, could be gigabytes, or
+                # (framed two ways) be taken for another request.
+                response = error_response(refusal, error_shape(scope["path"]), close=True)
+                self.refused(response.status_code)
+                await response(scope, receive, send)
                 return
             # the body's one holder from here is the replay, which lets go of it once it is read
             replay, body = _Replay(body, receive), b""
@@ -73,11 +90,13 @@ class Edge:
             return RequestError(400, "the request has both `Transfer-Encoding` and `Content-Length`, which could "
                                 "frame its body two ways; send one of them", None, "invalid_framing")
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):  # in constant time: no guessing byte by byte
-                said = "a wrong API key" if given else "no API key"
+            given = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+            # in constant time: no guessing byte by byte
+            if not (hmac.compare_digest(given[0], self.expected[0]) | hmac.compare_digest(given[1], self.expected[1])):
+                said = "a wrong API key" if any(given) else "no API key"
                 return RequestError(401, f"the request has {said}; send the server's key as `Authorization: Bearer "
-                                    "KEY` (the openai client's api_key)", None, "invalid_api_key")
+                                    "KEY` or `x-api-key: KEY` (the openai or anthropic client's api_key)", None,
+                                    "invalid_api_key")
         if int(headers.get(b"content-length", b"0")) > self.limits.max_body_bytes:  # digits: h11 checked them
             return self._too_large()
         return None

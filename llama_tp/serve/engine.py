@@ -26,7 +26,6 @@ from ..choices import agreed_tokens
 from ..sampler import TokenHistory, sample
 from ..speculative import Outcome, Row
 from ..structured.constraint import Constraint
-from ..structured.grammars import grammars_for
 from ..structured.rows import RowAdjustment, adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .grammar_shelf import HeldRequests, Shelf
@@ -79,6 +78,7 @@ class Progress:
     answer: list[int] = field(default_factory=list)  # generated tokens, without a stop token
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the answer's, where the request asks
     first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
     adjustment: Optional[RowAdjustment] = None  # its grammar, logit_bias, penalties (None: free)
 
 
@@ -117,6 +117,8 @@ class Engine:
                     return
                 if self.scheduler.running:
                     self._step()
+                    if self.mailbox is not None:
+                        self._report_load()  # the running requests' answers grew
         except BaseException as error:
             self._fail_everything(error)
             raise
@@ -129,6 +131,8 @@ class Engine:
         waiting = deque(requests)
         for request, _ in waiting:  # every rank compiles every grammar before the first step
             if request.constraint is not None:
+                from ..structured.grammars import grammars_for  # xgrammar: only where a grammar is asked for
+
                 grammars_for(self.generator).compile(request.constraint)
         while waiting or self.scheduler.running:
             admitted, taken = [], set()
@@ -222,13 +226,14 @@ class Engine:
             # structured outputs (llama_tp/structured): each rank keeps its own grammar state
             grammar = None if admission.grammar is None else self.shelf.grammar(admission.grammar)
             adjustment = make_adjustment(self.generator, request.constraint, request.logit_bias,
-                                         request.presence_penalty, request.frequency_penalty, grammar)
+                                         request.presence_penalty, request.frequency_penalty, request.thinking,
+                                         grammar)
             sequence.sampling = Progress(generator, decoder, adjustment=adjustment)
             self.history.reset(admission.slot, request.prompt_tokens)
             if self.mailbox is not None:
                 self.mailbox.metrics.prompt_tokens.inc(sequence.prompt_length)
                 self.mailbox.metrics.cached_prompt_tokens.inc(sequence.reused)
-                self.mailbox.metrics.requests_running.set(len(self.scheduler.running))
+                self._report_load()
 
     # Steps
 
@@ -267,6 +272,13 @@ class Engine:
             else:
                 self._feed(plan.decode)
 
+    def _report_load(self) -> None:
+        """Rank 0's gauges of the running requests: how many, and the cache positions they hold."""
+        running = self.scheduler.running
+        self.mailbox.metrics.requests_running.set(len(running))
+        held = sum(len(sequence.tokens) for sequence in running)
+        self.mailbox.metrics.kv_cache_usage.set(held / (self.model.max_batch_size * self.model.max_seq_len))
+
     def _speculate(self, chunks: list[Chunk]) -> None:
         """A round of guesses for the generating sequences (each chunk the one token its slot
         lacks): one pass of the target verifies them all, each sequence gains a token or more."""
@@ -278,10 +290,13 @@ class Engine:
         requests = [s.request for s in sequences]
         outcomes = self.speculator.round(self.model, rows, want_logits=any(r.logprobs for r in requests))
         logprobs = _round_logprobs(requests, outcomes)
+        now = time.monotonic()
         for sequence, outcome, row_logprobs in zip(sequences, outcomes, logprobs):
             self.history.write(sequence.slot.index, len(sequence.tokens), outcome.tokens)
+            previous = sequence.sampling.last_token_at or now
             for index, token in enumerate(outcome.tokens):
-                if self._advance(sequence, token, row_logprobs[index] if row_logprobs else None):
+                at = previous + (now - previous) * (index + 1) / len(outcome.tokens)  # the round's time, shared
+                if self._advance(sequence, token, row_logprobs[index] if row_logprobs else None, at):
                     break
         stats = self.speculator.stats
         if stats.verified_rows >= self.next_report:
@@ -319,8 +334,9 @@ class Engine:
             picks = [(token, None) for token in parallel.vocab_argmax(logits).tolist()]
         else:
             picks = self._choose(sequences, logits)
+        now = time.monotonic()
         for sequence, (token, logprob) in zip(sequences, picks):
-            self._advance(sequence, token, logprob)
+            self._advance(sequence, token, logprob, now)
 
     def _batch_tensors(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
         """chunks' tokens as one batch [rows, longest], the shorter padded on the right; their start
@@ -374,9 +390,9 @@ class Engine:
         ban[torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device)] = True
         return ban
 
-    def _advance(self, sequence: Sequence, token: int, logprob: Optional[TokenLogprob]) -> bool:
+    def _advance(self, sequence: Sequence, token: int, logprob: Optional[TokenLogprob], at: float) -> bool:
         """Append a chosen token and end the sequence where it ends (then True); rank 0 hands the
-        client its text."""
+        client its text. at: when the token counts as made (time.monotonic), for the latencies."""
         request, progress = sequence.request, sequence.sampling
         if progress.adjustment is not None and not progress.adjustment.accept(token):  # structured outputs
             # its grammar allowed no token at all: this answer ends, the others go on
@@ -393,10 +409,12 @@ class Engine:
         stopped = stopped or (progress.decoder is not None and progress.decoder.stopped)
         full = sequence.generated >= request.max_tokens or len(sequence.tokens) >= self.model.max_seq_len
         if self.mailbox is not None:
-            now = time.monotonic()
             if progress.first_token_at is None:
-                progress.first_token_at = now
-                self.mailbox.metrics.time_to_first_token.observe(now - request.arrival)
+                progress.first_token_at = at
+                self.mailbox.metrics.time_to_first_token.observe(at - request.arrival)
+            else:
+                self.mailbox.metrics.inter_token_latency.observe(at - progress.last_token_at)
+            progress.last_token_at = at
             self.mailbox.metrics.generation_tokens.inc()
         delta = Delta(piece, () if token in request.stop_tokens else (token,), (logprob,) if logprob else ())
         if stopped or full:
@@ -424,15 +442,18 @@ class Engine:
         for delta in deltas[:-1]:
             stream.put(delta)
         last = Delta(deltas[-1].text, deltas[-1].tokens, deltas[-1].logprobs, reason, sequence.prompt_length,
-                     sequence.generated, sequence.reused)
+                     sequence.generated, sequence.reused,
+                     stop_string=progress.decoder.matched if progress.decoder is not None else None)
         if reason == "error":
             last = replace(last, error=DEAD_END, error_code="grammar_dead_end", error_status=400)
         if progress.first_token_at is not None and sequence.generated > 1:
-            per_token = (time.monotonic() - progress.first_token_at) / (sequence.generated - 1)
+            per_token = (progress.last_token_at - progress.first_token_at) / (sequence.generated - 1)
             self.mailbox.metrics.time_per_output_token.observe(per_token)
+        if reason != "cancelled":
+            self.mailbox.metrics.request_latency.observe(time.monotonic() - sequence.request.arrival)
         state = {"cancelled": RequestState.CANCELLED, "error": RequestState.FAILED}.get(reason, RequestState.FINISHED)
         self._end_stream(stream, last, state)
-        self.mailbox.metrics.requests_running.set(len(self.scheduler.running))
+        self._report_load()
 
     def _end_stream(self, stream: RequestStream, delta: Delta, state: RequestState) -> None:
         """Rank 0: a request's last delta, wherever it was (held, waiting or running)."""
@@ -470,6 +491,7 @@ class Engine:
         self.held.streams.clear()
         self.mailbox.metrics.requests_running.set(0)
         self.mailbox.metrics.requests_waiting.set(0)
+        self.mailbox.metrics.kv_cache_usage.set(0)
 
 
 def _round_logprobs(requests: list[GenerationRequest], outcomes: list[Outcome]) -> list[Optional[list[TokenLogprob]]]:

@@ -14,11 +14,13 @@ sent again, which is then ready at once).
 import itertools
 from collections import Counter
 from concurrent.futures import Future
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..structured.constraint import Constraint
-from ..structured.grammars import grammars_for, xgrammar
 from .requests import GenerationRequest, RequestStream
+
+if TYPE_CHECKING:
+    import xgrammar
 
 # A rank's word on a grammar: its number, and None where it is ready or why it failed.
 Report = tuple[int, Optional[str]]
@@ -35,6 +37,8 @@ class Shelf:
     def start(self, orders: Iterable[tuple[int, Constraint]]) -> None:
         """Begin compiling each (number, constraint) on the compiler's threads."""
         for number, constraint in orders:
+            from ..structured.grammars import grammars_for  # xgrammar (the serve extra): only once a grammar is asked for
+
             self._futures[number] = grammars_for(self.generator).compile_later(constraint)
             self._unreported.append(number)
 
@@ -44,7 +48,7 @@ class Shelf:
         self._unreported = [number for number in self._unreported if number not in done]
         return tuple((number, _failure(self._futures[number])) for number in done)
 
-    def grammar(self, number: int) -> xgrammar.CompiledGrammar:
+    def grammar(self, number: int) -> "xgrammar.CompiledGrammar":
         """A ready grammar (rank 0 admits a request only once every rank has said so)."""
         future = self._futures[number]
         assert future.done(), f"grammar {number} is not compiled on this rank yet"

@@ -1,10 +1,13 @@
-"""The server's Prometheus metrics (GET /metrics): requests in each state, tokens, latencies.
+"""The server's Prometheus metrics (GET /metrics): requests in each state, tokens, latencies, the
+KV cache's use; and the same again under vLLM's names, for the dashboards that read vLLM's.
 
 A registry of its own per server, so that tests can run several. The engine updates the request
 and token figures on rank 0 as they change; the HTTP side counts what it refuses.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from .requests import RequestState
 
@@ -13,9 +16,29 @@ disable_created_metrics()  # no *_created series: a start time per label is nois
 # Seconds: a CPU step of a small model takes tens of milliseconds, a long prompt on a big one seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
 
+# vLLM's name of each metric we have with its meaning, vLLM's help text, and ours (docs/serving.md,
+# "Metrics", has them side by side). Counters without their _total, as prometheus_client names them.
+VLLM_NAMES = {
+    "vllm:num_requests_running": ("Number of requests in model execution batches.", "requests_running"),
+    "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "requests_waiting"),
+    "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.", "prompt_tokens"),
+    "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", "cached_prompt_tokens"),
+    "vllm:prompt_tokens": ("Number of prefill tokens processed.", "prompt_tokens"),
+    "vllm:generation_tokens": ("Number of generation tokens processed.", "generation_tokens"),
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", "time_to_first_token"),
+    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", "inter_token_latency"),
+    # vLLM's older name of the inter-token latency, which its dashboards still read
+    "vllm:time_per_output_token_seconds": ("Histogram of time per output token in seconds.", "inter_token_latency"),
+    "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
+                                                   "time_per_output_token"),
+    "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", "request_latency"),
+}
+
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        """model_name: the served name, the model_name label of the vLLM-named series."""
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests_waiting = Gauge("llama_tp_requests_waiting", "Requests waiting for a slot", registry=registry)
@@ -23,18 +46,44 @@ class ServerMetrics:
         self.requests_ended = Counter("llama_tp_requests", "Requests that ended, by how", ["state"], registry=registry)
         self.requests_refused = Counter("llama_tp_requests_refused", "Requests refused before reaching the engine, "
                                         "by HTTP status", ["status"], registry=registry)
+        self.kv_cache_usage = Gauge("llama_tp_kv_cache_usage", "The fraction of the KV cache's positions that the "
+                                    "running requests hold (their prompts and answers so far)", registry=registry)
         self.prompt_tokens = Counter("llama_tp_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
         self.cached_prompt_tokens = Counter("llama_tp_prompt_tokens_cached", "Prompt tokens whose keys and values "
                                             "were reused from an earlier request", registry=registry)
         self.generation_tokens = Counter("llama_tp_generation_tokens", "Tokens generated", registry=registry)
         self.time_to_first_token = Histogram("llama_tp_time_to_first_token_seconds", "From a request's arrival to "
                                              "its first token", buckets=LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram("llama_tp_inter_token_latency_seconds", "Before each token after a "
+                                             "request's first, since its previous one (a speculation round's time "
+                                             "shared by the tokens it adds)", buckets=LATENCY_BUCKETS, registry=registry)
         self.time_per_output_token = Histogram("llama_tp_time_per_output_token_seconds", "A request's time from "
                                                "its first token to its last, per token after the first",
                                                buckets=LATENCY_BUCKETS, registry=registry)
+        self.request_latency = Histogram("llama_tp_request_seconds", "From a request's arrival to its last token, "
+                                         "for requests that finished (not cancelled)", buckets=LATENCY_BUCKETS,
+                                         registry=registry)
         for state in (RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED):
             self.requests_ended.labels(state.value)  # every state shows, at 0 until it happens
+        registry.register(VllmNames(self, model_name))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class VllmNames(Collector):
+    """Our metrics again under vLLM's names, labelled with the model's name as vLLM labels them: a
+    view read at each scrape, so that the two names never disagree."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str):
+        self.metrics, self.model_name = metrics, model_name
+
+    def collect(self):
+        for name, (help_text, ours) in VLLM_NAMES.items():
+            for family in getattr(self.metrics, ours).collect():
+                renamed = Metric(name, help_text, family.type)
+                for sample in family.samples:  # _total, _bucket, _sum and _count keep their suffixes
+                    renamed.add_sample(name + sample.name[len(family.name):],
+                                       {"model_name": self.model_name, **sample.labels}, sample.value)
+                yield renamed

@@ -12,6 +12,9 @@ from typing import Any, Optional
 from ..structured.constraint import Constraint, GrammarLimits
 from ..structured.grammars import grammars_for
 from ..structured.tools import call_constraint, render_dialog, tool_format
+from ..text.chat_format import encode_dialog
+from ..text.jinja_template import check_variables
+from ..text.reasoning import Thinking
 from ..text.streaming import check_stop
 from .limits import text_beyond
 from .protocol import INT64, ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
@@ -25,11 +28,10 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str,
                  grammar_limits: GrammarLimits = GrammarLimits()) -> GenerationRequest:
     """The request for a chat completion: the dialog in the model's chat format, ended by its end
     of turn; a structured output or forced call compiled within grammar_limits."""
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-    forced = _forced_call(body, tools, generator)
-    if body.tool_choice == "none":
-        tools = []  # the model is not told of them
-    prompt_tokens = dialog_tokens(body.messages, generator, tools)
+    forced = _forced_call(body, _tools(body), generator)
+    prompt_tokens = chat_prompt(body, generator)
+    # a reasoning model's answer: the structured output waits for the end of its thinking
+    thinking = generator.reasoning.thinking(prompt_tokens) if generator.reasoning is not None else None
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs", "invalid_value")
     max_tokens, limit_param = body.max_tokens, "max_tokens"
@@ -41,7 +43,18 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str,
         max_tokens, limit_param = body.max_completion_tokens, "max_completion_tokens"
     return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
                     generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, grammar_limits,
-                    limit_param, forced)
+                    limit_param, forced, thinking)
+
+
+def chat_prompt(body: ChatCompletionRequest, generator) -> list[int]:
+    """A chat body's prompt tokens: its messages, and its tools unless tool_choice is "none" (then
+    the model is not told of them)."""
+    return dialog_tokens(body.messages, generator, [] if body.tool_choice == "none" else _tools(body),
+                         body.chat_template_kwargs)
+
+
+def _tools(body: ChatCompletionRequest) -> list[dict]:
+    return [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
 
 
 def choices(body: SamplingRequest, request: GenerationRequest, generator) -> list[GenerationRequest]:
@@ -86,25 +99,30 @@ def _shown_choice(choice) -> str:
     return json.dumps(choice) if isinstance(choice, str) else json.dumps(choice.model_dump())
 
 
-def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None) -> list[int]:
+def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None,
+                  template_variables: Optional[dict] = None) -> list[int]:
     """The prompt of checked messages up to the assistant's turn: rendered by the model's own chat
     template where it has one that takes tools (tools, calls and tool messages as the template
     writes them), else in the model's chat format, the tools described and earlier calls and
-    answers written in its tool format."""
+    answers written in its tool format. template_variables: chat_template_kwargs, for a template."""
     formatter = generator.formatter
     text = sum(len(m.content or "") + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in messages)
     _check_room(text + (len(json.dumps(tools)) if tools else 0), generator, "messages")
+    try:
+        check_variables(template_variables or {}, getattr(formatter, "named_tokens", {}))
+    except ValueError as error:
+        raise RequestError(400, f"`chat_template_kwargs`: {error}", "chat_template_kwargs", "invalid_value") from None
     forged_tools = False  # tools that a template writes into the prompt spell a control token
     try:
         if formatter.takes_tools:
             checked = template_messages(messages)
-            prompt_tokens = formatter.encode_messages(checked, tools)
+            prompt_tokens = formatter.encode_messages(checked, tools, template_variables)
             forged_tools = formatter.spells_control(json.dumps(tools or [], ensure_ascii=False))
         else:
             plain = [{"role": "system" if message.role == "developer" else message.role, "content": message.content,
                       "tool_calls": [call.model_dump() for call in message.tool_calls or ()]} for message in messages]
             checked = render_dialog(plain, tools or [], tool_format(formatter))
-            prompt_tokens = formatter.encode_dialog_prompt(checked)
+            prompt_tokens = encode_dialog(formatter, checked, template_variables)
     except ValueError as error:  # the chat format's checks, or the template's refusal (TemplateRefused)
         raise RequestError(400, f"`messages`: {error}", "messages", "invalid_value") from None
     if forged_tools or formatter.is_unsafe(checked):
@@ -117,10 +135,13 @@ def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None)
 
 def template_messages(messages: list) -> list[dict]:
     """Checked messages as a chat template takes them (as vLLM hands them to transformers): a
-    call's arguments as an object where they are JSON, `developer` as `system`."""
+    call's arguments as an object where they are JSON, `developer` as `system`, an assistant's
+    earlier thinking as its `reasoning_content`."""
     dialog = []
     for message in messages:
         item = {"role": "system" if message.role == "developer" else message.role, "content": message.content}
+        if message.reasoning_content is not None:
+            item["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
             item["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
                 "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
@@ -178,7 +199,8 @@ def completion_request(body: CompletionRequest, generator, request_id: str,
 
 def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: list[int], prompt_param: str,
              max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int, grammar_limits: GrammarLimits,
-             limit_param: str = "max_tokens", forced: Optional[Constraint] = None) -> GenerationRequest:
+             limit_param: str = "max_tokens", forced: Optional[Constraint] = None,
+             thinking: Optional[Thinking] = None) -> GenerationRequest:
     """The checks and the request both endpoints share; limit_param: the field max_tokens came from."""
     constraint = _constraint(body, generator, grammar_limits, forced)
     max_seq_len = generator.model.max_seq_len
@@ -188,14 +210,16 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
     room = max_seq_len - len(prompt_tokens)
     if room < 1:
         raise RequestError(400, f"the prompt has {len(prompt_tokens)} tokens but the model's max_seq_len is "
-                           f"{max_seq_len}, which leaves no room for an answer; shorten the prompt",
+                           f"{max_seq_len}, which leaves no room for an answer; shorten the prompt, or serve the "
+                           "model with a larger --max_seq_len",
                            prompt_param, "context_length_exceeded")
     if max_tokens is None:
         max_tokens = room  # OpenAI's default for chat: all that fits
     elif max_tokens > room:
         raise RequestError(400, f"the prompt's {len(prompt_tokens)} tokens and {limit_param} {max_tokens} make "
                            f"{len(prompt_tokens) + max_tokens}, beyond the model's max_seq_len of {max_seq_len}; "
-                           f"ask for at most {room} tokens or shorten the prompt", limit_param,
+                           f"ask for at most {room} tokens, shorten the prompt, or serve the model with a larger "
+                           "--max_seq_len", limit_param,
                            "context_length_exceeded")
     min_tokens = body.min_tokens or 0
     if min_tokens > max_tokens:
@@ -220,7 +244,8 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
     return GenerationRequest(
         id=request_id, prompt_tokens=tuple(prompt_tokens), max_tokens=max_tokens, options=options,
         stop_tokens=frozenset(stop_tokens), stop=stop, logprobs=logprobs, top_logprobs=top_logprobs,
-        constraint=constraint, logit_bias=_logit_bias(body.logit_bias, generator.model.args.vocab_size),
+        constraint=constraint, thinking=thinking,
+        logit_bias=_logit_bias(body.logit_bias, generator.model.args.vocab_size),
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
     )
 

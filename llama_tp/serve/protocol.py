@@ -130,7 +130,8 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "modalities": ((["text"],), "it answers in text only"),
     "audio": ((), "it answers in text only"),
     "prediction": ((), "it does not use predicted outputs"),
-    "reasoning_effort": ((), "it serves no reasoning model"),
+    "reasoning_effort": ((), "it has no effort setting; a thinking model such as Qwen3 thinks or not by its "
+                         'chat_template_kwargs {"enable_thinking": false}'),
     "verbosity": ((), "it has no verbosity setting; ask for brevity in the prompt or set max_tokens"),
     "web_search_options": ((), "it does not search the web"),
     "moderation": ((), "it does not moderate"),
@@ -142,12 +143,13 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 
 
-def _refuse_unsupported(model: BaseModel, prefix: str = "") -> None:
-    """Raise RequestError for the first field of model set to a value this server does not implement."""
+def refuse_unsupported(model: BaseModel, prefix: str = "", table: dict[str, tuple[tuple, str]] = UNSUPPORTED) -> None:
+    """Raise RequestError for the first field of model set to a value this server does not implement
+    (table: each field's values that change nothing, and why the others are refused)."""
     for name in type(model).model_fields:
-        if name in UNSUPPORTED:
+        if name in table:
             value = getattr(model, name)
-            neutral, why = UNSUPPORTED[name]
+            neutral, why = table[name]
             if value is not None and value not in neutral:
                 shown = json.dumps(value)
                 shown = shown if len(shown) <= 60 else shown[:57] + "..."
@@ -238,6 +240,7 @@ class ChatMessage(Body):
     name: Any = None
     tool_calls: Optional[list[ToolCallMessage]] = None
     refusal: Any = None
+    reasoning_content: Optional[str] = None  # an assistant's thinking, as a reasoning model's answer gave it
 
     @model_validator(mode="after")
     def _content_or_calls(self):
@@ -246,6 +249,9 @@ class ChatMessage(Body):
                                       "assistant's `tool_calls`)")
         if self.tool_calls and self.role != "assistant":
             raise PydanticCustomError("content", f"`tool_calls` belong to assistant messages, not {self.role!r} ones")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise PydanticCustomError("content", f"`reasoning_content` is an assistant's thinking, not in {self.role!r} "
+                                      "messages")
         return self
 
 
@@ -289,7 +295,7 @@ class SamplingRequest(Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        _refuse_unsupported(self)
+        refuse_unsupported(self)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -306,6 +312,7 @@ class ChatCompletionRequest(SamplingRequest):
     prompt_cache_options: Any = None
     tools: Optional[list[Tool]] = Field(None, max_length=128)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: variables for the model's chat template
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -321,7 +328,7 @@ class ChatCompletionRequest(SamplingRequest):
     def check_supported(self) -> None:
         super().check_supported()
         for index, message in enumerate(self.messages):
-            _refuse_unsupported(message, f"messages[{index}].")
+            refuse_unsupported(message, f"messages[{index}].")
 
 
 class CompletionRequest(SamplingRequest):
@@ -349,7 +356,7 @@ class TokenizeRequest(Body):
 
     def check_supported(self) -> None:
         for index, message in enumerate(self.messages or ()):
-            _refuse_unsupported(message, f"messages[{index}].")
+            refuse_unsupported(message, f"messages[{index}].")
 
 
 class DetokenizeRequest(Body):

@@ -12,6 +12,7 @@ from typing import Optional
 
 from ..sampling import SamplingOptions
 from ..structured.constraint import Constraint
+from ..text.reasoning import Thinking
 
 
 class RequestState(enum.Enum):
@@ -37,6 +38,7 @@ class GenerationRequest:
     logprobs: bool = False  # each generated token's log probability
     top_logprobs: int = 0  # and the most likely alternatives at each step
     constraint: Optional[Constraint] = None  # the answer's grammar (structured outputs)
+    thinking: Optional[Thinking] = None  # a reasoning model's answer: its constraint holds what follows the thinking
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from each generated token's logit
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time the token was generated
@@ -73,6 +75,7 @@ class Delta:
     error: Optional[str] = None
     error_code: str = "engine_failed"
     error_status: int = 503
+    stop_string: Optional[str] = None  # with finish_reason "stop": the stop string that ended it, if one did
 
     @property
     def finished(self) -> bool:

@@ -1,9 +1,11 @@
-"""What the server answers, in OpenAI's shapes: a whole response, or server-sent event chunks.
+"""What the server answers to chat completions and completions, in OpenAI's shapes: a whole
+response, or server-sent event chunks. (OpenAI's Responses API, /v1/responses, is responses_api/.)
 
 A Reply writes one request's answer, of `n` choices (indexed 0..n-1, each from its own engine
 request); ChatReply and CompletionReply differ only in how a choice and its log probabilities
 look (chat: `message`/`delta` and `logprobs.content`; completions: `text` and the legacy
-`logprobs` of parallel lists).
+`logprobs` of parallel lists). A reasoning model's chat answer holds its thinking apart, in
+`reasoning_content`.
 """
 
 import json
@@ -12,8 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from ..structured.tools import parse_tool_calls
-from .requests import Delta, TokenLogprob
+from ..structured.tools import parse_tool_calls, tool_format
+from ..text.reasoning import ReasoningSplitter, Split, Thinking
+from .protocol import RequestError
+from .requests import Delta, GenerationRequest, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
 
@@ -21,6 +25,13 @@ DONE = b"data: [DONE]\n\n"
 def event(data: dict) -> bytes:
     """One server-sent event carrying data as JSON."""
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def parsed_calls(body, generator) -> Optional[tuple[str, set[str]]]:
+    """With tools the model may call: their format and names, for parsing the answer's calls; else None."""
+    if body.tools and body.tool_choice != "none":
+        return tool_format(generator.formatter), {tool.function.name for tool in body.tools}
+    return None
 
 
 def finish_reason(delta: Delta) -> str:
@@ -57,6 +68,7 @@ class Reply:
     object: str
     chunk_object: str
     id_prefix: str
+    heartbeat: Optional[bytes] = None  # sent on a stream that has been silent a while, if any
 
     def __init__(self, model: str, tokenizer, include_usage: bool = False, n: int = 1):
         self.id = self.id_prefix + uuid.uuid4().hex
@@ -76,9 +88,16 @@ class Reply:
                      reason: Optional[str]) -> dict:
         raise NotImplementedError
 
+    def expect(self, body, request: GenerationRequest, generator) -> None:
+        """Learn what the answer needs of its checked body and request before it is written."""
+
     def opening(self) -> list[bytes]:
         """The chunks a stream begins with, before any text."""
         return []
+
+    def failure(self, error: RequestError) -> bytes:
+        """The event that ends a stream whose answer failed (the engine, or the request's grammar)."""
+        return event(error.body())
 
     # The same for both
 
@@ -123,42 +142,76 @@ class Reply:
 class ChatReply(Reply):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
     tools: Optional[tuple[str, set[str]]] = None  # with tools: their format and names; calls are parsed
+    thinking: Optional[Thinking] = None  # a reasoning model's answers: their thinking goes apart
 
     def __init__(self, model: str, tokenizer, include_usage: bool = False, n: int = 1):
         super().__init__(model, tokenizer, include_usage, n)
         self.held: dict[int, list[str]] = {}  # with tools, each choice's streamed text until its end, when calls are parsed
+        self.splitters: dict[int, ReasoningSplitter] = {}  # a reasoning model's, each streamed choice's
+
+    def expect(self, body, request, generator):
+        self.tools = parsed_calls(body, generator)
+        self.thinking = request.thinking
 
     def choice(self, index, text, logprobs, reason):
+        """A choice's message: a reasoning model's thinking as its reasoning_content (the content
+        null when the answer ended inside it), the calls parsed from what follows the thinking."""
         message, calls = {"role": "assistant", "content": text}, []
+        if self.thinking is not None:
+            split = self.thinking.split(text)
+            text = split.content
+            message = {"role": "assistant", "content": text or None, "reasoning_content": split.reasoning or None}
         if self.tools is not None:  # each choice's calls are its own
             content, calls = parse_tool_calls(text, *self.tools)
             if calls:
-                message = {"role": "assistant", "content": content,
-                           "tool_calls": [call.openai() for call in calls]}
+                message |= {"content": content, "tool_calls": [call.openai() for call in calls]}
         return {"index": index, "message": message, "logprobs": self.logprobs(logprobs),
                 "finish_reason": "tool_calls" if calls and reason == "stop" else reason}
 
     def chunks(self, index, delta, logprobs):
         """With tools, a choice's text is held to its end: a call is only known once it is whole.
-        Then the words come as one content delta and each call as a tool_calls delta."""
-        if self.tools is None:
+        Then the thinking comes as one reasoning delta, the words as one content delta and each
+        call as a tool_calls delta. Without tools, a reasoning model's text comes as deltas of
+        reasoning_content and of content as soon as it is known which a piece is."""
+        if self.tools is None and self.thinking is None:
             return super().chunks(index, delta, logprobs)
+        if self.tools is None:
+            return self.split_chunks(index, delta, logprobs)
         held = self.held.setdefault(index, [])
         held.append(delta.text)
         if not delta.finished:
             return []
         choice = self.choice(index, "".join(held), None, finish_reason(delta))
         message, events = choice["message"], []
-        if message["content"]:
-            events.append(self.chunk([self.chunk_choice(index, message["content"], None, None)]))
+        if message["content"] or message.get("reasoning_content"):
+            events.append(self.chunk([self.chunk_choice(index, message["content"] or "", None, None,
+                                                        message.get("reasoning_content") or "")]))
         for number, call in enumerate(message.get("tool_calls", ())):
             events.append(self.chunk([{"index": index, "delta": {"tool_calls": [call | {"index": number}]},
                                        "logprobs": None, "finish_reason": None}]))
         events.append(self.chunk([self.chunk_choice(index, "", None, choice["finish_reason"])]))
         return events + self.ending(index, delta)
 
-    def chunk_choice(self, index, text, logprobs, reason):
-        delta = {"content": text} if text or reason is None else {}
+    def split_chunks(self, index: int, delta: Delta, logprobs: bool) -> list[bytes]:
+        """A reasoning model's delta as a chunk of its thinking's and its content's new text."""
+        splitter = self.splitters.setdefault(index, self.thinking.splitter())
+        split = splitter.push(delta.text)
+        if delta.finished:
+            rest = splitter.finish()
+            split = Split(split.reasoning + rest.reasoning, split.content + rest.content)
+        events = []
+        if split.reasoning or split.content or delta.logprobs:
+            events.append(self.chunk([self.chunk_choice(index, split.content, list(delta.logprobs) if logprobs else None,
+                                                        None, split.reasoning)]))
+        if delta.finished:
+            events.append(self.chunk([self.chunk_choice(index, "", None, finish_reason(delta))]))
+            events += self.ending(index, delta)
+        return events
+
+    def chunk_choice(self, index, text, logprobs, reason, reasoning: str = ""):
+        delta = {"content": text} if text or (reason is None and not reasoning) else {}
+        if reasoning:
+            delta = {"reasoning_content": reasoning} | delta
         return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
 
     def opening(self):
@@ -184,6 +237,10 @@ class CompletionReply(Reply):
         super().__init__(model, tokenizer, include_usage, n)
         self.text_offsets: dict[int, int] = {}  # where each choice's next token's text begins, over a stream's chunks
         self.echo = ""  # with echo: the prompt's text, before each choice's answer
+
+    def expect(self, body, request, generator):
+        if body.echo:  # the prompt's text first
+            self.echo = body.prompt if isinstance(body.prompt, str) else generator.tokenizer.decode(body.prompt)
 
     def response(self, answers):
         return super().response([Answered(self.echo + answer.text, answer.logprobs, answer.final)

@@ -94,8 +94,8 @@ def build_speculator(speculate: Optional[str], speculate_k: Optional[int], draft
                 "KV cache a process")
     model = load_model(draft_dir, draft_args, placement, dtype, draft_quantize,
                        pack=matmul.packing_pays(max_batch_size, False, dtype), opened=checkpoint)
-    model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
     if compile:  # as generation.compile_decoding does for a target without speculation
         compilation = parallel.decode_compilation(placement.device)
-        model.compile_decoding(compilation.static_shapes, **compilation.options)
+        model.compile_decoding(compilation.graphs, **compilation.options)
+    model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
     return Speculator("draft", k, Draft(model, description))

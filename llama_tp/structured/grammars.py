@@ -27,7 +27,7 @@ from ..text.hf_tokenizer import HFTokenizer
 from ..text.tokenizer import Llama3Tokenizer, Tokenizer
 from .constraint import Constraint, GrammarLimits
 
-xgrammar = require("xgrammar", "structured outputs", 'pip install "llama-tp[serve]"')
+xgrammar = require("xgrammar", "structured outputs (response_format, tool_choice)")
 
 # Most compiled grammars kept, and the most memory they may hold together (an enum of 20,000
 # strings compiles into 26 MB); a schema sent again after it was evicted compiles again.

@@ -3,9 +3,9 @@ Face chat template where its converter kept one, else the format it was trained 
 
 import json
 import re
-from typing import Literal, Optional, TypedDict
+from typing import Literal, NotRequired, Optional, TypedDict
 
-from .jinja_template import compile_template, reads, render
+from .jinja_template import check_variables, compile_template, reads, render
 from .tokenizer import Llama3Tokenizer
 
 Role = Literal["system", "user", "assistant", "ipython", "tool"]  # the last two in Llama 3 only
@@ -14,6 +14,7 @@ Role = Literal["system", "user", "assistant", "ipython", "tool"]  # the last two
 class Message(TypedDict):
     role: Role
     content: str
+    reasoning_content: NotRequired[str]  # an assistant's thinking, from a reasoning model's answer
 
 
 Dialog = list[Message]
@@ -22,6 +23,10 @@ B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 SPECIAL_TAGS = (B_INST, E_INST, "<<SYS>>", "<</SYS>>")
 UNSAFE_ERROR = "Error: special tags are not allowed as part of the prompt."
+# A message's keys: its role and content; an assistant's thinking, which only a model's own chat
+# template reads (Qwen3's keeps the last turn's); the other formats leave it out, as they leave
+# out earlier answers' thinking.
+MESSAGE_KEYS = {"role", "content", "reasoning_content"}
 
 
 def check_dialog(dialog: Dialog, roles: tuple[str, ...] = ("system", "user", "assistant")) -> None:
@@ -29,9 +34,10 @@ def check_dialog(dialog: Dialog, roles: tuple[str, ...] = ("system", "user", "as
     if not isinstance(dialog, list) or not dialog:
         raise ValueError(f"a dialog must be a non-empty list of messages, found {dialog!r}")
     for index, message in enumerate(dialog):
-        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+        if not isinstance(message, dict) or not {"role", "content"} <= set(message) <= MESSAGE_KEYS:
             raise ValueError(
-                f"message {index} must be {{'role': ..., 'content': ...}}, found {message!r}"
+                f"message {index} must be {{'role': ..., 'content': ...}} (an assistant's may add "
+                f"'reasoning_content'), found {message!r}"
             )
         if message["role"] not in roles:
             raise ValueError(
@@ -39,6 +45,10 @@ def check_dialog(dialog: Dialog, roles: tuple[str, ...] = ("system", "user", "as
             )
         if not isinstance(message["content"], str):
             raise ValueError(f"message {index} content must be a string, found {message['content']!r}")
+        if "reasoning_content" in message and (message["role"] != "assistant"
+                                               or not isinstance(message["reasoning_content"], str)):
+            raise ValueError(f"message {index}: 'reasoning_content' is an assistant's thinking, a string; found "
+                             f"{message['reasoning_content']!r} in a {message['role']!r} message")
 
 
 def check_turns(turns: list[Message], offset: int) -> None:
@@ -272,21 +282,28 @@ class TemplateChatFormat:
     def is_unsafe(self, dialog: list[dict]) -> bool:
         """Whether a message's text (or its calls') spells a control token, which would become
         that token once the rendered prompt is tokenized (and could forge the dialog's turns)."""
-        return any(self.spells_control((message.get("content") or "") + json.dumps(
-            message.get("tool_calls"), ensure_ascii=False)) for message in dialog)
+        return any(self.spells_control((message.get("content") or "") + (message.get("reasoning_content") or "")
+                                       + json.dumps(message.get("tool_calls"), ensure_ascii=False))
+                   for message in dialog)
 
     def spells_control(self, text: str) -> bool:
         """Whether text the template writes into the prompt (a message, the tools) holds a control token's text."""
         return self._controls.search(text) is not None
 
-    def encode_messages(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                        variables: Optional[dict] = None) -> list[int]:
         """The prompt of OpenAI-shaped messages (tool_calls, tool messages) and tools, up to the
-        assistant's turn; TemplateRefused (a ValueError) when the template refuses them."""
-        return self.encode(render(self.template, messages, tools, self.named_tokens))
+        assistant's turn; variables: more for the template (chat_template_kwargs, such as Qwen3's
+        enable_thinking). TemplateRefused (a ValueError) when the template refuses them."""
+        return self.encode(render(self.template, messages, tools, self.named_tokens, variables))
 
-    def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
+    def encode_dialog_prompt(self, dialog: Dialog, variables: Optional[dict] = None) -> list[int]:
         check_dialog(dialog, LLAMA3_ROLES)
-        return self.encode_messages([dict(message) for message in dialog])
+        return self.encode_messages([dict(message) for message in dialog], variables=variables)
+
+    def check_variables(self, variables: dict) -> None:
+        """ValueError naming a variable of chat_template_kwargs that the rendering sets itself."""
+        check_variables(variables, self.named_tokens)
 
     def encode(self, text: str) -> list[int]:
         """Rendered text's tokens: control tokens by their text, the rest as text (no begin
@@ -298,3 +315,12 @@ class TemplateChatFormat:
             elif piece:
                 tokens += self.tokenizer.encode(piece, bos=False, eos=False)
         return tokens
+
+
+def encode_dialog(formatter, dialog: Dialog, template_variables: Optional[dict] = None) -> list[int]:
+    """A dialog's prompt in formatter; template_variables (chat_template_kwargs) reach a model's
+    own chat template, and change nothing in the formats written here, which have no variables."""
+    if template_variables and isinstance(formatter, TemplateChatFormat):
+        formatter.check_variables(template_variables)
+        return formatter.encode_dialog_prompt(dialog, template_variables)
+    return formatter.encode_dialog_prompt(dialog)

@@ -27,7 +27,7 @@ class HFTokenizer:
                 f"tokenizer file {path} does not exist; pass --tokenizer_path with the "
                 "tokenizer.json that came with the checkpoint"
             )
-        backend = require("tokenizers", purpose=f"reading {path}").Tokenizer
+        backend = require("tokenizers", f"the tokenizer {path}").Tokenizer
         try:
             self.backend = backend.from_file(str(path))
         except Exception as error:  # the Rust library raises a bare Exception for malformed files

@@ -105,14 +105,27 @@ def reads(source: str, name: str) -> bool:
     return name in jinja2.meta.find_undeclared_variables(_environment().parse(source))
 
 
+# What render sets itself, which chat_template_kwargs may not (with the tokenizer's named tokens).
+RENDER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def check_variables(variables: dict, special_tokens: dict[str, str]) -> None:
+    """ValueError naming a variable that render sets itself (a client's chat_template_kwargs)."""
+    taken = [name for name in variables if name in RENDER_VARIABLES or name in special_tokens]
+    if taken:
+        raise ValueError(f"{taken[0]!r} is set by the server ({', '.join([*RENDER_VARIABLES, *special_tokens])} "
+                         "are); pass the template's own switches only, such as enable_thinking")
+
+
 def render(template: jinja2.Template, messages: list[dict], tools: Optional[list[dict]],
-           special_tokens: dict[str, str]) -> str:
+           special_tokens: dict[str, str], variables: Optional[dict] = None) -> str:
     """The prompt text for messages up to the assistant's turn (add_generation_prompt), with tools
-    (OpenAI's function objects) and the tokenizer's named tokens (bos_token, eos_token, ...), as
-    apply_chat_template renders it; TemplateRefused naming the template's complaint."""
+    (OpenAI's function objects), the tokenizer's named tokens (bos_token, eos_token, ...) and the
+    caller's variables (checked by check_variables), as apply_chat_template renders it;
+    TemplateRefused naming the template's complaint."""
     try:
-        return template.render(messages=messages, tools=tools or None, documents=None, add_generation_prompt=True,
-                               **special_tokens)
+        return template.render(**(variables or {}), messages=messages, tools=tools or None, documents=None,
+                               add_generation_prompt=True, **special_tokens)
     except jinja2.TemplateError as error:  # raise_exception, an undefined name, the sandbox
         raise TemplateRefused(f"the model's chat template refused the dialog: {error}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as error:

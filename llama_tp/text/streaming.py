@@ -58,6 +58,7 @@ class IncrementalDecoder:
         self.emitted = ""
         self.held = ""  # final text not shown yet: it may be the beginning of a stop string
         self.stopped = False
+        self.matched: Optional[str] = None  # the stop string that ended the text
         self.context_start = self.new_start = 0  # tokens[context_start:new_start]: the last piece's
 
     def push(self, tokens: list[int]) -> str:
@@ -76,6 +77,8 @@ class IncrementalDecoder:
         cut = find_stop(pending, self.stop)
         # Past a whole stop string nothing more is shown; before it, a partial one may complete.
         self.stopped = cut >= 0
+        if self.stopped:
+            self.matched = next(s for s in self.stop if pending.startswith(s, cut))
         safe = cut if self.stopped else len(pending) - stop_prefix_len(pending, self.stop)
         piece, self.held = pending[:safe], pending[safe:]
         self.emitted += piece

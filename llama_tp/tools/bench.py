@@ -1,9 +1,10 @@
 """Benchmark: load time, prefill and decode speed, peak memory and this machine's memory-bandwidth
 roofline, optionally interleaved with Hugging Face transformers on the same weights or with
-llama.cpp on the same GGUF file (bench_peers.py).
+llama.cpp on the same GGUF file (bench_peers.py), or beside gpt-fast on a GPU (bench_gpt_fast.py).
 
     python -m llama_tp.bench --ckpt_dir DIR [--compare hf] [--quantize int8|int4] [--json bench.json]
     python -m llama_tp.bench --quantize int4 --compare llamacpp    # the demo model and its GGUF
+    python -m llama_tp.bench --ckpt_dir DIR --dtype bf16 --compile true --compare gpt-fast --gpt_fast_dir GPT_FAST
     torchrun --nproc_per_node 2 -m llama_tp.bench --ckpt_dir DIR
 
 Works on token ids (random, seeded), so no tokenizer is needed unless params.json leaves
@@ -31,6 +32,9 @@ from ..kernels import matmul
 from ..quantize import check_quantize
 from ..text.tokenizer import load_tokenizer
 from . import demo
+from .bench_gpt_fast import CASE as GPT_FAST_CASE
+from .bench_gpt_fast import SAMPLING as GPT_FAST_SAMPLING
+from .bench_gpt_fast import check_gpt_fast, gpt_fast_shape, print_side_by_side, run_gpt_fast, side_by_side
 from .bench_peers import PLAIN_GREEDY, Peer, check_peer, greedy_agreement, open_peer
 from .cli import run
 
@@ -245,6 +249,7 @@ def main(
     prefill_lengths: tuple[int, ...] = (128, 512),
     threads: Optional[int] = None,
     compile: bool = False,
+    gpt_fast_dir: Optional[str] = None,
 ):
     """Measure loading, prefill and decode, print a table and write it as JSON.
 
@@ -253,8 +258,12 @@ def main(
         tokenizer_path: only needed when params.json has no vocab_size.
         compare: "hf" to interleave Hugging Face transformers' generate on the same weights, or
             "llamacpp" llama.cpp on the same GGUF file (batch 1 only), in a process of its own
-            (world size 1; needs the llamacpp extra: pip install "llama-tp[llamacpp]").
+            (world size 1; needs the llamacpp extra: pip install "llama-tp[llamacpp]"), or
+            "gpt-fast" gpt-fast's compiled batch-1 decoding on random weights of the checkpoint's
+            published shape, on the same GPU in a process of its own (bf16 or int8/int4 alike).
         gguf: the GGUF file llama.cpp runs; default: the demo model's, when benchmarking it.
+        gpt_fast_dir: the folder with gpt-fast's files and bench_random.py; default:
+            ../shared/peers/gpt-fast beside the project.
         quantize: "int8" or "int4" (weight-only) or "int8_dynamic" (fbgemm) linear layers; see quantize.py.
         dtype: compute dtype of both engines.
         json_path: where to write the results.
@@ -286,6 +295,8 @@ def main(
     args = model_args(ckpt_dir, tokenizer_path)
     args.check_model_parallel_size(placement.world_size)
     torch_dtype = parallel.resolve_dtype(dtype, placement.device)
+    if compare == "gpt-fast":  # refused before anything loads
+        gpt_fast = check_gpt_fast(gpt_fast_dir, placement.device, torch_dtype, quantize), gpt_fast_shape(args, ckpt_dir)
     max_seq_len = max([length + 1 for length in prefill_lengths] + [DECODE_PROMPT_LEN + new_tokens])
     report: dict = {
         "command": {"ckpt_dir": str(ckpt_dir), "compare": compare, "quantize": quantize, "dtype": dtype,
@@ -302,14 +313,14 @@ def main(
     start = time.perf_counter()
     model = load_ours(ckpt_dir, args, placement, torch_dtype, quantize, pack)
     report["load_seconds_in_process"] = time.perf_counter() - start
-    model.setup_caches(max(batch_sizes), max_seq_len, placement.device, torch_dtype)
     if compile:
         compile_decoding(model, placement.device)
+    model.setup_caches(max(batch_sizes), max_seq_len, placement.device, torch_dtype)
     llama = Llama(model, TokenIds(args.vocab_size))
 
     rooflines = [roofline(model, placement.world_size, placement.device)]
     peer = None
-    if compare:
+    if compare in ("hf", "llamacpp"):
         peer, versions = open_peer(compare, ckpt_dir, gguf and Path(gguf), args, max_seq_len, torch_dtype,
                                    placement.device)
         report["machine"] |= versions
@@ -317,12 +328,25 @@ def main(
     prompts = torch.randint(1, args.vocab_size, (max(batch_sizes), max_seq_len),
                             generator=torch.Generator().manual_seed(PROMPT_SEED))
     cases = timing_cases(llama, peer, prompts, prefill_lengths, batch_sizes, new_tokens)
+    if compare == "gpt-fast":  # ours as gpt-fast decodes: batch 1, sampled
+        ours = partial(generate_afresh, llama, prompts[:1, :DECODE_PROMPT_LEN].tolist(), new_tokens, GPT_FAST_SAMPLING)
+        cases[GPT_FAST_CASE] = (new_tokens, {"llama_tp": ours})
     parallel.print0("timing (tokens per second, medians of interleaved runs):")
     report["cases"] = interleaved(cases, repeats)
+    if compare == "gpt-fast":
+        folder, shape = gpt_fast
+        parallel.print0(f"gpt-fast: {shape}, {repeats} runs after one that compiles, in a process of its own")
+        figures = run_gpt_fast(folder, shape, quantize, DECODE_PROMPT_LEN, new_tokens, repeats, placement.device)
     # Bandwidth drifts on a shared machine: measured before and after the timing, averaged.
     rooflines.append(roofline(model, placement.world_size, placement.device))
     report["roofline"] = {key: statistics.mean(r[key] for r in rooflines) for key in rooflines[0]}
     report["roofline"] |= {"weight_bytes_per_token": rooflines[0]["weight_bytes_per_token"], "samples": rooflines}
+    if compare == "gpt-fast":
+        case = report["cases"][GPT_FAST_CASE]
+        report["gpt_fast"] = side_by_side(case["tokens_per_s"]["llama_tp"], report["roofline"]["weight_bytes_per_token"],
+                                          figures, args, report["roofline"]["copy_bandwidth_bytes_per_s"])
+        case["tokens_per_s"]["gpt-fast"] = figures["tokens_per_s"]
+        case["ratio_vs_gpt-fast"] = report["gpt_fast"]["ratio_vs_gpt-fast"]
     if "decode_batch_1" in report["cases"]:
         for bound, key in (("decode_tokens_per_s", "decode_batch_1_fractions"),
                            ("read_decode_tokens_per_s", "decode_batch_1_fractions_of_read")):
@@ -368,11 +392,12 @@ def timing_cases(llama: Llama, peer: Optional[Peer], prompts: torch.Tensor,
     return cases
 
 
-def generate_afresh(llama: Llama, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Plain greedy continuations with every prompt token prefilled: the cache forgets the run before,
-    which held the same prompts (a peer's run resets its cache alike)."""
+def generate_afresh(llama: Llama, prompts: list[list[int]], new_tokens: int,
+                    options: dict = PLAIN_GREEDY) -> list[list[int]]:
+    """Continuations (plain greedy, or as options say) with every prompt token prefilled: the cache
+    forgets the run before, which held the same prompts (a peer's run resets its cache alike)."""
     llama.model.prefix_cache.forget()
-    return llama.generate(prompts, new_tokens, **PLAIN_GREEDY)[0]
+    return llama.generate(prompts, new_tokens, **options)[0]
 
 
 def print_table(report: dict) -> None:
@@ -394,6 +419,8 @@ def print_table(report: dict) -> None:
           f"{roofline['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token -> "
           f"{roofline['decode_tokens_per_s']:.1f} tok/s (a plain read: {roofline['read_bandwidth_bytes_per_s'] / 1e9:.1f} "
           f"GB/s -> {roofline['read_decode_tokens_per_s']:.1f} tok/s); decode batch 1: {fractions or '-'}")
+    if "gpt_fast" in report:
+        print_side_by_side(report["gpt_fast"])
     if "load" in report:
         load = report["load"]
         print(f"load: llama_tp {load['llama_tp']['seconds']:.2f} s, Meta's reference "

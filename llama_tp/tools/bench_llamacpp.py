@@ -1,9 +1,8 @@
 """The llama.cpp side of the benchmark: the same GGUF file run by llama.cpp, through
 llama-cpp-python, in a process of its own that does one request at a time while ours waits.
 
-llama-cpp-python is an optional extra, built from llama.cpp's sources by pip:
-
-    pip install "llama-tp[llamacpp]"    (or pip install -e ".[llamacpp]" in a checkout)
+llama-cpp-python is the optional `llamacpp` extra, which pip builds from llama.cpp's sources (a
+few minutes; it needs cmake and a C++ compiler).
 """
 
 import multiprocessing
@@ -11,17 +10,13 @@ from pathlib import Path
 
 from ..optional import require
 
-# What `require` tells the user to run when llama-cpp-python is missing.
-INSTALL = ('pip install "llama-tp[llamacpp]" (or pip install -e ".[llamacpp]" in a checkout); pip builds '
-           "llama.cpp from its sources, which takes a few minutes and needs cmake and a C++ compiler")
-
 
 class LlamaCpp:
     """llama.cpp on a GGUF file in a child process (spawned, so that its threads and ours never
     share a process); generate blocks until the child has done the work."""
 
     def __init__(self, gguf: Path, threads: int, context: int):
-        self.version = require("llama_cpp", "--compare llamacpp", install=INSTALL).__version__
+        self.version = require("llama_cpp", "--compare llamacpp").__version__
         if not Path(gguf).is_file():
             raise FileNotFoundError(f"GGUF file {gguf} does not exist; pass --gguf with the file llama.cpp should run")
         spawn = multiprocessing.get_context("spawn")

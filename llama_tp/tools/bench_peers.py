@@ -1,5 +1,6 @@
 """The engines the benchmark times beside ours: Hugging Face transformers on the same weights
-(bench_hf.py) or llama.cpp on the same GGUF file (bench_llamacpp.py)."""
+(bench_hf.py) or llama.cpp on the same GGUF file (bench_llamacpp.py), interleaved with ours; and
+gpt-fast on a GPU, which times itself in a process of its own (bench_gpt_fast.py)."""
 
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
@@ -10,7 +11,7 @@ from ..args import ModelArgs
 from ..checkpoint import load_shard, shard_paths
 from ..generation import Llama
 
-PEERS = ("hf", "llamacpp")
+PEERS = ("hf", "llamacpp", "gpt-fast")
 # Greedy choices with nothing else applied, whatever the model recommends (the demo records a
 # repetition penalty): what the peers' greedy runs do.
 PLAIN_GREEDY = dict(temperature=0, repetition_penalty=1.0)
@@ -29,7 +30,8 @@ class Peer(NamedTuple):
 def check_peer(compare: Optional[str], world_size: int) -> None:
     """Refuse an unknown --compare, or one above world size 1, before anything is loaded."""
     if compare not in (None, *PEERS):
-        raise ValueError(f"--compare {compare!r} is not supported; use --compare hf, --compare llamacpp or leave it out")
+        raise ValueError(f"--compare {compare!r} is not supported; use --compare hf, --compare llamacpp, "
+                         "--compare gpt-fast or leave it out")
     if compare and world_size != 1:
         raise ValueError(f"--compare {compare} runs at world size 1, not {world_size}; drop --compare or torchrun")
 

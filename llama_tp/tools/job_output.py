@@ -1,6 +1,7 @@
 """A batch job's results as they finish: --output_jsonl (one whole line per prompt, flushed, so a
-killed job keeps everything it finished), --resume (skip what the file already holds), and the
-progress shown on stderr.
+killed job keeps everything it finished), --resume (skip what the file already holds), --overwrite
+(the only way to start afresh over results: a job never destroys them unasked), and the progress
+shown on stderr.
 """
 
 import json
@@ -21,6 +22,36 @@ from .prompts import prompt_record
 LOG_EVERY_SECONDS = 30.0
 
 
+def check_output(path: Optional[str], resume: bool, overwrite: bool, option: str = "--output_jsonl") -> None:
+    """Refuse, before anything loads, a results file that the job cannot write or would destroy."""
+    if resume and overwrite:
+        raise ValueError(f"--resume goes on from the results in {option} and --overwrite discards them; pass one")
+    if (resume or overwrite) and not path:
+        raise ValueError(f"--{'resume' if resume else 'overwrite'} is about the results in {option}; "
+                         f"pass {option} FILE too")
+    if not path:
+        return
+    file = Path(path)
+    if not file.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {file}: folder {file.parent} does not exist")
+    if not (resume or overwrite) and file.exists() and file.stat().st_size > 0:
+        raise ValueError(f"{option} {file} already holds results; pass --resume to go on from them, or "
+                         "--overwrite to replace them")
+
+
+def whole_lines(path: Path) -> list[str]:
+    """The file's whole lines (none if it is not there); a last line that a crash cut (it could only
+    come from a writer other than ours) is cut off, by rank 0."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) < len(data) and global_rank() == 0:
+        with open(path, "r+b") as file:
+            file.truncate(len(whole))
+    return whole.decode("utf-8").splitlines()
+
+
 class ResultLog:
     """--output_jsonl: rank 0 appends {"index", ...record} for each prompt as it finishes.
 
@@ -29,10 +60,9 @@ class ResultLog:
     on what is left to do); only rank 0 writes.
     """
 
-    def __init__(self, path: str, prompts: list, resume: bool):
+    def __init__(self, path: str, prompts: list, resume: bool, overwrite: bool = False):
+        check_output(path, resume, overwrite)
         self.path = Path(path)
-        if not self.path.parent.is_dir():
-            raise FileNotFoundError(f"cannot write {self.path}: folder {self.path.parent} does not exist")
         self.done: dict[int, dict[str, Any]] = self._read(prompts) if resume else {}
         self._file = None
         if global_rank() == 0:
@@ -40,26 +70,18 @@ class ResultLog:
             self._file = os.open(self.path, flags, 0o644)
 
     def _read(self, prompts: list) -> dict[int, dict[str, Any]]:
-        """The whole lines already written, checked against this job's prompts; a last line that
-        a crash cut (it could only come from a writer other than ours) is cut off."""
-        if not self.path.exists():
-            return {}
-        data = self.path.read_bytes()
-        whole = data[: data.rfind(b"\n") + 1]
-        if len(whole) < len(data) and global_rank() == 0:
-            with open(self.path, "r+b") as file:
-                file.truncate(len(whole))
+        """The whole lines already written, checked against this job's prompts."""
         done = {}
-        for number, line in enumerate(whole.decode("utf-8").splitlines(), start=1):
+        for number, line in enumerate(whole_lines(self.path), start=1):
             try:
                 record = json.loads(line)
                 index = record["index"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f"{self.path} line {number} is not a result of this job ({line[:80]!r}); "
-                                 f"resume with the file the job wrote, or leave out --resume to start afresh") from None
+                                 f"resume with the file the job wrote, or pass --overwrite instead to start afresh") from None
             if not isinstance(index, int) or not 0 <= index < len(prompts) or record.get("prompt") != prompts[index]:
                 raise ValueError(f"{self.path} line {number} holds prompt {index!r}, which is not that prompt of "
-                                 f"--prompts_file; resume with the same prompts file, or leave out --resume")
+                                 f"--prompts_file; resume with the same prompts file, or pass --overwrite instead")
             done[index] = record
         return done
 
@@ -117,17 +139,19 @@ class JobProgress:
 
 
 def run_job(prompts: list, answer: Callable, text_of: Callable[[dict], str], output_jsonl: Optional[str],
-            resume: bool, seed: Optional[int]) -> list[dict[str, Any]]:
+            resume: bool, seed: Optional[int],
+            reasoning_of: Callable[[dict], Optional[str]] = lambda result: None,
+            overwrite: bool = False) -> list[dict[str, Any]]:
     """Answer every prompt that --output_jsonl does not hold yet, writing each as it finishes;
     return every prompt's record, in order.
 
     answer(prompts, seed, on_result): text_completion or chat_completion with the script's options.
+    text_of(result): the record's generation; reasoning_of(result): a reasoning model's thinking, kept apart.
     A resumed job gives the prompts left the seeds of their places in the whole job, so its
     answers are those of an unbroken run.
     """
-    if resume and not output_jsonl:
-        raise ValueError("--resume continues the results in --output_jsonl; pass --output_jsonl FILE too")
-    log = ResultLog(output_jsonl, prompts, resume) if output_jsonl else None
+    check_output(output_jsonl, resume, overwrite)
+    log = ResultLog(output_jsonl, prompts, resume, overwrite) if output_jsonl else None
     records = {index: {k: v for k, v in record.items() if k != "index"}
                for index, record in (log.done if log else {}).items()}
     left = [index for index in range(len(prompts)) if index not in records]
@@ -138,7 +162,7 @@ def run_job(prompts: list, answer: Callable, text_of: Callable[[dict], str], out
 
     def on_result(position: int, result: dict) -> None:
         index = left[position]
-        records[index] = prompt_record(prompts[index], text_of(result), result["token_ids"])
+        records[index] = prompt_record(prompts[index], text_of(result), result["token_ids"], reasoning_of(result))
         if log is not None:
             log.write(index, records[index])
         progress.update(len(result["token_ids"]))

@@ -29,10 +29,10 @@ def checked_command_line(main: Callable, argv: list[str], passes_on: Optional[Ca
     --nostream), or OptionError naming the first option or value that does not fit. passes_on is
     the function that main hands its **keyword options to, whose options are accepted too."""
     fire_args, fire_flags = _split_at_separator(argv)
-    if "--help" in fire_args or "-h" in fire_args:
-        return ["--", "--help"]  # fire's own flag: help even where **options would take --help
     options = option_types(main)
     positional_names = list(options)
+    required = {name for name, parameter in inspect.signature(main).parameters.items()
+                if parameter.default is parameter.empty and name in options}
     if passes_on is not None:
         options = {**option_types(passes_on), **options}
     checked, positionals, named = [], [], set()
@@ -46,7 +46,7 @@ def checked_command_line(main: Callable, argv: list[str], passes_on: Optional[Ca
         key, has_equals, value = argument.lstrip("-").partition("=")
         name = key.replace("-", "_")
         bare = not has_equals and (index == len(fire_args) or _is_flag(fire_args[index]))
-        name, negated = _resolve(name, argument, options, bare)
+        name, negated = _resolve(name, argument, options, required, bare)
         named.add(name)
         annotation = options[name]
         if bare:
@@ -65,17 +65,16 @@ def checked_command_line(main: Callable, argv: list[str], passes_on: Optional[Ca
                           if positional_names else f"{extra!r}: unexpected argument; this command takes no options")
     for name, value in zip(free_names, positionals):
         _checked_value(name, value, options[name])
+    missing = [name for name in free_names[len(positionals):] if name in required]
+    if missing:
+        raise OptionError(f"--{missing[0]} is missing: it has no default (see --help)")
     return positionals + checked + (["--", *fire_flags] if fire_flags or "--" in argv else [])
 
 
-def with_hyphen_note(doc: Optional[str]) -> Optional[str]:
-    """main's docstring with a line on hyphenated spellings before its Args section, for --help."""
-    if not doc or HYPHEN_NOTE in doc:
-        return doc
-    head, args_header, tail = doc.partition("\n\n    Args:")
-    if not args_header:
-        return f"{doc.rstrip()}\n\n    {HYPHEN_NOTE}\n"
-    return f"{head}\n\n    {HYPHEN_NOTE}{args_header}{tail}"
+def wants_help(argv: list[str]) -> bool:
+    """Whether the command line asks for --help (or -h), whatever else is on it."""
+    script_args, _ = _split_at_separator(argv)
+    return "--help" in script_args or "-h" in script_args
 
 
 def option_types(function: Callable) -> dict[str, Any]:
@@ -98,7 +97,7 @@ def _is_flag(argument: str) -> bool:
     return argument.startswith("--") or re.match(r"^-[a-zA-Z]", argument) is not None
 
 
-def _resolve(name: str, argument: str, options: dict[str, Any], bare: bool) -> tuple[str, bool]:
+def _resolve(name: str, argument: str, options: dict[str, Any], required: set[str], bare: bool) -> tuple[str, bool]:
     """The option a flag names, and whether it is a --noNAME that turns a switch off."""
     if name in options:
         return name, False
@@ -106,6 +105,8 @@ def _resolve(name: str, argument: str, options: dict[str, Any], bare: bool) -> t
         return name[2:], True
     if len(name) == 1 and not argument.startswith("--"):  # fire's -x for the one option starting with x
         matches = [option for option in options if option.startswith(name)]
+        if len(matches) > 1 and len(set(matches) & required) == 1:  # -o: run_batch's output_file, not --overwrite
+            matches = [option for option in matches if option in required]
         if len(matches) == 1:
             return matches[0], False
         if matches:

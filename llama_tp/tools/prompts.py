@@ -5,7 +5,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from ..parallel import global_rank
 from ..text.chat_format import Dialog, check_dialog
@@ -85,6 +85,10 @@ def write_json(path: str, records: list[dict[str, Any]]) -> None:
             os.unlink(temporary)
 
 
-def prompt_record(prompt: "str | Dialog", text: str, token_ids: list[int]) -> dict[str, Any]:
-    """One --output_json entry."""
-    return {"prompt": prompt, "generation": text, "token_ids": token_ids}
+def prompt_record(prompt: "str | Dialog", text: str, token_ids: list[int],
+                  reasoning: Optional[str] = None) -> dict[str, Any]:
+    """One --output_json entry; a reasoning model's thinking apart from its answer (the generation)."""
+    record = {"prompt": prompt, "generation": text}
+    if reasoning is not None:
+        record["reasoning_content"] = reasoning
+    return record | {"token_ids": token_ids}

@@ -9,7 +9,9 @@ prepare.py) and answered in the server's shapes (responses.py). Each output line
 batch API writes it: a body the server would refuse gets the server's error as its response (400
 and OpenAI's error JSON); a line that is not a request at all (not JSON, no custom_id, another
 url) gets "response": null and the reason in "error". No line stops the job. Output lines come as
-requests finish, each written whole (match them by custom_id, as with OpenAI's).
+requests finish, each written whole (match them by custom_id, as with OpenAI's, which must
+therefore differ). An output file that holds results is never replaced unasked: --resume answers
+only the requests it does not hold yet (a killed job's), --overwrite starts afresh.
 """
 
 import json
@@ -31,7 +33,7 @@ from ..serve.responses import Answered, ChatReply, CompletionReply, Reply
 from ..serve.scheduler import Sequence
 from ..text.streaming import cut_at_stop
 from . import demo
-from .job_output import JobProgress
+from .job_output import JobProgress, check_output, whole_lines
 
 # url: the body's model, how it becomes the engine's request, and the shape of its answer (as app.py's routes).
 ENDPOINTS = {
@@ -60,6 +62,8 @@ class Pending:
 def main(
     input_file: str,
     output_file: str,
+    resume: bool = False,
+    overwrite: bool = False,
     ckpt_dir: Optional[str] = None,
     tokenizer_path: Optional[str] = None,
     model_name: Optional[str] = None,
@@ -73,6 +77,7 @@ def main(
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
     draft_quantize: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ):
     """Answer every request of an OpenAI batch file, as the server would.
 
@@ -81,6 +86,9 @@ def main(
             "url": "/v1/chat/completions" or "/v1/completions", "body"}. Every rank reads it.
         output_file: (-o) rank 0 writes one line per request here, as each finishes:
             {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}.
+        resume: answer only the requests whose custom_id output_file does not hold yet, appending.
+        overwrite: start output_file afresh, discarding the results it holds (without --resume or
+            --overwrite, a file that holds results is refused).
         ckpt_dir: folder with params.json and consolidated.XX.pth shards; leave out both paths to
             run the built-in demo model (SmolLM2-135M-Instruct).
         tokenizer_path: the tokenizer file that came with the checkpoint.
@@ -96,39 +104,84 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+        reasoning_parser: qwen3 or deepseek_r1: a thinking model's <think>...</think> goes apart
+            from its chat answers (reasoning_content); none: left in them (default: the one the
+            chat template calls for, where it is clear).
     """
     lines = read_lines(input_file)
-    target = Path(output_file)
-    if not target.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {target}: folder {target.parent} does not exist")
+    check_output(output_file, resume, overwrite, option="-o")
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype, quantize=quantize,
                             compile=compile, speculate=speculate, speculate_k=speculate_k,
-                            draft_ckpt_dir=draft_ckpt_dir, draft_quantize=draft_quantize)
+                            draft_ckpt_dir=draft_ckpt_dir, draft_quantize=draft_quantize,
+                            reasoning_parser=reasoning_parser)
     generator.model.prefix_cache.enabled = not no_prefix_cache
-    with Output(target) as output:
+    with Output(Path(output_file), resume) as output:
         answer_all(generator, name, lines, output)
 
 
 def read_lines(path: str) -> list[str]:
+    """The batch file's requests, refusing two that share a custom_id (their answers could not be told apart)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"batch file {file} does not exist; pass -i with a JSON Lines file of requests")
-    return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    first_line: dict[str, int] = {}
+    for number, line in enumerate(lines, start=1):
+        custom_id = _custom_id(line)
+        if custom_id in first_line:
+            raise ValueError(f"{file}: custom_id {custom_id!r} is on request lines {first_line[custom_id]} and "
+                             f"{number}; give every request its own custom_id, to match its answer")
+        if custom_id is not None:
+            first_line[custom_id] = number
+    return lines
+
+
+def _custom_id(line: str) -> Optional[str]:
+    """A line's custom_id, if it is a JSON object with one (check_line says what else is wrong)."""
+    try:
+        item = json.loads(line)
+    except ValueError:
+        return None
+    custom_id = item.get("custom_id") if isinstance(item, dict) else None
+    return custom_id if isinstance(custom_id, str) and custom_id else None
 
 
 class Output:
     """Rank 0's output file: one whole line per request, in one write() each (a killed job's file
-    ends at its last whole line)."""
+    ends at its last whole line). Resumed, it appends; `answered` holds the custom_ids it has
+    (every rank reads them: they must agree on what is left), `nameless` its lines for requests
+    without one."""
 
-    def __init__(self, path: Path):
-        self.path, self.file = path, None
+    def __init__(self, path: Path, resume: bool = False):
+        self.path, self.resume, self.file = path, resume, None
+        self.answered: set[str] = set()
+        self.nameless = 0
 
     def __enter__(self) -> "Output":
+        if self.resume:
+            for number, line in enumerate(whole_lines(self.path), start=1):
+                try:
+                    custom_id = json.loads(line)["custom_id"]
+                except (ValueError, KeyError, TypeError):
+                    raise ValueError(f"{self.path} line {number} is not a batch result ({line[:80]!r}); resume "
+                                     "with the file run_batch wrote, or pass --overwrite instead") from None
+                if custom_id is None:
+                    self.nameless += 1
+                else:
+                    self.answered.add(custom_id)
         if global_rank() == 0:
-            self.file = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            truncate = 0 if self.resume else os.O_TRUNC
+            self.file = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | truncate, 0o644)
         return self
+
+    def holds(self, custom_id: Optional[str]) -> bool:
+        """Whether a resumed file has this request's line already (counting off those without a custom_id)."""
+        if custom_id is None and self.nameless:
+            self.nameless -= 1
+            return True
+        return custom_id in self.answered
 
     def write(self, custom_id: Optional[str], response: Optional[dict], error: Optional[dict]) -> None:
         if self.file is not None:
@@ -142,21 +195,31 @@ class Output:
 
 
 def answer_all(generator: Llama, model_name: str, lines: list[str], output: Output) -> None:
-    """Check every line, write the refusals at once, then answer the rest as they finish."""
+    """Check every line, write the refusals at once, then answer the rest as they finish (those a
+    resumed output does not hold yet)."""
     pending: dict[str, Pending] = {}
     for number, line in enumerate(lines, start=1):
         try:
             checked = check_line(line, generator, model_name)
         except LineError as error:
-            logger.info(f"line {number}: {error.message}")
-            output.write(error.custom_id, None, {"code": error.code, "message": error.message})
+            if not output.holds(error.custom_id):
+                logger.info(f"line {number}: {error.message}")
+                output.write(error.custom_id, None, {"code": error.code, "message": error.message})
             continue
         if isinstance(checked, tuple):  # the server's refusal
             custom_id, refusal = checked
-            output.write(custom_id, response(refusal.status, refusal.body()), None)
+            if not output.holds(custom_id):
+                output.write(custom_id, response(refusal.status, refusal.body()), None)
         else:
             pending[checked.request.id] = checked
-    progress = JobProgress(len(pending), unit="requests")
+    seeds = [p.request.options.seed for p in pending.values()]
+    drawn = iter(prompt_seeds(None, seeds.count(None)))  # alike on every rank, as Llama.build seeded them
+    # drawn for every request, answered or not, so that a resumed job's are those of an unbroken run
+    jobs = [(p, next(drawn) if seed is None else seed) for p, seed in zip(pending.values(), seeds)]
+    jobs = [(p, seed) for p, seed in jobs if not output.holds(p.custom_id)]
+    if output.answered:
+        logger.info(f"resuming: {len(pending) - len(jobs)} of {len(pending)} requests answered in {output.path}")
+    progress = JobProgress(len(jobs), unit="requests")
 
     def finished(sequence: Sequence, reason: str) -> None:
         done = pending[sequence.request.id]
@@ -166,12 +229,9 @@ def answer_all(generator: Llama, model_name: str, lines: list[str], output: Outp
             output.write(done.custom_id, response(200, answer(done, sequence, reason, generator)), None)
         progress.update(sequence.generated)
 
-    requests = list(pending.values())
-    seeds = [request.options.seed for request in (p.request for p in requests)]
-    drawn = iter(prompt_seeds(None, seeds.count(None)))  # alike on every rank, as Llama.build seeded them
     engine = Engine(generator, JOB_PREFILL_TOKENS, on_finish=finished)
     try:
-        engine.run_job([(p.request, next(drawn) if seed is None else seed) for p, seed in zip(requests, seeds)])
+        engine.run_job([(p.request, seed) for p, seed in jobs])
     finally:
         progress.close()
 
@@ -204,6 +264,8 @@ def check_line(line: str, generator: Llama, model_name: str) -> "Pending | tuple
                                "stream", "invalid_value")
         reply = reply_kind(model_name, generator.tokenizer, body.include_usage)
         request = prepare(body, generator, reply.id)
+        if request.thinking is not None:  # a reasoning model's: its thinking goes apart, as the server answers
+            reply.thinking = request.thinking
         if len(choices(body, request, generator)) > 1:  # after choices' own checks of n and best_of
             raise RequestError(400, f"`n` ({body.n}) is not supported in a batch: a line gives one answer; write "
                                f"{body.n} lines", "n", "unsupported_parameter")

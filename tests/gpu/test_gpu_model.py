@@ -1,6 +1,6 @@
 """The model on a GPU: logits against the CPU's, bf16 greedy tokens across world sizes, compiled
-steps (CUDA graphs) against eager ones, attention through the fast kernels only, the load peak,
-and int4 refused before anything is allocated."""
+steps (CUDA graphs) against eager ones and the load peak (int8 and int4 too:
+test_gpu_quantized.py has the rest of them), attention through the fast kernels only."""
 
 import pytest
 import torch
@@ -34,21 +34,51 @@ def test_bf16_greedy_tokens_are_the_same_at_world_sizes_1_and_2(checkpoints, tok
     assert two == one * 2
 
 
-def test_compiled_steps_equal_eager_ones_without_recompiles_or_cuda_graph_skips(checkpoints, tokenizer_path):
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_compiled_steps_equal_eager_ones_without_recompiles(wide_heads_checkpoint, tokenizer_path, quantize):
+    """Compiled by default on CUDA: each step one CUDA graph of the ladder's rung, recorded at the
+    warm-up for greedy and sampled steps; afterwards nothing compiles, whatever the batch size.
+    Also with int8 (3 rows: read as stored) and int4 (tinygemm) layers."""
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    eager = build(checkpoints["llama3", 1], tokenizer_path, dtype="fp32", compile=False)
-    compiled = build(checkpoints["llama3", 1], tokenizer_path, dtype="fp32")  # compiled by default on CUDA
-    assert compiled.model.static_decode_shapes
+    eager = build(wide_heads_checkpoint, tokenizer_path, dtype="fp32", quantize=quantize, compile=False)
+    compiled = build(wide_heads_checkpoint, tokenizer_path, dtype="fp32", quantize=quantize)
+    graphs = compiled.model.graphs
+    assert graphs is not None and graphs.record and graphs.rungs == [1, 2, 3]
     expected = eager.generate(PROMPTS, max_gen_len=12, temperature=0, logprobs=True)
-    compiled.generate(PROMPTS[:1], max_gen_len=2, temperature=0)  # warm-up
+    compiled.model.warm_up_decoding()
+    assert len(graphs.graphs) == 2 * len(graphs.rungs)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = compiled.generate(PROMPTS, max_gen_len=12, temperature=0, logprobs=True)
         got_one = compiled.generate(PROMPTS[1:2], max_gen_len=12, temperature=0)  # another batch size
     assert got[0] == expected[0] and got_one[0] == expected[0][1:2]
     for row, expected_row in zip(got[1], expected[1]):
         assert row == pytest.approx(expected_row, abs=1e-3)
-    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    assert len(graphs.graphs) == 2 * len(graphs.rungs)
+
+
+@pytest.mark.parametrize("max_seq_len", [64, 1000])
+def test_whole_steps_on_staggered_rows_equal_eager_ones(wide_heads_checkpoint, tokenizer_path, max_seq_len):
+    """Rows anywhere in the cache at their own positions, in steps of every size (a server's), as
+    CUDA graphs reading each row's cache through a block mask: eager's logits, and the rows outside
+    a step keep their caches; with a cache length that is not a whole number of blocks too."""
+    options = dict(max_seq_len=max_seq_len, max_batch_size=5, dtype="fp32")
+    eager = Llama.build(str(wide_heads_checkpoint), tokenizer_path, compile=False, **options).model
+    compiled = Llama.build(str(wide_heads_checkpoint), tokenizer_path, **options).model
+    compiled.warm_up_decoding()
+    tokens = torch.randint(0, 32000, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    for model in (eager, compiled):
+        for slot, length in enumerate((6, 3, 20, 4, 2)):
+            model.forward(tokens[slot : slot + 1, :length], 0, slots=[slot])
+    steps = [([2, 0], [20, 6]), ([1], [3]), ([0, 1, 2], [7, 4, 21]), ([0, 2, 3, 4], [8, 22, 4, 2]),
+             ([4, 3, 1, 0, 2], [3, 5, 5, 9, 23])]
+    for slots, starts in steps:
+        step_tokens = torch.stack([tokens[slot, start : start + 1] for slot, start in zip(slots, starts)])
+        for vocab_slice in (True, False):
+            got = compiled.forward(step_tokens, starts, slots=slots, vocab_slice=vocab_slice)
+            want = eager.forward(step_tokens, starts, slots=slots, vocab_slice=vocab_slice)
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    for layer, eager_layer in zip(compiled.layers, eager.layers):
+        torch.testing.assert_close(layer.attention.cache.k[:5, :, :24], eager_layer.attention.cache.k[:, :, :24])
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -68,7 +98,7 @@ def test_attention_never_needs_the_math_kernel(checkpoints, tokenizer_path, dtyp
         model.forward(tokens[:2, 14:15], [14, 12], slots=[2, 0])  # rows anywhere in the cache
 
 
-@pytest.mark.parametrize("dtype, quantize", [("fp32", None), ("bf16", None), ("bf16", "int8")])
+@pytest.mark.parametrize("dtype, quantize", [("fp32", None), ("bf16", None), ("bf16", "int8"), ("bf16", "int4")])
 def test_loading_peaks_within_the_weights_and_the_kv_cache(checkpoints, tokenizer_path, dtype, quantize):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -78,10 +108,3 @@ def test_loading_peaks_within_the_weights_and_the_kv_cache(checkpoints, tokenize
     peak = torch.cuda.max_memory_allocated() - before
     assert peak <= 1.1 * held_bytes(llama.model) + caches + (1 << 20), (peak, held_bytes(llama.model), caches)
 
-
-def test_int4_is_refused_before_anything_is_allocated(checkpoints, tokenizer_path):
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    with pytest.raises(ValueError, match="quantize='int4' runs on CPUs only"):
-        build(checkpoints["llama3", 1], tokenizer_path, quantize="int4")
-    assert torch.cuda.memory_allocated() == before

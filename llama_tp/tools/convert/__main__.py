@@ -1,5 +1,7 @@
 """python -m llama_tp.convert {hf,gguf} SOURCE DEST --mp N [--dtype bf16|fp16|fp32] [--quantize int8|int4]"""
 
+import shlex
+from pathlib import Path
 from typing import Optional
 
 from ...checkpoint.quantized import check_storable
@@ -26,12 +28,23 @@ def main(kind: str, source: str, dest: str, mp: int = 1, dtype: Optional[str] = 
     check_storable(quantize)
     if kind == "hf":
         from .hf import convert_hf
-        return str(convert_hf(source, dest, mp, dtype, quantize))
-    if kind == "gguf":
+        written = convert_hf(source, dest, mp, dtype, quantize)
+    elif kind == "gguf":
         from .gguf import convert_gguf
-        return str(convert_gguf(source, dest, mp, dtype or "fp32", quantize))
-    raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(FORMATS)}: "
-                     "python -m llama_tp.convert hf SRC_DIR DST_DIR --mp N")
+        written = convert_gguf(source, dest, mp, dtype or "fp32", quantize)
+    else:
+        raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(FORMATS)}: "
+                         "python -m llama_tp.convert hf SRC_DIR DST_DIR --mp N")
+    print(next_commands(written, mp))
+
+
+def next_commands(checkpoint: Path, mp: int) -> str:
+    """What to run with a checkpoint written for mp processes (its tokenizer is in its folder)."""
+    launch = f"llama-tp --nproc_per_node {mp} launch"
+    folder = shlex.quote(str(checkpoint))
+    return (f"converted into {checkpoint}; chat with it, or serve it:\n"
+            f"  {launch}/chat.py --ckpt_dir {folder}\n"
+            f"  {launch}/serve.py --ckpt_dir {folder}")
 
 
 if __name__ == "__main__":

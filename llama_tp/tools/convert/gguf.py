@@ -59,7 +59,7 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
         raise FileNotFoundError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
     progress(f"reading {path}")
     try:
-        reader = require("gguf").GGUFReader(str(path))
+        reader = require("gguf", "reading GGUF files").GGUFReader(str(path))
     except (ValueError, OSError) as error:
         raise ValueError(f"{path} is not a readable GGUF file ({error})") from None
     metadata = Metadata(reader, path)
@@ -75,7 +75,7 @@ def convert_gguf(source: str, dest: str, mp: int = 1, dtype: str = "fp32", quant
     recommended = recommended_sampling(metadata) | (sampling or {})
     check_sampling(recommended, "the recommended sampling settings")
     record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=path.name, sampling=recommended,
-                         chat_template=template)
+                         chat_template=template, context_length=context_length(metadata))
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
@@ -96,6 +96,12 @@ class Metadata:
                 raise ValueError(f"{self.path} has no {key!r} metadata; is it a complete Llama GGUF?")
             return default
         return self.fields[key].contents()
+
+
+def context_length(metadata: Metadata) -> Optional[int]:
+    """The context the model was trained for, as the file says."""
+    tokens = metadata.get("{arch}.context_length", None)
+    return int(tokens) if tokens is not None else None
 
 
 # llama.cpp's keys for the sampling settings a model's makers recommend, by our names. Its repeat
@@ -207,7 +213,7 @@ def _in_meta_order(tensor: "torch.Tensor | QuantizedWeight", heads: Optional[int
 
 def dequantized(tensor) -> torch.Tensor:
     """A GGUF tensor as fp32, in PyTorch's dimension order (GGUF lists dimensions fastest first)."""
-    quants = require("gguf.quants")
+    quants = require("gguf.quants", "reading GGUF files")
     try:
         values = quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:

@@ -25,7 +25,7 @@ QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 def pre_tokenizer_for(pre: str):
     """The `tokenizers` pre-tokenizer matching llama.cpp's split for tokenizer.ggml.pre."""
-    pre_tokenizers = require("tokenizers.pre_tokenizers")
+    pre_tokenizers = require("tokenizers.pre_tokenizers", "a GGUF file's vocabulary")
     splits = {**dict.fromkeys(LLAMA3_FAMILY, LLAMA3_SPLIT), **dict.fromkeys(QWEN2_FAMILY, QWEN2_SPLIT)}
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in splits)
     if pre in GPT2_FAMILY:
@@ -33,7 +33,8 @@ def pre_tokenizer_for(pre: str):
     if pre in DIGITS_FAMILY:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in splits:
-        split = pre_tokenizers.Split(require("tokenizers").Regex(splits[pre]), behavior="isolated")
+        split = pre_tokenizers.Split(require("tokenizers", "a GGUF file's vocabulary").Regex(splits[pre]),
+                                     behavior="isolated")
         return pre_tokenizers.Sequence([split, byte_level])
     known = ", ".join(GPT2_FAMILY + DIGITS_FAMILY + LLAMA3_FAMILY + QWEN2_FAMILY)
     raise ValueError(f"the GGUF's pre-tokenizer {pre!r} is not supported (known: {known}); "
@@ -42,7 +43,7 @@ def pre_tokenizer_for(pre: str):
 
 def tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int], pre: str) -> bytes:
     """tokenizer.json for a byte-level BPE vocabulary (tokenizer.ggml.model "gpt2")."""
-    tokenizers = require("tokenizers")
+    tokenizers = require("tokenizers", "a GGUF file's vocabulary")
     bpe = tokenizers.models.BPE(
         vocab={token: index for index, token in enumerate(tokens)},
         merges=[tuple(merge.split(" ", 1)) for merge in merges],

@@ -59,7 +59,7 @@ def convert_hf(source: str, dest: str, mp: int = 1, dtype: Optional[str] = None,
     sampling = {name: generation[name] for name in SAMPLING_SETTINGS if generation.get(name) is not None}
     check_sampling(sampling, str(src / "generation_config.json"))
     record = ModelRecord(chat_format, system, tuple(stop_tokens), converted_from=src.name, sampling=sampling,
-                         chat_template=template)
+                         chat_template=template, context_length=config.get("max_position_embeddings"))
     return write_checkpoint(Path(dest), params, tensors, mp, resolve_dtype(dtype), files, record, quantize)
 
 
@@ -142,7 +142,7 @@ def rotated_heads(target: str, params: dict) -> Optional[int]:
 
 def meta_tensors(src: Path, params: dict, tie: bool) -> dict[str, TensorLoader]:
     """A lazy loader per Meta tensor name, reading safetensors files only when called."""
-    safe_open = require("safetensors").safe_open
+    safe_open = require("safetensors", "reading Hugging Face weights").safe_open
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {src}; llama_tp converts safetensors weights "

@@ -1,0 +1,99 @@
+"""Which blocks of the KV cache each sequence holds, which are free, and which hold a prefix that
+a later prompt can start from (vLLM's automatic prefix caching).
+
+A block (kv_cache.BLOCK_POSITIONS positions) is free, held by one or more sequences (counted), or
+cached: held by none, but full, so that its keys and values are a known run of tokens after a
+known start. A full block is named by a key made of its tokens and its parent's key (the key of
+the block before it in its sequence), so one key names one whole prefix: a prompt whose first
+blocks' keys are known starts from those blocks, shared by reference, not copied. Cached blocks
+are handed out again, least recently used first, when no free block is left.
+
+Every rank keeps the same pool (the same calls reach every rank) and gives out the same blocks.
+"""
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+# A full block's name: a digest of its parent's key and its tokens (16 bytes, the same on every
+# rank, as Python's own hash of None is not before 3.12, and far from colliding: two prefixes with
+# one key would share keys and values that belong to one of them only).
+BlockKey = bytes
+
+
+def block_keys(tokens: Sequence[int], block_positions: int) -> list[BlockKey]:
+    """The keys of the full blocks of a sequence of tokens, in order (its last, partial block has none)."""
+    keys, parent = [], b""
+    for start in range(0, len(tokens) - block_positions + 1, block_positions):
+        block = array("q", tokens[start : start + block_positions]).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+class BlockPool:
+    def __init__(self, blocks: int):
+        self.free: list[int] = list(range(blocks - 1, -1, -1))  # popped from the end: 0, 1, 2, ... first
+        self.holders = [0] * blocks  # how many sequences hold each block
+        self.key_of: dict[int, BlockKey] = {}  # full blocks' keys
+        self.block_of: dict[BlockKey, int] = {}
+        self.cached: OrderedDict[int, None] = OrderedDict()  # held by none, full: least recently used first
+
+    @property
+    def available(self) -> int:
+        """Blocks that can be handed out now: free, or cached (whose prefixes are then forgotten)."""
+        return len(self.free) + len(self.cached)
+
+    @property
+    def held(self) -> int:
+        return len(self.holders) - self.available
+
+    def take(self, count: int) -> Optional[list[int]]:
+        """count blocks for a sequence to write, held by it; None (and nothing taken) if fewer are available."""
+        if count > self.available:
+            return None
+        taken = []
+        for _ in range(count):
+            if self.free:
+                block = self.free.pop()
+            else:  # the least recently used cached prefix goes
+                block, _ = self.cached.popitem(last=False)
+                del self.block_of[self.key_of.pop(block)]
+            self.holders[block] = 1
+            taken.append(block)
+        return taken
+
+    def cached_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
+        """The blocks that hold the longest run of these keys from the first (a prompt's full blocks):
+        each now held once more by the sequence that asked."""
+        blocks = []
+        for key in keys:
+            block = self.block_of.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        for block in blocks:
+            self.cached.pop(block, None)
+            self.holders[block] += 1
+        return blocks
+
+    def name(self, block: int, key: BlockKey) -> None:
+        """A held block has just been filled with the run of tokens key names: a later prompt that
+        starts the same way can share it. Where another block holds that run already, this one stays
+        unnamed (both hold the same keys and values; the first keeps the name)."""
+        if key not in self.block_of and block not in self.key_of:
+            self.key_of[block] = key
+            self.block_of[key] = block
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """A sequence gives up its blocks (it ended, or was preempted): those no other sequence holds
+        become cached where they are named, else free."""
+        for block in reversed(blocks):  # a sequence's last blocks are the first to go again
+            self.holders[block] -= 1
+            if self.holders[block]:
+                continue
+            if block in self.key_of:
+                self.cached[block] = None
+            else:
+                self.free.append(block)

@@ -1,0 +1,118 @@
+"""One-token decoding steps replayed as CUDA graphs, one graph for each rung of a ladder of batch sizes.
+
+A graph replays a whole step, embedding to logits, as one launch: no Python, no compiled
+function's guards and no kernel launched one by one between the large products (on an H200 a
+7B step's five compiled calls and their ~15 eager launches cost about a fifth of its 5.5 ms). A
+graph replays only the shapes it was recorded with, so a step of b rows runs the graph of the
+next rung up, its spare rows padding: they sit in a cache row of their own that nothing reads
+(Transformer.spare_slot), at position 0. Off CUDA (CPU tests) the same steps run without graphs,
+padded alike, so that the rungs, the padding and what compiles are checked there.
+"""
+
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator
+
+import torch
+
+StepFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Hashable], torch.Tensor]
+
+
+def ladder(max_rows: int) -> list[int]:
+    """The batch sizes graphs are recorded for: 1, 2, 4, 8, ... below max_rows, and max_rows."""
+    rungs = [1]
+    while rungs[-1] * 2 < max_rows:
+        rungs.append(rungs[-1] * 2)
+    return rungs + [max_rows] if max_rows > 1 else rungs
+
+
+class StepGraphs:
+    """A step function of (tokens, cache rows, positions) [rows] each and a key (which head the
+    step ends in), run at the next rung's size; with record=True, as a CUDA graph per rung and key."""
+
+    def __init__(self, step: StepFunction, max_rows: int, spare_slot: int, device: torch.device, record: bool,
+                 after_compiling: Callable[[], bool]):
+        """after_compiling: called after the step compiled for a new rung and key (and its graph was
+        recorded), at the same step on every rank, where the ranks can agree on how it went: whether
+        compiled steps go on."""
+        self.step, self.spare_slot, self.device, self.record = step, spare_slot, device, record
+        self.after_compiling = after_compiling
+        self.rungs = ladder(max_rows)
+        # Each rung's inputs, where its graphs read them: tokens, cache rows and positions.
+        self.inputs = {rung: self._padding(rung).to(device) for rung in self.rungs}
+        self.graphs: dict[tuple[int, Hashable], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if record else None
+
+    def rung(self, rows: int) -> int:
+        """The batch size a step of rows runs at."""
+        for rung in self.rungs:
+            if rung >= rows:
+                return rung
+        raise ValueError(f"a step of {rows} rows is more than the {self.rungs[-1]} the graphs take")
+
+    def run(self, tokens: torch.Tensor, slots: list[int], positions: list[int], key: Hashable) -> torch.Tensor:
+        """The step's output for rows [bsz] (tokens on the device or the host), a copy that the
+        next step leaves alone."""
+        rows, rung = len(slots), self.rung(len(slots))
+        inputs = self.inputs[rung]
+        host = self._padding(rung, pinned=self.device.type == "cuda")
+        host[1, :rows], host[2, :rows] = torch.tensor(slots), torch.tensor(positions)
+        if tokens.device.type == "cpu":
+            host[0, :rows] = tokens
+        inputs.copy_(host, non_blocking=True)  # one copy from pinned memory, which waits for nothing
+        if tokens.device.type != "cpu":
+            inputs[0, :rows] = tokens
+        if not self.record:
+            return self.step(*inputs, key)[:rows]
+        if (rung, key) not in self.graphs:
+            self.graphs[rung, key] = self._recorded(rung, key)
+            self.after_compiling()
+        graph, output = self.graphs[rung, key]
+        graph.replay()
+        return output[:rows].clone()
+
+    def prepare(self, keys: tuple[Hashable, ...]) -> None:
+        """Compile every rung's step for each key now and, on CUDA, record its graph (largest
+        first, as their memory nests), rather than in the first steps. Only the spare row is written."""
+        for rung in reversed(self.rungs):
+            for key in keys:
+                if not self.record:
+                    with self._padded(rung) as inputs:
+                        self.step(*inputs, key)
+                elif (rung, key) not in self.graphs:
+                    self.graphs[rung, key] = self._recorded(rung, key)
+                if not self.after_compiling():
+                    return
+
+    def _recorded(self, rung: int, key: Hashable) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A graph of the step on the rung's inputs, and the tensor it writes its output to. The
+        step runs twice first, on a stream of its own as recording wants: compiling for these
+        shapes and making the libraries' workspaces happen there."""
+        with self._padded(rung) as inputs:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(*inputs, key)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = self.step(*inputs, key)
+        return graph, output
+
+    @contextmanager
+    def _padded(self, rung: int) -> Iterator[torch.Tensor]:
+        """The rung's inputs holding spare rows only, then what they held: steps run on them meanwhile
+        write the spare cache row alone."""
+        inputs = self.inputs[rung]
+        held = inputs.clone()
+        inputs.copy_(self._padding(rung))
+        try:
+            yield inputs
+        finally:
+            inputs.copy_(held)
+
+    def _padding(self, rung: int, pinned: bool = False) -> torch.Tensor:
+        """Inputs of rung spare rows: token 0 in the spare cache row at position 0."""
+        padding = torch.zeros(3, rung, dtype=torch.long, pin_memory=pinned)
+        padding[1] = self.spare_slot
+        return padding

@@ -1,0 +1,13 @@
+"""The KV cache's pools seen as rows, for tests that compare what cache rows hold."""
+
+import torch
+
+from llama_tp.kv_cache import BLOCK_POSITIONS
+
+
+def by_row(pool: torch.Tensor, model) -> torch.Tensor:
+    """A layer's pool [1, kv heads, positions, head_dim] as [cache rows, kv heads, positions a row,
+    head_dim] (a view), as long as every row holds the run of blocks it starts with."""
+    assert all(model.block_tables.in_own_run)
+    row_positions = model.block_tables.blocks_per_row * BLOCK_POSITIONS
+    return pool[0].unflatten(1, (-1, row_positions)).transpose(0, 1)
