@@ -233,6 +233,17 @@ def test_the_api_key_guards_every_route_but_health_and_metrics(llama):
             assert refusal(httpx.get(f"{server.url}{path}", headers=keyed))[:2] == (404, "not_found")
         for path in ("/health", "/metrics"):
             assert httpx.get(f"{server.url}{path}").status_code == 200
+        counted = {"model": MODEL, "messages": HELLO}
+        for path, body in (("/v1/messages", counted | {"max_tokens": 4}), ("/v1/messages/count_tokens", counted),
+                           ("/v1/responses", {"model": MODEL, "input": "Hi"})):
+            for headers in ({}, {"x-api-key": "wrong"}):
+                response = httpx.post(f"{server.url}{path}", json=body, headers=headers)
+                error = response.json()["error"]
+                assert response.status_code == 401, (path, headers)
+                assert error["type"] == ("authentication_error" if path.startswith("/v1/messages") else
+                                         "invalid_request_error"), (path, error)
+        assert httpx.post(f"{server.url}/v1/messages/count_tokens", json=counted,
+                          headers={"x-api-key": KEY}).json()["input_tokens"] > 0
         with pytest.raises(openai.AuthenticationError):
             client(server.url).chat.completions.create(**GOOD_CHAT)
         assert openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0).chat.completions.create(
