@@ -18,14 +18,17 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from demo_server import LaunchedServer
+from llama_tp.serve.messages.protocol import CountTokensRequest, MessagesRequest
 from llama_tp.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from llama_tp.serve.responses_api.protocol import ResponsesRequest
 from tiny_checkpoint import LLAMA2_TOKENIZER
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-fuzzed"
 ROUTES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest, "/v1/messages": MessagesRequest,
+          "/v1/messages/count_tokens": CountTokensRequest, "/v1/responses": ResponsesRequest}
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "temperature": 0}
 # Hypothesis examples, each a batch of 1 to 6 requests; LLAMA_TP_FUZZ_BATCHES=2000 for a long campaign.
 BATCHES = int(os.environ.get("LLAMA_TP_FUZZ_BATCHES", "60"))
@@ -153,8 +156,18 @@ def _answer(url: str, route: str, raw: bytes, streamed: bool) -> None:
     assert response.status_code < 500, (route, raw[:300], response.status_code, text[:500])
     event(f"{route} {response.status_code}")  # what the fuzzing reached: --hypothesis-show-statistics
     if streamed and response.status_code == 200:
-        errors = [json.loads(line[6:])["error"] for line in text.splitlines() if line.startswith('data: {"error"')]
-        assert all(error["code"] not in ("engine_failed", "internal_error") for error in errors), (raw[:300], errors)
+        failed = [line for line in text.splitlines() if line.startswith("data: {") and _engine_failure(json.loads(line[6:]))]
+        assert not failed, (raw[:300], failed)
+
+
+def _engine_failure(data: dict) -> bool:
+    """Whether an event says the server failed: OpenAI's error event, Anthropic's, the Responses API's."""
+    error = data.get("error")
+    if data.get("type") == "error":  # Anthropic's
+        return error["type"] in ("api_error", "overloaded_error")
+    if data.get("type") == "response.failed":
+        return True
+    return isinstance(error, dict) and error.get("code") in ("engine_failed", "internal_error")
 
 
 @settings(max_examples=BATCHES, deadline=None,
