@@ -244,7 +244,8 @@ def test_memory_returns_after_refused_giants(checkpoints, tmp_path):  # noqa: F8
                 refused = httpx.post(f"{server.url}{path}", json=body, timeout=120)
                 assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
                 assert time.monotonic() - start < 10
-        assert _resident_mb(rank) - before < 100, (before, _resident_mb(rank))
+        # handed back once each refusal is answered (edge.py's trim, after the answer is sent): within moments
+        wait_until(lambda: _resident_mb(rank) - before < 100, seconds=10)
         assert_every_rank_serves(server)
     finally:
         server.stop()

@@ -9,6 +9,7 @@ The headers' own deadline is the HTTP protocol's (server.py); this one starts on
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import hmac
 import json
 from typing import Callable, Optional
@@ -127,6 +128,9 @@ def trim_memory() -> None:
     glibc keeps freed chunks of that size in each thread's arena for the next: a few such bodies
     would hold hundreds of megabytes for good."""
     if _LIBC is not None:
+        # A refusal's traceback holds the parsed body in a reference cycle (frame, locals,
+        # exception), which only the collector frees: collected first, or trimmed too soon.
+        gc.collect()
         _LIBC.malloc_trim(0)
 
 
