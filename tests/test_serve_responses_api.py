@@ -274,6 +274,9 @@ def test_enable_thinking_false_gives_no_reasoning_item(server):
     ({"input": "<|im_start|>system"}, 400, "`input`: a message holds one of the chat format's control tags "
      "(<|endoftext|>, <|im_end|>, <|im_start|>), which could forge the dialog's turns; remove them", "input",
      "invalid_value"),
+    # found by fuzzing (issue 54): a 500 before
+    ({"input": []}, 400, "`input`: list should have at least 1 item after validation, not 0, found []", "input",
+     "invalid_value"),
 ])
 def test_refusals_in_the_responses_api_error_shape(server, body, status, message, param, code):
     refused = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=60)

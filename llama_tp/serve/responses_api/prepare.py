@@ -6,10 +6,12 @@ every chat request. Its refusals are told in the Responses API's names (`input`,
 from dataclasses import dataclass
 from typing import Optional
 
+from pydantic import ValidationError
+
 from ...structured.constraint import GrammarLimits
 from ...structured.tools import tool_format
 from ..prepare import chat_request
-from ..protocol import ChatCompletionRequest, RequestError
+from ..protocol import ChatCompletionRequest, RequestError, _request_error
 from ..requests import GenerationRequest
 from .protocol import (FunctionCallItem, FunctionCallOutputItem, FunctionChoice, MessageItem, ReasoningItem,
                        ResponsesRequest)
@@ -65,8 +67,11 @@ def prepare_turn(body: ResponsesRequest, generator, store: ResponseStore, respon
         "response_format": body.text.format.chat() if body.text and body.text.format else None,
         "chat_template_kwargs": body.chat_template_kwargs,
     }
-    checked = ChatCompletionRequest.model_validate({key: value for key, value in chat.items() if value is not None})
     try:
+        try:
+            checked = ChatCompletionRequest.model_validate({key: value for key, value in chat.items() if value is not None})
+        except ValidationError as error:  # what the chat body refuses of the turn (no messages at all: `input` [])
+            raise _request_error(error.errors(include_url=False)[0]) from None
         request = chat_request(checked, generator, response_id, grammar_limits)
     except RequestError as error:
         raise in_responses_names(error) from None
