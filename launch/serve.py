@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Optional
 from llama_tp import Llama, parallel
 from llama_tp.optional import require_all
 from llama_tp.parallel import print0
+from llama_tp.serve.limits import ServerLimits  # core-only modules: the options' defaults
+from llama_tp.structured.constraint import GrammarLimits
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
 
@@ -48,6 +50,10 @@ def main(
     ssl_keyfile: Optional[str] = None,
     reasoning_parser: Optional[str] = None,
     max_stored_responses: int = 1024,
+    max_body_bytes: int = ServerLimits.max_body_bytes,
+    read_timeout: float = ServerLimits.read_timeout,
+    max_grammar_bytes: int = GrammarLimits.max_bytes,
+    grammar_timeout: float = GrammarLimits.max_seconds,
 ):
     """Answer OpenAI-style HTTP requests until Ctrl-C or SIGTERM.
 
@@ -76,9 +82,10 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
-        api_key: every /v1/ request must then carry `Authorization: Bearer API_KEY`, else 401
-            (default: $LLAMA_TP_API_KEY, else none; /health and /metrics stay open). Prefer the
-            variable: a command line is visible to every user of the machine.
+        api_key: every request must then carry `Authorization: Bearer API_KEY` or `x-api-key:
+            API_KEY`, else 401
+            (default: $LLAMA_TP_API_KEY, else none; /health and /metrics stay open, the docs
+            pages are off). Prefer the variable: a command line is visible to every user of the machine.
         ssl_certfile: serve HTTPS with this PEM certificate (with --ssl_keyfile).
         ssl_keyfile: the certificate's PEM private key.
         reasoning_parser: qwen3 or deepseek_r1: a thinking model's <think>...</think> goes apart
@@ -86,7 +93,15 @@ def main(
             chat template calls for, where it is clear).
         max_stored_responses: Responses API answers kept for previous_response_id and GET
             /v1/responses/{id}, for the server's lifetime; beyond, the oldest are evicted first.
+        max_body_bytes: the largest request body taken; larger: 413, before it is read.
+        read_timeout: seconds a request's headers may take to arrive, and then its body; slower:
+            the connection is closed (408 for a body).
+        max_grammar_bytes: the largest structured output (a schema, regex or grammar) compiled; larger: 400.
+        grammar_timeout: seconds a structured output's grammar may take to compile; longer: 400
+            (docs/serving.md, "Limits").
     """
+    limits = ServerLimits(max_body_bytes, read_timeout, GrammarLimits(max_grammar_bytes, grammar_timeout))
+    _check_limits(limits)
     require_all(("fastapi", "uvicorn", "prometheus_client", "xgrammar"), "the server")  # every rank, first
     from llama_tp.serve.app import create_app
     from llama_tp.serve.mailbox import Mailbox, ServerState
@@ -102,9 +117,10 @@ def main(
     with parallel.agreement("opening the server's port"):  # a busy port fails every rank, before loading
         if placement.is_main:  # only rank 0 reads the TLS files
             _check_tls(ssl_certfile, ssl_keyfile)
-            app = create_app(mailbox, None, name, api_key, max_stored_responses)
+            app = create_app(mailbox, None, name, api_key, max_stored_responses, limits)
             # /health says 503 while loading
-            server = ServerThread(app, bind(host, port), ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile).start()
+            server = ServerThread(app, bind(host, port), ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+                                  read_timeout=read_timeout).start()
     try:
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
                                 quantize=quantize, compile=compile,
@@ -124,6 +140,15 @@ def main(
     finally:
         if server is not None:
             server.stop()  # open streams get their last events first
+
+
+def _check_limits(limits: ServerLimits) -> None:
+    """Each limit must leave room for a request."""
+    for option, value in (("--max_body_bytes", limits.max_body_bytes), ("--read_timeout", limits.read_timeout),
+                          ("--max_grammar_bytes", limits.grammar.max_bytes),
+                          ("--grammar_timeout", limits.grammar.max_seconds)):
+        if not value > 0:
+            raise ValueError(f"{option} is {value}, but it must be more than 0; leave it out for its default")
 
 
 def _check_tls(ssl_certfile: Optional[str], ssl_keyfile: Optional[str]) -> None:

@@ -417,11 +417,19 @@ class Llama:
         for index, prompt in enumerate(prompts):
             if str(index) not in held:
                 yield index, Answer(list(prompt) if echo else [], [], [])
+        dead_ends = []  # prompts whose grammar allowed no next token: refused once the others are answered
         for updates in run_job(self.engine(), requests):
             for update in updates:
                 if update.delta.finished:
                     index = int(update.sequence.request.id)
-                    yield index, _answer(prompts[index], update.sequence.sampling, echo)
+                    if update.delta.finish_reason == "error":
+                        dead_ends.append((index, update.sequence.generated))
+                    else:
+                        yield index, _answer(prompts[index], update.sequence.sampling, echo)
+        if dead_ends:
+            index, generated = dead_ends[0]
+            raise ValueError(f"response_format: the answer of prompt {index} cannot go on: its grammar allows no "
+                             f"token after {generated} tokens; loosen it")
 
     def _requests(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions, stop: tuple[str, ...],
                   seeds: list[int], logprobs: bool = False, echo: bool = False, show_top: int = 0,
@@ -455,7 +463,7 @@ class Llama:
 
                 grammars_for(self).compile(constraint)
         except ValueError as error:
-            raise ValueError(f"response_format: {error}") from None
+            raise ValueError(f"response_format {error}") from None
         return constraint
 
     def _encode_dialog(self, dialog: Dialog, index: int, template_variables: Optional[dict] = None) -> list[int]:

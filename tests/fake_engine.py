@@ -1,7 +1,7 @@
 """A stand-in for the engine behind the HTTP side: a thread that takes requests from the mailbox and
 answers each with a scripted text, one token per step, keeping the metrics as the real engine does.
 
-It honours the contract in llama_tp/serve/requests.py: every request it takes ends with exactly one
+It honours the contract in llama_tp/engine/requests.py: every request it takes ends with exactly one
 final Delta; max_tokens ends an answer with "length", a stop string or the end of the script with
 "stop"; a cancelled request ends with "cancelled" and frees its slot at the next step.
 """

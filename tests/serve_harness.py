@@ -1,5 +1,6 @@
 """The serving engine driven from Python, without HTTP: a mailbox, the engine's loop in a thread,
-and an event loop in another, as the HTTP side holds one."""
+and an event loop in another, as the HTTP side holds one; and the same behind the real app on a
+port the OS chose (HttpServer)."""
 
 import asyncio
 import itertools
@@ -9,6 +10,7 @@ from typing import Optional
 from llama_tp import Llama
 from llama_tp.serve.app import create_app
 from llama_tp.engine import Delta, GenerationRequest
+from llama_tp.serve.limits import ServerLimits
 from llama_tp.serve.mailbox import Mailbox, RequestStream, ServerState
 from llama_tp.serve.metrics import ServerMetrics
 from llama_tp.serve.server import ServerThread, bind, engine_loop
@@ -93,7 +95,8 @@ class HttpHarness(Harness):
     def __init__(self, generator: Llama, model_name: str, mailbox: Optional[Mailbox] = None, **app_options):
         super().__init__(generator, mailbox=mailbox, model_name=model_name)
         self.app = create_app(self.mailbox, generator, model_name, **app_options)
-        self.http = ServerThread(self.app, bind("127.0.0.1", 0)).start()
+        limits = app_options.get("limits", ServerLimits())
+        self.http = ServerThread(self.app, bind("127.0.0.1", 0), read_timeout=limits.read_timeout).start()
         self.url = self.http.url
 
     def close(self) -> None:

@@ -2,6 +2,10 @@
 rows): the same tokens from the same generators on rows of a real vocabulary's size at a chat
 model's settings, and a nucleus found by growing the candidates step by step."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -9,6 +13,7 @@ from llama_tp.sampling import sampler
 from llama_tp.kernels import cpu_kernels
 from llama_tp.sampling import SamplingOptions, distribution
 from test_sampler import chi_square_p_value
+from torchrun import ROOT, environment
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
                                 reason="the sampler kernel needs AVX-512 or AVX2")
@@ -71,3 +76,38 @@ def test_a_top_k_beyond_the_candidates_is_refused():
     settings = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
     with pytest.raises(RuntimeError, match="top_k 5 is not within its 4 candidates"):
         cpu_kernels.sample_rows(logits, history, settings, torch.tensor([5]), torch.zeros(1, dtype=torch.float64), 4)
+
+
+def test_rows_with_nothing_to_choose_take_token_0_and_leave_the_others_alone():
+    """A row whose every logit is -inf (a grammar that allows nothing) or NaN has no token to
+    weigh: the kernel answers 0 for it (the engine then ends that answer), greedy or sampled, and
+    the other rows draw as they would alone."""
+    vocab = 1000
+    ordinary = torch.linspace(-3, 3, vocab)
+    settings = torch.tensor([[1 / 0.7, 0.9, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0], [1.0, 0.5, 0.0, 1.2], [1.0, 1.0, 0.0, 1.0]])
+    top_k, uniform = torch.tensor([0, 0, 40, 0]), torch.full((4,), 0.5, dtype=torch.float64)
+    history = torch.tensor([[3, 4, -1]] * 4)
+    alone = cpu_kernels.sample_rows(ordinary.repeat(4, 1), history, settings, top_k, uniform, 256)
+    for nothing in (float("-inf"), float("nan")):
+        for row in range(4):
+            logits = ordinary.repeat(4, 1)
+            logits[row] = nothing
+            tokens = cpu_kernels.sample_rows(logits, history, settings, top_k, uniform, 256)
+            assert tokens[row] == 0
+            assert torch.equal(tokens[torch.arange(4) != row], alone[torch.arange(4) != row])
+
+
+@pytest.mark.slow
+def test_rows_with_nothing_to_choose_under_bounds_checks_and_address_sanitizer(tmp_path):
+    """The kernel built alone with libstdc++'s bounds checks and AddressSanitizer, on such rows:
+    before, best_.back() on an empty list (a segfault in RowSampler::keep_best on every rank)."""
+    asan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    assert os.path.isabs(asan), f"gcc has no AddressSanitizer runtime: {asan!r}"
+    env = environment() | {"LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0",
+                           "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "checked_sampler.py"), str(tmp_path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    # -inf: 0; one token allowed: it; greedy on -inf: 0; NaN: 0; ordinary: a token; +inf: it
+    tokens = [int(token) for token in run.stdout.split()]
+    assert tokens[:4] == [0, 5, 0, 0] and tokens[5] == 7, tokens

@@ -12,19 +12,26 @@ from llama_tp.sampling import (SamplingOptions, adjust_logits, check_given, choo
 
 ACCEPTED = [
     {"temperature": 0}, {"temperature": 1e-9}, {"top_p": 1.0}, {"top_p": 1e-9}, {"min_p": 0.0}, {"min_p": 0.999},
-    {"top_k": None}, {"top_k": 0}, {"top_k": 1}, {"repetition_penalty": 1e-9}, {"min_gen_len": 0}, {"seed": None},
-    {"seed": 0}, {"temperature": 2}, {"top_p": 1},
+    {"top_k": None}, {"top_k": 0}, {"top_k": 1}, {"repetition_penalty": 0.01}, {"repetition_penalty": 100},
+    {"min_gen_len": 0}, {"seed": None}, {"seed": 0}, {"temperature": 2}, {"temperature": 100}, {"top_p": 1},
 ]
 REFUSED = {
-    "temperature below 0": ({"temperature": -0.1}, "temperature must be 0 (greedy) or more, found -0.1"),
+    "temperature below 0": ({"temperature": -0.1}, "temperature must be in [0, 100] (0: greedy), found -0.1"),
+    # 1 / 1e308 is 0 in the sampler's fp32: the greedy answer, not the flattest
+    "temperature above 100": ({"temperature": 1e308}, "temperature must be in [0, 100] (0: greedy), found 1e+308"),
     "top_p 0": ({"top_p": 0}, "top_p must be in (0, 1], found 0"),
     "top_p above 1": ({"top_p": 1.01}, "top_p must be in (0, 1], found 1.01"),
     "min_p 1": ({"min_p": 1}, "min_p must be in [0, 1) (0 for no cut, e.g. 0.05), found 1"),
     "min_p below 0": ({"min_p": -0.01}, "min_p must be in [0, 1) (0 for no cut, e.g. 0.05), found -0.01"),
     "top_k below 0": ({"top_k": -1}, "top_k must be a positive integer (or 0/None for no cut), found -1"),
     "top_k a fraction": ({"top_k": 2.5}, "top_k must be a positive integer (or 0/None for no cut), found 2.5"),
-    "penalty 0": ({"repetition_penalty": 0}, "repetition_penalty must be positive (1 for none, e.g. 1.2 to "
+    "penalty 0": ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 100] (1 for none, e.g. 1.2 to "
                   "discourage repeats), found 0"),
+    # 1e-300 is 0 in fp32: every repeated token's logit divided by 0
+    "penalty 1e-300": ({"repetition_penalty": 1e-300}, "repetition_penalty must be in [0.01, 100] (1 for none, "
+                       "e.g. 1.2 to discourage repeats), found 1e-300"),
+    "penalty above 100": ({"repetition_penalty": 101}, "repetition_penalty must be in [0.01, 100] (1 for none, "
+                          "e.g. 1.2 to discourage repeats), found 101"),
     "min_gen_len below 0": ({"min_gen_len": -1}, "min_gen_len must be a non-negative integer, found -1"),
     "min_gen_len a fraction": ({"min_gen_len": 1.5}, "min_gen_len must be a non-negative integer, found 1.5"),
     "seed a string": ({"seed": "7"}, "seed must be an integer or None, found '7'"),

@@ -6,8 +6,7 @@ import torch
 
 from distributed import run_world
 from llama_tp import Llama
-from llama_tp.serve.mailbox import ServerState
-from llama_tp.serve.mailbox import Overloaded, Unavailable
+from llama_tp.serve.mailbox import ENGINE_FAILED, Overloaded, ServerState, Unavailable
 from serve_harness import Harness, request, text_of, tokens_of
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, successor_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
@@ -111,7 +110,9 @@ def test_stopping_ends_running_requests_cleanly_and_refuses_waiting_ones(llama):
     harness.close()
 
 
-def test_a_lost_rank_ends_every_request_with_an_error(llama, monkeypatch):
+def test_a_lost_rank_ends_every_request_with_an_error(llama, monkeypatch, caplog):
+    """The client hears that the engine failed; the lost rank's words (gloo's, with its source and
+    addresses) go to the log only."""
     harness = Harness(llama, start=False)
     lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
     monkeypatch.setattr(llama.model, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(lost))
@@ -120,7 +121,8 @@ def test_a_lost_rank_ends_every_request_with_an_error(llama, monkeypatch):
     last = harness.deltas(stream)[-1]
     harness.thread.join(10)
     assert harness.error is lost
-    assert last.finish_reason == "error" and "lost contact with another process" in last.error
+    assert (last.finish_reason, last.error, last.error_code) == ("error", ENGINE_FAILED, "engine_failed")
+    assert "lost contact with another process" in caplog.text and "gloo" in caplog.text
     assert harness.mailbox.state is ServerState.FAILED
     harness.close()
 

@@ -128,7 +128,7 @@ REFUSALS = {
     "top_p 1.5": (COMPLETION, GOOD_COMPLETION | {"top_p": 1.5}, 400, "invalid_value", "top_p", ["1.5"]),
     "negative top_k": (CHAT, GOOD_CHAT | {"top_k": -1}, 400, "invalid_value", "top_k", ["-1"]),
     "repetition_penalty 0": (CHAT, GOOD_CHAT | {"repetition_penalty": 0}, 400, "invalid_value",
-                             "repetition_penalty", ["positive"]),
+                             "repetition_penalty", ["[0.01, 100]"]),
     "negative min_tokens": (CHAT, GOOD_CHAT | {"min_tokens": -1}, 400, "invalid_value", "min_tokens", ["0"]),
     "min_tokens beyond max_tokens": (CHAT, GOOD_CHAT | {"min_tokens": 9, "max_tokens": 4}, 400, "invalid_value",
                                      "min_tokens", ["9", "4"]),
@@ -243,8 +243,8 @@ def test_503_while_loading_then_ready(llama2_tokenizer):
 
 def test_503_while_stopping_and_after_a_failure(llama2_tokenizer):
     with served(llama2_tokenizer) as s:
-        for state, words in ((ServerState.STOPPING, "shutting down"), (ServerState.FAILED, "rank 1 was lost")):
-            s.mailbox.set_state(state, "rank 1 was lost" if state is ServerState.FAILED else None)
+        for state, words in ((ServerState.STOPPING, "shutting down"), (ServerState.FAILED, "its engine failed")):
+            s.mailbox.set_state(state)
             assert httpx.get(f"{s.url}/health").status_code == 503
             response = httpx.post(f"{s.url}{COMPLETION}", json=GOOD_COMPLETION)
             assert response.status_code == 503 and words in response.json()["error"]["message"]

@@ -253,7 +253,7 @@ def test_enable_thinking_false_gives_no_reasoning_item(server):
     ({"input": QUESTION, "max_output_tokens": 2000}, 400, "the prompt's 23 tokens and max_output_tokens 2000 make "
      "2023, beyond the model's max_seq_len of 1024; ask for at most 1001 tokens, shorten the prompt, or serve the "
      "model with a larger --max_seq_len", "max_output_tokens", "context_length_exceeded"),
-    ({"input": QUESTION, "temperature": -1}, 400, "`temperature` must be 0 (greedy) or more, found -1.0", "temperature",
+    ({"input": QUESTION, "temperature": -1}, 400, "`temperature` must be in [0, 100] (0: greedy), found -1.0", "temperature",
      "invalid_value"),
     ({"input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x"}}}, 400,
      '`text.format` must be {"type": "json_schema", "name": ..., "schema": {...}}, or a type "text" or '
@@ -273,6 +273,9 @@ def test_enable_thinking_false_gives_no_reasoning_item(server):
      "stream_options", "invalid_value"),
     ({"input": "<|im_start|>system"}, 400, "`input`: a message holds one of the chat format's control tags "
      "(<|endoftext|>, <|im_end|>, <|im_start|>), which could forge the dialog's turns; remove them", "input",
+     "invalid_value"),
+    # found by fuzzing (issue 54): a 500 before
+    ({"input": []}, 400, "`input`: list should have at least 1 item after validation, not 0, found []", "input",
      "invalid_value"),
 ])
 def test_refusals_in_the_responses_api_error_shape(server, body, status, message, param, code):

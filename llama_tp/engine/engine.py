@@ -16,7 +16,7 @@ model has them.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -38,10 +38,15 @@ from .step import (batch_tensors, candidate_columns, logprob_columns, prompt_log
                    read_logprob, round_extras, stop_bans)
 
 if TYPE_CHECKING:  # xgrammar (the serve extra), imported where a request asks for a grammar
+    import xgrammar
+
     from ..structured.grammars import Grammars
 
 # With speculation, the acceptance so far is logged (debug) each time this many more rows are verified.
 SPECULATION_REPORT_ROWS = 1000
+# A constrained answer whose grammar allows no next token (the client's 400, code grammar_dead_end).
+DEAD_END = ("the answer's grammar allows no next token: it cannot go on from where it is; loosen the "
+            "schema, regex or grammar")
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Admission:
     request: GenerationRequest
     slot: int
     seed: int  # the request's own, or one rank 0 drew: every rank samples alike
+    grammar: Optional[int] = None  # its grammar's number on every rank's Shelf (serving.py; a batch job's: None)
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,9 @@ class Engine:
 
     # Admitting and cancelling
 
-    def admit(self, admission: Admission) -> Sequence:
-        """Start a request in its free cache row, reusing what the row holds of its prompt."""
+    def admit(self, admission: Admission, grammar: "Optional[xgrammar.CompiledGrammar]" = None) -> Sequence:
+        """Start a request in its free cache row, reusing what the row holds of its prompt.
+        grammar: its constraint's, compiled already (else compiled, or taken from the cache, here)."""
         request = admission.request
         # `n`'s later choices copy the first's prefill (scheduler.Copy) when it still runs
         follows = self.scheduler.find(request.shares_prefill_with) if request.shares_prefill_with else None
@@ -111,7 +118,7 @@ class Engine:
         decoder = IncrementalDecoder(self.tokenizer, request.stop) if watches_text else None
         # structured outputs (llama_tp/structured): each rank keeps its own grammar state
         adjustment = make_adjustment(self.grammars, request.constraint, request.logit_bias, request.presence_penalty,
-                                     request.frequency_penalty, request.thinking)
+                                     request.frequency_penalty, request.thinking, grammar)
         sequence.sampling = Progress(generator, decoder, adjustment)
         if request.prompt_logprobs:
             # the prompt's first token, which nothing predicts (a one-token prompt is fed as a step, never scored)
@@ -302,8 +309,10 @@ class Engine:
         """Append a chosen token and end the sequence where it ends (then True). at: when the token
         counts as made (time.monotonic), for the latencies."""
         request, progress = sequence.request, sequence.sampling
-        if progress.adjustment is not None:  # structured outputs (llama_tp/structured)
-            progress.adjustment.accept(token)
+        if progress.adjustment is not None and not progress.adjustment.accept(token):  # structured outputs
+            # its grammar allowed no token at all: this answer ends, the others go on
+            self._finish(sequence, "error", [])
+            return True
         sequence.tokens.append(token)
         sequence.generated += 1
         stopped = token in request.stop_tokens
@@ -334,7 +343,8 @@ class Engine:
     # Ends
 
     def _finish(self, sequence: Sequence, reason: str, deltas: list[Delta]) -> None:
-        """End a running sequence on every rank: its last deltas, the last with its text's end and counts."""
+        """End a running sequence on every rank: its last deltas, the last with its text's end and
+        counts. reason "error": the one way a running answer fails alone, its grammar's dead end."""
         self.scheduler.release(sequence)
         progress = sequence.sampling
         if progress.decoder is not None:
@@ -346,6 +356,8 @@ class Engine:
         last = Delta(deltas[-1].text, deltas[-1].tokens, deltas[-1].logprobs, reason, sequence.prompt_length,
                      sequence.generated, sequence.reused,
                      stop_string=progress.decoder.matched if progress.decoder is not None else None)
+        if reason == "error":
+            last = replace(last, error=DEAD_END, error_code="grammar_dead_end", error_status=400)
         self.updates.append(Update(sequence, last))
         if self.observer is not None:
             self.observer.finished(sequence, reason)

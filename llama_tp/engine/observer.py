@@ -16,7 +16,7 @@ class Observer:
         by the tokens it adds); its progress still holds the times of the tokens before."""
 
     def finished(self, sequence: Sequence, reason: str) -> None:
-        """sequence ended: "stop", "length" or "cancelled"."""
+        """sequence ended: "stop", "length", "cancelled" or "error" (its grammar's dead end)."""
 
     def ended(self, state: RequestState) -> None:
         """A request ended in state, running or not (one that waited, refused as the server stops)."""

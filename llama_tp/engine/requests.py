@@ -8,7 +8,7 @@ with exactly one final Delta.
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 from ..sampling import SamplingOptions
 from ..structured.constraint import Constraint
@@ -73,9 +73,22 @@ class Delta:
     prompt_tokens: int = 0  # on the last delta
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys and values were reused, not computed
-    error: Optional[str] = None  # with finish_reason "error": what went wrong, for the client
+    # With finish_reason "error": what went wrong, for the client (never internal detail: that is
+    # logged), OpenAI's code for it, and the status of a whole answer: 503 where the server failed
+    # or stops, 400 where the request itself could not go on (its grammar allows no next token).
+    error: Optional[str] = None
+    error_code: str = "engine_failed"
+    error_status: int = 503
     stop_string: Optional[str] = None  # with finish_reason "stop": the stop string that ended it, if one did
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class Submission(Protocol):
+    """A request as rank 0 hears of it, and where its deltas go (the HTTP side's RequestStream)."""
+
+    request: GenerationRequest
+
+    def put(self, delta: Delta) -> None: ...

@@ -12,29 +12,28 @@ group's timeout.
 
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Protocol, Union
 
 from .. import parallel
 from ..logs import logger
+from ..structured.constraint import Constraint
 from .engine import Admission, Engine, Update
-from .requests import Delta, GenerationRequest, RequestState
+from .grammar_shelf import HeldRequests, Shelf
+from .requests import Delta, RequestState, Submission
 
 # The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
 MAX_HEARTBEAT_SECONDS = 10.0
+# How often rank 0 asks the ranks, while nothing else runs, whether held requests' grammars are ready.
+GRAMMAR_POLL_SECONDS = 0.05
+# What clients are told once the engine has failed: the cause (a lost rank's error, with its
+# addresses) goes to the server's log only.
+ENGINE_FAILED = "the server cannot generate any more: its engine failed (the server's log says why)"
 
 
 @dataclass(frozen=True)
 class Cancel:
     request_id: str  # "": a wake-up only
-
-
-class Submission(Protocol):
-    """A request as rank 0 hears of it, and where its deltas go (the HTTP side's RequestStream)."""
-
-    request: GenerationRequest
-
-    def put(self, delta: Delta) -> None: ...
 
 
 class Inbox(Protocol):
@@ -46,11 +45,15 @@ class Inbox(Protocol):
     def left_waiting(self, count: int = 1) -> None:
         """count requests left the waiting line (admitted, or ended while waiting)."""
 
+    def drain(self) -> list[Submission]:
+        """The requests still queued (once the engine stops or fails, so no more come)."""
+
     def stopping(self) -> None:
         """The engine is ending every request and will take no more."""
 
-    def failed(self, reason: str) -> None:
-        """The engine cannot go on (a rank was lost): nothing more can be generated."""
+    def failed(self) -> None:
+        """The engine cannot go on (a rank was lost): nothing more can be generated, and new
+        requests are refused from now on (the server's /health says so first)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class News:
     admitted: tuple[Admission, ...] = ()
     cancelled: tuple[str, ...] = ()  # ids of running requests whose clients left
     stop: bool = False  # some rank was asked to stop: end every request and leave
+    compile: tuple[tuple[int, Constraint], ...] = ()  # grammars every rank starts compiling, by number
+    release: tuple[int, ...] = ()  # grammars no request uses any more
 
 
 class Serving:
@@ -69,6 +74,10 @@ class Serving:
         self.inbox = inbox
         self.waiting: deque[Submission] = deque()  # rank 0: submitted, not yet admitted
         self.streams: dict[str, Submission] = {}  # rank 0: admitted requests' streams
+        # Grammars compiled before their requests are admitted (grammar_shelf.py): every rank's,
+        # and rank 0's held requests.
+        self.shelf = Shelf(engine.grammars)
+        self.held = HeldRequests(parallel.model_parallel_size())
         self.heartbeat = min(MAX_HEARTBEAT_SECONDS, parallel.collective_timeout().total_seconds() / 3)
 
     def run(self, stop_requested: Callable[[], bool]) -> None:
@@ -88,37 +97,50 @@ class Serving:
             raise
 
     def apply(self, news: News) -> None:
-        """Every rank: end the cancelled requests, admit the new ones."""
+        """Every rank: start and let go of grammars, end the cancelled requests, admit the new ones."""
+        self.shelf.start(news.compile)
+        self.shelf.release(news.release)
         for request_id in news.cancelled:
             self._deliver(self.engine.cancel(request_id))
         for admission in news.admitted:
-            self.engine.admit(admission)
+            self.engine.admit(admission, None if admission.grammar is None else self.shelf.grammar(admission.grammar))
 
     # News
 
     def _exchange(self, stop_wish: bool) -> News:
         """Every rank's wish to stop, and rank 0's news, on every rank."""
         news = self._gather_news(stop_wish) if self.inbox is not None else None
-        # A step without news or a wish to stop exchanges one byte a rank, no pickles.
-        votes = parallel.gather_objects_if_any((news, stop_wish), stop_wish or (news is not None and news != News()))
+        compiled = self.shelf.finished()
+        # A step without news, a wish to stop or a grammar compiled exchanges one byte a rank, no pickles.
+        votes = parallel.gather_objects_if_any((news, stop_wish, compiled),
+                                               stop_wish or bool(compiled) or (news is not None and news != News()))
         if votes is None:
             return News()
+        if self.inbox is not None:
+            for rank, (_, _, reports) in enumerate(votes):
+                self.held.heard(rank, reports)
         news = votes[0][0]
-        stop = any(wish for _, wish in votes)
-        return News(news.admitted, news.cancelled, stop) if stop != news.stop else news
+        return replace(news, stop=any(wish for _, wish, _ in votes))
 
     def _gather_news(self, stop_wish: bool) -> News:
         """Rank 0: take the inbox's messages (waiting for one while idle), admit what fits."""
         idle = not self.engine.running and not self.waiting and not stop_wish
         # Alone, nothing needs a heartbeat: wait until a request (or the stop signal's wake-up) comes.
         timeout = (self.heartbeat if parallel.model_parallel_size() > 1 else None) if idle else 0
+        if idle and self.held.streams:  # a grammar compiles somewhere: ask again soon
+            timeout = GRAMMAR_POLL_SECONDS
         cancelled = []
         for message in self.inbox.take(timeout):
             if isinstance(message, Cancel):
                 if message.request_id:  # an empty id is a wake-up only
                     cancelled += self._cancel_request(message)
-            else:
+            elif not self.held.hold(message):
                 self.waiting.append(message)
+        for stream, failure in self.held.failed():
+            self.inbox.left_waiting()
+            self._end_stream(stream, Delta(finish_reason="error", error=f"the request's grammar: {failure}",
+                                           error_code="invalid_value", error_status=400), RequestState.FAILED)
+        self.waiting.extend(self.held.ready())
         admitted, taken = [], set()
         while self.waiting and not stop_wish:
             stream = self.waiting[0]
@@ -129,15 +151,16 @@ class Serving:
             self.inbox.left_waiting()
             taken.add(slot)
             seed = stream.request.options.seed
-            admitted.append(Admission(stream.request, slot, random.getrandbits(63) if seed is None else seed))
+            admitted.append(Admission(stream.request, slot, random.getrandbits(63) if seed is None else seed,
+                                      self.held.number(stream.request)))
             self.streams[stream.request.id] = stream
-        return News(tuple(admitted), tuple(cancelled), stop_wish)
+        return News(tuple(admitted), tuple(cancelled), stop_wish, *self.held.news())
 
     def _cancel_request(self, message: Cancel) -> list[str]:
-        """A client left: drop its request from the waiting line here, or tell every rank."""
-        waiting = next((s for s in self.waiting if s.request.id == message.request_id), None)
+        """A client left: drop its request from the waiting line (or the held ones) here, or tell every rank."""
+        waiting = next((s for s in [*self.waiting, *self.held.streams] if s.request.id == message.request_id), None)
         if waiting is not None:
-            self.waiting.remove(waiting)
+            (self.waiting if waiting in self.waiting else self.held.streams).remove(waiting)
             self.inbox.left_waiting()
             self._end_stream(waiting, Delta(finish_reason="cancelled"), RequestState.CANCELLED)
             return []
@@ -153,11 +176,14 @@ class Serving:
             request_id = update.sequence.request.id
             if update.delta.finished:
                 self.streams.pop(request_id).put(update.delta)
+                self.held.ended(update.sequence.request)
             else:
                 self.streams[request_id].put(update.delta)
 
     def _end_stream(self, stream: Submission, delta: Delta, state: RequestState) -> None:
+        """Rank 0: a request's last delta, wherever it was (held, waiting or running)."""
         stream.put(delta)
+        self.held.ended(stream.request)
         if self.engine.observer is not None:
             self.engine.observer.ended(state)
 
@@ -166,22 +192,27 @@ class Serving:
         self._deliver(self.engine.end_all())
         if self.inbox is not None:
             self.inbox.stopping()
-            while self.waiting:
+            refused = Delta(finish_reason="error", error="the server is shutting down", error_code="service_unavailable")
+            for stream in [*self.waiting, *self.held.streams, *self.inbox.drain()]:
                 self.inbox.left_waiting()
-                self._end_stream(self.waiting.popleft(), Delta(finish_reason="error", error="the server is shutting down"),
-                                 RequestState.CANCELLED)
+                self._end_stream(stream, refused, RequestState.CANCELLED)
+            self.waiting.clear()
+            self.held.streams.clear()
 
     def _fail_everything(self, error: BaseException) -> None:
-        """A rank is lost (or this one broke): every request ends with the error, the inbox says why."""
+        """A rank is lost (or this one broke): the inbox refuses new requests (/health says 503)
+        first, then every request, running, waiting, held or still in the inbox, ends with OpenAI's
+        error (engine_failed). Why goes to the log: the error's text can hold internal addresses."""
         if self.inbox is None:
             return
+        self.inbox.failed()
         reason = parallel.describe_peer_failure(error) if parallel.is_peer_failure(error) else f"{type(error).__name__}: {error}"
         logger.error(f"the engine stopped: {reason}")
-        self.inbox.failed(reason)
-        failed = Delta(finish_reason="error", error=f"the server failed: {reason}")
-        for stream in [*self.streams.values(), *self.waiting]:
+        failed = Delta(finish_reason="error", error=ENGINE_FAILED)
+        for stream in [*self.streams.values(), *self.waiting, *self.held.streams, *self.inbox.drain()]:
             self._end_stream(stream, failed, RequestState.FAILED)
         self.streams.clear()
         self.waiting.clear()
+        self.held.streams.clear()
         if self.engine.observer is not None:
             self.engine.observer.load(0, 0.0)

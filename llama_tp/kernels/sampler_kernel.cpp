@@ -67,7 +67,10 @@ class RowSampler {
     scaled_.resize(vocab);
     const float* row = penalised(logits, history, length, options.penalty);
     const float highest = largest(row);
-    if (options.inverse_temperature == 0.0f) return first_equal(row, highest);
+    // A row with no finite best (every token banned: -inf; or NaN) has nothing to weigh: the first
+    // token equal to its best, else 0. The caller knows such rows (a grammar that allows nothing)
+    // and ends them; below, the best token always enters best_, which is therefore never empty.
+    if (options.inverse_temperature == 0.0f || !std::isfinite(highest)) return first_equal(row, highest);
     const bool nucleus = options.top_p < 1.0f;
     float floor = std::max(kLowestKept, options.min_p > 0.0f ? std::log(options.min_p) : -kInfinity);
     // Without a top-k cut the floor is known before the pass, which then weighs the tokens too.

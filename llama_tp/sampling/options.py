@@ -5,6 +5,12 @@ from typing import Optional
 
 import torch
 
+# The ranges past which an option stops meaning what it says: the sampler takes 1 / temperature
+# and the penalty in fp32, where 1 / 1e308 is 0 (greedy) and a penalty of 1e-300 is 0 (every
+# repeated token infinitely likely). Past 100, a temperature flattens every distribution alike.
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
 
 @dataclass(frozen=True)
 class SamplingOptions:
@@ -25,17 +31,18 @@ class SamplingOptions:
             # fire hands over whatever the user typed, e.g. the str 'hot'
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, found {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be 0 (greedy) or more, found {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0: greedy), found {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], found {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1) (0 for no cut, e.g. 0.05), found {self.min_p}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be a positive integer (or 0/None for no cut), found {self.top_k!r}")
-        if not self.repetition_penalty > 0:
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
             raise ValueError(
-                f"repetition_penalty must be positive (1 for none, e.g. 1.2 to discourage "
+                f"repetition_penalty must be in [{low:g}, {high:g}] (1 for none, e.g. 1.2 to discourage "
                 f"repeats), found {self.repetition_penalty}"
             )
         if not isinstance(self.min_gen_len, int) or self.min_gen_len < 0:

@@ -10,12 +10,12 @@ within a step.
 """
 
 import asyncio
-import hmac
-import json
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -23,15 +23,18 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..engine.requests import Delta
+from .edge import Edge, error_response, error_shape, openai_error
+from .limits import ServerLimits
 from .mailbox import Mailbox, Overloaded, RequestStream, ServerState, Unavailable
 from .messages.protocol import CountTokensRequest, MessagesRequest, messages_error
 from .messages.reply import MessageReply
 from .messages.translate import chat_body
-from .prepare import chat_prompt, chat_request, choices, completion_request, dialog_tokens, text_tokens
+from .prepare import asks_for_grammar, chat_prompt, chat_request, choices, completion_request, dialog_tokens, text_tokens
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
                        parse_body)
 from .responses import Answered, ChatReply, CompletionReply, Reply
 from .responses_api import output as responses_output
+from .responses_api.prepare import asks_for_grammar as turn_asks_for_grammar
 from .responses_api.prepare import prepare_turn
 from .responses_api.protocol import ResponsesRequest
 from .responses_api.store import ResponseStore
@@ -41,16 +44,6 @@ if TYPE_CHECKING:
 
 
 HEARTBEAT_SECONDS = 5.0  # a stream silent this long gets its door's heartbeat (Anthropic's ping)
-
-
-def openai_error(error: RequestError) -> tuple[int, dict]:
-    """OpenAI's error JSON and its status."""
-    return error.status, error.body()
-
-
-def error_shape(path: str) -> Callable[[RequestError], tuple[int, dict]]:
-    """Anthropic's errors for its Messages routes, OpenAI's for every other."""
-    return messages_error if path.startswith("/v1/messages") else openai_error
 
 
 def as_is(body):
@@ -71,36 +64,32 @@ class Endpoint:
 CHAT = Endpoint(ChatCompletionRequest, chat_request, ChatReply)
 COMPLETION = Endpoint(CompletionRequest, completion_request, CompletionReply)
 MESSAGES = Endpoint(MessagesRequest, chat_request, MessageReply, chat_body, messages_error)
+# Requests prepared at once whose grammar may take up to --grammar_timeout to compile, on threads
+# of their own (beyond: 429): however many slow grammars come, the threads that prepare the
+# other requests stay free.
+GRAMMAR_REQUESTS = 16
 
 
 def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
-               api_key: Optional[str] = None, max_stored_responses: int = 1024) -> FastAPI:
+               api_key: Optional[str] = None, max_stored_responses: int = 1024,
+               limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The server's routes. generator (a Llama) gives the tokenizer, chat format, max_seq_len and
     sampling defaults; None while the model loads, then set app.state.generator before the mailbox
-    goes READY. model_name is the one name clients may ask for. api_key: every /v1/ route then
-    needs `Authorization: Bearer API_KEY` or `x-api-key: API_KEY` (OpenAI's and Anthropic's ways;
-    /health and /metrics stay open, as in vLLM). max_stored_responses: how many Responses API
-    answers are kept for previous_response_id."""
-    app = FastAPI(title="llama_tp", summary="An OpenAI- and Anthropic-compatible server over tensor-parallel Llama ranks")
+    goes READY. model_name is the one name clients may ask for. api_key: every route but /health
+    and /metrics then needs `Authorization: Bearer API_KEY` or `x-api-key: API_KEY` (OpenAI's and
+    Anthropic's ways; the open two as in vLLM), and the API's docs pages are off.
+    max_stored_responses: how many Responses API answers are kept for previous_response_id.
+    limits: what one request may ask of the server (edge.py, limits.py)."""
+    documented = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="llama_tp", summary="An OpenAI- and Anthropic-compatible server over tensor-parallel Llama ranks",
+                  **documented)
     app.state.generator = generator
     started = int(time.time())
     stored = ResponseStore(max_stored_responses)
-
-    if api_key is not None:
-        bearer, key = f"Bearer {api_key}".encode(), api_key.encode()
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if request.url.path.startswith("/v1/"):
-                given = request.headers.get("authorization", "").encode(), request.headers.get("x-api-key", "").encode()
-                # in constant time: no guessing byte by byte
-                if not (hmac.compare_digest(given[0], bearer) | hmac.compare_digest(given[1], key)):
-                    said = "a wrong API key" if any(given) else "no API key"
-                    return refuse(RequestError(401, f"the request has {said}; send the server's key as "
-                                               "`Authorization: Bearer KEY` or `x-api-key: KEY` (the openai or "
-                                               "anthropic client's api_key)", None, "invalid_api_key"),
-                                  error_shape(request.url.path))
-            return await call_next(request)
+    grammar_threads = anyio.CapacityLimiter(GRAMMAR_REQUESTS)
+    compiling = 0  # requests preparing on grammar_threads: counted on the event loop, so never past them
+    app.add_middleware(Edge, api_key=api_key, limits=limits,
+                       refused=lambda status: mailbox.metrics.requests_refused.labels(str(status)).inc())
 
     def refuse(error: RequestError, shape: Callable = openai_error) -> Response:
         response = error_response(error, shape)
@@ -120,16 +109,33 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
             raise RequestError(404, f"the model `{name}` does not exist; this server serves `{model_name}`",
                                "model", "model_not_found")
 
+    async def prepare_off_loop(prepare: Callable, compiles: bool):
+        """prepare() off the event loop: a long prompt takes a while to encode, a grammar
+        (compiles) to compile, on grammar_threads, at most GRAMMAR_REQUESTS at once (beyond: 429)."""
+        nonlocal compiling
+        if not compiles:
+            return await run_in_threadpool(prepare)
+        if compiling == GRAMMAR_REQUESTS:
+            raise Overloaded(f"{GRAMMAR_REQUESTS} requests already wait for their grammars to compile; "
+                             "try again shortly")
+        compiling += 1
+        try:
+            return await anyio.to_thread.run_sync(prepare, limiter=grammar_threads)
+        finally:
+            compiling -= 1
+
     async def generate(request: Request, endpoint: Endpoint) -> Response:
         generator = app.state.generator
         try:
             if generator is None:
                 raise Unavailable("the model is still loading; try again shortly")
-            body = endpoint.translate(parse_body(await request.body(), endpoint.body))
+            # Off the event loop: parsing a body of megabytes takes a while, and every stream waits on the loop.
+            raw = await request.body()
+            body = await run_in_threadpool(lambda: endpoint.translate(parse_body(raw, endpoint.body)))
             check_model(body.model)
             reply = endpoint.reply(model_name, generator.tokenizer, body.include_usage, body.n or 1)
-            # Off the event loop: a long prompt takes a while to encode.
-            prepared = await run_in_threadpool(endpoint.prepare, body, generator, reply.id)
+            prepared = await prepare_off_loop(functools.partial(endpoint.prepare, body, generator, reply.id,
+                                                                limits.grammar), asks_for_grammar(body))
             requests = choices(body, prepared, generator)
             reply.expect(body, prepared, generator)
             streams = mailbox.submit_all(requests)
@@ -161,9 +167,11 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
         try:
             if generator is None:
                 raise Unavailable("the model is still loading; try again shortly")
-            body = parse_body(await request.body(), ResponsesRequest)
+            raw = await request.body()
+            body = await run_in_threadpool(parse_body, raw, ResponsesRequest)
             check_model(body.model)
-            turn = await run_in_threadpool(prepare_turn, body, generator, stored, response_id)
+            turn = await prepare_off_loop(functools.partial(prepare_turn, body, generator, stored, response_id,
+                                                            limits.grammar), turn_asks_for_grammar(body))
             streams = mailbox.submit_all([turn.request])
         except (RequestError, Overloaded, Unavailable) as error:
             return refuse_submission(error)
@@ -183,7 +191,7 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
         if final is None:  # the client has gone: nobody reads this
             return Response(status_code=499)
         if final.finish_reason == "error":
-            return error_response(RequestError(503, final.error or "the engine failed", None, "engine_failed"))
+            return error_response(failure(final))
         keep(output)
         return JSONResponse(output.response)
 
@@ -209,7 +217,7 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
         try:
             if generator is None:
                 raise RequestError(503, "the model is still loading; try again shortly", None, "service_unavailable")
-            body = parse_body(await request.body(), body_type)
+            body = await run_in_threadpool(parse_body, await request.body(), body_type)
             if body.model not in (None, model_name):
                 raise RequestError(404, f"the model `{body.model}` does not exist; this server serves "
                                    f"`{model_name}`", "model", "model_not_found")
@@ -236,7 +244,10 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         def answer(body: DetokenizeRequest, generator) -> dict:
-            vocab = generator.model.args.vocab_size
+            vocab, max_seq_len = generator.model.args.vocab_size, generator.model.max_seq_len
+            if len(body.tokens) > max_seq_len:  # the limit /tokenize and the prompts have
+                raise RequestError(400, f"`tokens` holds {len(body.tokens)} ids, more than the model's max_seq_len "
+                                   f"of {max_seq_len}", "tokens", "context_length_exceeded")
             outside = [token for token in body.tokens if not 0 <= token < vocab]
             if outside:
                 raise RequestError(400, f"`tokens` holds token id {outside[0]}, outside the vocabulary [0, {vocab})",
@@ -287,10 +298,9 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
     return app
 
 
-def error_response(error: RequestError, shape: Callable[[RequestError], tuple[int, dict]] = openai_error) -> Response:
-    status, body = shape(error)
-    # ASCII-escaped: a message may quote the client's text, lone surrogates and all
-    return Response(json.dumps(body), status_code=status, media_type="application/json")
+def failure(delta: Delta) -> RequestError:
+    """The error a request's last delta ended it with (finish_reason "error"), as the client sees it."""
+    return RequestError(delta.error_status, delta.error or "the engine failed", None, delta.error_code)
 
 
 class Answer:
@@ -360,7 +370,7 @@ async def whole(answer: Answer, reply: Reply, logprobs: bool, shape: Callable = 
         return Response(status_code=499)
     failed = next((final for final in finals.values() if final.finish_reason == "error"), None)
     if failed is not None:
-        return error_response(RequestError(503, failed.error or "the engine failed", None, "engine_failed"), shape)
+        return error_response(failure(failed), shape)
     return JSONResponse(reply.response([Answered("".join(texts[index]), items[index] if logprobs else None,
                                                  finals[index]) for index in range(len(answer.streams))]))
 
@@ -372,7 +382,7 @@ async def events(answer: Answer, reply: Reply, logprobs: bool) -> AsyncIterator[
         yield chunk
     async for index, delta in answer.deltas():
         if delta.finish_reason == "error":
-            yield reply.failure(delta.error or "the engine failed")
+            yield reply.failure(failure(delta))
             return
         for chunk in reply.chunks(index, delta, logprobs):
             yield chunk

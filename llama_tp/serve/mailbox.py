@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Optional, Union
 
 from ..engine.requests import Delta, GenerationRequest
-from ..engine.serving import Cancel
+from ..engine.serving import ENGINE_FAILED, Cancel
 
 if TYPE_CHECKING:  # prometheus_client (the serve extra) only where a server runs: batch jobs need the engine alone
     from .metrics import ServerMetrics
@@ -74,7 +74,6 @@ class Mailbox:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.state = ServerState.LOADING
-        self.failure: Optional[str] = None  # why the engine failed, for clients
         self._messages: "queue.SimpleQueue[Union[RequestStream, Cancel]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting = 0  # submitted, not yet admitted nor cancelled
@@ -97,9 +96,10 @@ class Mailbox:
                                  f"{self.max_waiting}){more}; try again shortly")
             self._waiting += len(requests)
             self.metrics.requests_waiting.set(self._waiting)
-        streams = [RequestStream(request, asyncio.get_running_loop()) for request in requests]
-        for stream in streams:
-            self._messages.put(stream)
+            # Queued under the lock: once the state has left READY, drain() finds every request queued.
+            streams = [RequestStream(request, asyncio.get_running_loop()) for request in requests]
+            for stream in streams:
+                self._messages.put(stream)
         return streams
 
     def cancel(self, request_id: str) -> None:
@@ -112,19 +112,17 @@ class Mailbox:
             return "the model is still loading; try again shortly"
         if self.state is ServerState.STOPPING:
             return "the server is shutting down"
-        return f"the server cannot generate any more: {self.failure}"
+        return ENGINE_FAILED
 
     # The engine's thread
 
     def take(self, timeout: Optional[float]) -> list[Union[RequestStream, Cancel]]:
         """Every message that has come, waiting up to timeout seconds (None: forever) for the first."""
-        messages = []
         try:
-            messages.append(self._messages.get(timeout=timeout) if timeout != 0 else self._messages.get_nowait())
-            while True:
-                messages.append(self._messages.get_nowait())
+            first = self._messages.get(timeout=timeout) if timeout != 0 else self._messages.get_nowait()
         except queue.Empty:
-            return messages
+            return []
+        return [first, *self._queued()]
 
     def left_waiting(self, count: int = 1) -> None:
         """count requests left the waiting line (admitted, or cancelled while waiting)."""
@@ -136,17 +134,29 @@ class Mailbox:
         """Make a waiting take() return (the state changed)."""
         self._messages.put(Cancel(""))
 
-    def set_state(self, state: ServerState, failure: Optional[str] = None) -> None:
+    def set_state(self, state: ServerState) -> None:
         with self._lock:
-            self.state, self.failure = state, failure or self.failure
+            self.state = state
 
     def stopping(self) -> None:
         """The engine ends every request and takes no more (Ctrl-C, SIGTERM)."""
         self.set_state(ServerState.STOPPING)
 
-    def failed(self, reason: str) -> None:
-        """The engine cannot go on: requests are refused with reason from now on."""
-        self.set_state(ServerState.FAILED, reason)
+    def failed(self) -> None:
+        """The engine cannot go on: requests are refused from now on (ENGINE_FAILED)."""
+        self.set_state(ServerState.FAILED)
         with self._lock:
             self._waiting = 0
             self.metrics.requests_waiting.set(0)
+
+    def drain(self) -> list[RequestStream]:
+        """The requests still queued (after the state left READY, so no more come)."""
+        return [message for message in self._queued() if isinstance(message, RequestStream)]
+
+    def _queued(self) -> list[Union[RequestStream, Cancel]]:
+        messages = []
+        try:
+            while True:
+                messages.append(self._messages.get_nowait())
+        except queue.Empty:
+            return messages

@@ -118,7 +118,7 @@ class EngineMetrics(Observer):
             self.metrics.time_per_output_token.observe(per_token)
         if reason != "cancelled":
             self.metrics.request_latency.observe(time.monotonic() - sequence.request.arrival)
-        self.ended(RequestState.CANCELLED if reason == "cancelled" else RequestState.FINISHED)
+        self.ended({"cancelled": RequestState.CANCELLED, "error": RequestState.FAILED}.get(reason, RequestState.FINISHED))
 
     def ended(self, state: RequestState) -> None:
         self.metrics.requests_ended.labels(state.value).inc()

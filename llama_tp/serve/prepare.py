@@ -9,13 +9,14 @@ import json
 from dataclasses import replace
 from typing import Any, Optional
 
-from ..structured.constraint import Constraint
+from ..structured.constraint import Constraint, GrammarLimits
 from ..structured.grammars import grammars_for
 from ..structured.tools import call_constraint, render_dialog, tool_format
 from ..text.chat_format import encode_dialog
 from ..text.jinja_template import check_variables
 from ..text.reasoning import Thinking
 from ..text.streaming import check_stop
+from .limits import text_beyond
 from .protocol import INT64, ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
 from ..engine.requests import GenerationRequest
 
@@ -23,8 +24,10 @@ from ..engine.requests import GenerationRequest
 OPTION_PARAMS = {"min_gen_len": "min_tokens"}
 
 
-def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> GenerationRequest:
-    """The request for a chat completion: the dialog in the model's chat format, ended by its end of turn."""
+def chat_request(body: ChatCompletionRequest, generator, request_id: str,
+                 grammar_limits: GrammarLimits = GrammarLimits()) -> GenerationRequest:
+    """The request for a chat completion: the dialog in the model's chat format, ended by its end
+    of turn; a structured output or forced call compiled within grammar_limits."""
     forced = _forced_call(body, _tools(body), generator)
     prompt_tokens = chat_prompt(body, generator)
     # a reasoning model's answer: the structured output waits for the end of its thinking
@@ -39,8 +42,8 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str) -> Gen
                                "max_completion_tokens", "invalid_value")
         max_tokens, limit_param = body.max_completion_tokens, "max_completion_tokens"
     return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
-                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, limit_param, forced,
-                    thinking)
+                    generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, grammar_limits,
+                    limit_param, forced, thinking)
 
 
 def chat_prompt(body: ChatCompletionRequest, generator) -> list[int]:
@@ -103,6 +106,8 @@ def dialog_tokens(messages: list, generator, tools: Optional[list[dict]] = None,
     writes them), else in the model's chat format, the tools described and earlier calls and
     answers written in its tool format. template_variables: chat_template_kwargs, for a template."""
     formatter = generator.formatter
+    text = sum(len(m.content or "") + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in messages)
+    _check_room(text + (len(json.dumps(tools)) if tools else 0), generator, "messages")
     try:
         check_variables(template_variables or {}, getattr(formatter, "named_tokens", {}))
     except ValueError as error:
@@ -156,14 +161,26 @@ def _json_or_text(arguments: str) -> Any:
 
 def text_tokens(prompt: str, generator, bos: bool = True) -> list[int]:
     """A completion prompt's tokens, after the begin token where the tokenizer adds one."""
+    _check_room(len(prompt), generator, "prompt")
     try:
         return generator.tokenizer.encode(prompt, bos=bos, eos=False)
     except ValueError as error:
         raise RequestError(400, f"`prompt`: {error}", "prompt", "invalid_value") from None
 
 
-def completion_request(body: CompletionRequest, generator, request_id: str) -> GenerationRequest:
-    """The request for a text completion: the prompt after bos, ended by the tokenizer's stop tokens."""
+def _check_room(characters: int, generator, param: str) -> None:
+    """Refuse prompt text that surely holds more tokens than max_seq_len, before tokenizing it: a
+    few megabytes take seconds of the GIL, and memory for every token."""
+    max_seq_len = generator.model.max_seq_len
+    if text_beyond(characters, generator.tokenizer, max_seq_len):
+        raise RequestError(400, f"`{param}` holds {characters} characters of text, more than the model's max_seq_len "
+                           f"of {max_seq_len} tokens could hold; shorten it", param, "context_length_exceeded")
+
+
+def completion_request(body: CompletionRequest, generator, request_id: str,
+                       grammar_limits: GrammarLimits = GrammarLimits()) -> GenerationRequest:
+    """The request for a text completion: the prompt after bos, ended by the tokenizer's stop
+    tokens; a structured output compiled within grammar_limits."""
     if isinstance(body.prompt, str):
         prompt_tokens = text_tokens(body.prompt, generator)
     else:
@@ -177,15 +194,15 @@ def completion_request(body: CompletionRequest, generator, request_id: str) -> G
         raise RequestError(400, "`echo` with `logprobs` is not supported by this server: it gives the answer's "
                            "log probabilities only; send one of them", "echo", "unsupported_parameter")
     return _request(body, generator, request_id, prompt_tokens, "prompt", body.max_tokens,
-                    generator.tokenizer.stop_tokens, body.logprobs is not None, body.logprobs or 0)
+                    generator.tokenizer.stop_tokens, body.logprobs is not None, body.logprobs or 0, grammar_limits)
 
 
 def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: list[int], prompt_param: str,
-             max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int,
+             max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int, grammar_limits: GrammarLimits,
              limit_param: str = "max_tokens", forced: Optional[Constraint] = None,
              thinking: Optional[Thinking] = None) -> GenerationRequest:
     """The checks and the request both endpoints share; limit_param: the field max_tokens came from."""
-    constraint = _constraint(body, generator, forced)
+    constraint = _constraint(body, generator, grammar_limits, forced)
     max_seq_len = generator.model.max_seq_len
     if not prompt_tokens:
         raise RequestError(400, f"`{prompt_param}` is empty; it needs at least one token", prompt_param,
@@ -234,10 +251,11 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
 
 
 def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} as (token, bias) pairs, each id checked against the vocabulary."""
+    """OpenAI's {"token id": bias} as (token, bias) pairs, each id checked against the vocabulary:
+    ASCII digits only ("²" and "١" are digits to str.isdigit, and int() takes neither or the other)."""
     pairs = []
     for key, bias in (logit_bias or {}).items():
-        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= len(str(vocab)) else None
         if token is None or not 0 <= token < vocab:
             raise RequestError(400, f"`logit_bias` has the key {json.dumps(key)}, which is not a token id in the "
                                f"vocabulary [0, {vocab})", "logit_bias", "invalid_value")
@@ -246,10 +264,19 @@ def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tup
     return tuple(pairs)
 
 
-def _constraint(body: SamplingRequest, generator, forced: Optional[Constraint] = None) -> Optional[Constraint]:
+def asks_for_grammar(body: SamplingRequest) -> bool:
+    """Whether the body asks for a grammar (a structured output, or a tool call tool_choice
+    forces), which preparing it compiles."""
+    return getattr(body, "tool_choice", None) not in (None, "none", "auto") or any(
+        constraint is not None for _, constraint in _constraints_asked(body))
+
+
+def _constraint(body: SamplingRequest, generator, limits: GrammarLimits,
+                forced: Optional[Constraint] = None) -> Optional[Constraint]:
     """The one structured output the body asks for (forced: a tool call tool_choice forces),
-    compiled once here so that a grammar the engine cannot compile is a 400 naming the field (the
-    ranks find it in their caches)."""
+    compiled here within limits, so that a grammar too large, too slow, that matches no text or
+    that xgrammar cannot compile is a 400 naming the field (every rank compiles it again before
+    the request is admitted: grammar_shelf.py)."""
     asked = [(param, constraint) for param, constraint in _constraints_asked(body) if constraint is not None]
     if forced is not None:
         asked.insert(0, ("tool_choice", forced))
@@ -260,9 +287,9 @@ def _constraint(body: SamplingRequest, generator, forced: Optional[Constraint] =
         return None
     param, constraint = asked[0]
     try:
-        grammars_for(generator).compile(constraint)
+        grammars_for(generator).compile(constraint, limits)
     except ValueError as error:
-        raise RequestError(400, f"`{param}` cannot be compiled into a grammar: {error}", param,
+        raise RequestError(400, f"`{param}` {error}", param,
                            "invalid_value") from None
     return constraint
 

@@ -10,8 +10,10 @@ is checked where the request is built (prepare.py).
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
+
+from .limits import MAX_JSON_DEPTH, nesting_depth
 
 # The error's "type" by HTTP status, as OpenAI's clients expect it (they pick the exception class
 # from the status alone; the type and code are for people and logs).
@@ -25,6 +27,7 @@ ERROR_TYPES = {
     503: "server_error",
 }
 INT64 = 2**63  # seeds go to torch.Generator.manual_seed, which takes a 64-bit integer
+MAX_LOGIT_BIAS = 1024  # entries in a request's logit_bias
 
 
 class RequestError(Exception):
@@ -87,7 +90,33 @@ def _prompt(value: Any) -> Any:
     raise PydanticCustomError("expected", "a string or a list of token ids (or a list of one of them)")
 
 
+def _json_text(value: str) -> str:
+    """JSON carried as text (a call's arguments, a schema as a string), or any other text: JSON
+    nested deeper than MAX_JSON_DEPTH is refused, before anything recurses through it."""
+    try:
+        parsed = json.loads(value)
+    except RecursionError:
+        parsed = None  # nested past Python's own limit
+    except ValueError:
+        return value  # not JSON: plain text
+    if parsed is None or nesting_depth(parsed) > MAX_JSON_DEPTH:
+        raise PydanticCustomError("nesting", f"its JSON nests arrays and objects more than {MAX_JSON_DEPTH} deep, "
+                                  "which this server does not take")
+    return value
+
+
+def _schema(value: Any) -> Any:
+    """vLLM's json: a JSON schema, as an object or as JSON text (its nesting checked)."""
+    if isinstance(value, str):
+        return _json_text(value)
+    if value is None or isinstance(value, dict):
+        return value
+    raise PydanticCustomError("expected", "a JSON schema object, or one as a JSON string")
+
+
 Stop = Annotated[Optional[list[str]], BeforeValidator(_stop)]
+JsonText = Annotated[str, AfterValidator(_json_text)]
+Schema = Annotated[Optional[Union[dict[str, Any], str]], BeforeValidator(_schema)]
 TextContent = Annotated[str, BeforeValidator(_text_content)]
 Prompt = Annotated[Union[str, list[int]], BeforeValidator(_prompt)]
 
@@ -163,7 +192,7 @@ class StructuredOutputs(Body):
     """vLLM's structured_outputs: one of a JSON schema, a regular expression, a choice among
     strings or an EBNF grammar (xgrammar's, as GBNF)."""
 
-    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    json_: Schema = Field(None, alias="json")
     regex: Optional[str] = None
     choice: Optional[list[str]] = Field(None, min_length=1)
     grammar: Optional[str] = None
@@ -193,7 +222,7 @@ class NamedToolChoice(Body):
 
 class CalledFunction(Body):
     name: str
-    arguments: str  # JSON text
+    arguments: JsonText
 
 
 class ToolCallMessage(Body):
@@ -244,11 +273,12 @@ class SamplingRequest(Body):
     n: Optional[int] = Field(None, ge=1)  # choices of one prompt; at most --max_batch_size (prepare.py)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)  # OpenAI's range
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # token id: bias
+    # token id: bias; each entry is applied on the host every step, so a whole vocabulary's would slow the batch
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = Field(None, max_length=MAX_LOGIT_BIAS)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older names.
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
-    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_json: Schema = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = Field(None, min_length=1)
     guided_grammar: Optional[str] = None
@@ -347,6 +377,9 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         raise RequestError(400, f"the body is not valid JSON: {error}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"the body must be a JSON object, found {type(data).__name__}", None, "invalid_json")
+    if nesting_depth(data) > MAX_JSON_DEPTH:
+        raise RequestError(400, f"the body nests arrays and objects more than {MAX_JSON_DEPTH} deep, which this "
+                           "server does not take", None, "invalid_json")
     try:
         body = model.model_validate(data)
     except ValidationError as error:
@@ -375,7 +408,7 @@ def _request_error(error: dict) -> RequestError:
         return RequestError(400, f"`{param}`: {message}", param, "unsupported_parameter")
     if kind == "stream_options":
         return RequestError(400, message, "stream_options", "invalid_value")
-    if kind == "content":  # a message's own check: its path, without pydantic's wording
+    if kind in ("content", "nesting"):  # our own checks: the path, without pydantic's wording
         return RequestError(400, f"`{param}`: {message}", param or None, "invalid_value")
     if kind == "expected" and not param:  # a check on the body as a whole
         return RequestError(400, f"the body must have {message}", None, "invalid_type")

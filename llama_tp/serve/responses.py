@@ -16,8 +16,8 @@ from typing import Optional
 
 from ..structured.tools import parse_tool_calls, tool_format
 from ..text.reasoning import ReasoningSplitter, Split, Thinking
-from .protocol import error_body
 from ..engine.requests import Delta, GenerationRequest, TokenLogprob
+from .protocol import RequestError
 
 DONE = b"data: [DONE]\n\n"
 
@@ -95,9 +95,9 @@ class Reply:
         """The chunks a stream begins with, before any text."""
         return []
 
-    def failure(self, message: str) -> bytes:
-        """The event that ends a stream whose engine failed."""
-        return event(error_body(503, message, None, "engine_failed"))
+    def failure(self, error: RequestError) -> bytes:
+        """The event that ends a stream whose answer failed (the engine, or the request's grammar)."""
+        return event(error.body())
 
     # The same for both
 

@@ -1,20 +1,29 @@
 """Running the app: a listening socket taken first (so a busy port fails before the model loads),
-then uvicorn on it in a thread of its own, beside rank 0's engine loop (engine_loop)."""
+then uvicorn on it in a thread of its own, beside rank 0's engine loop (engine_loop), speaking
+HTTP/1.1 through h11 with a deadline on every request's headers."""
 
+import asyncio
+import functools
 import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..engine import Serving
+from .limits import ServerLimits
 from .mailbox import Mailbox
 from .metrics import EngineMetrics
 
 if TYPE_CHECKING:
     from ..generation import Llama
+
+# Seconds a kept-alive connection may stay idle between requests (uvicorn's timeout_keep_alive).
+KEEP_ALIVE_SECONDS = 5
 
 
 def engine_loop(generator: "Llama", max_prefill_tokens: int, mailbox: Optional[Mailbox]) -> Serving:
@@ -43,6 +52,49 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class HeadersDeadline(H11Protocol):
+    """uvicorn's h11 protocol, where a request's headers must be in within read_timeout seconds of
+    the connection's opening (or of the answer before, on a kept-alive connection); else the
+    connection is closed. uvicorn's own keep-alive timeout starts only after a first answer, and
+    any byte resets it: a client that sends nothing, or its headers a byte at a time, would hold a
+    connection (and a file descriptor) for ever. h11 bounds the headers' size (16 KB)."""
+
+    def __init__(self, *args, read_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_timeout = read_timeout
+        self._deadline: Optional[asyncio.TimerHandle] = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._start_deadline()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE and self._deadline is not None:  # the headers are in
+            self._deadline.cancel()
+            self._deadline = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:  # the next request's
+            self._start_deadline()
+
+    def connection_lost(self, exc) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _start_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.read_timeout, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
 class ServerThread:
     """uvicorn serving app on sock, in a daemon thread.
 
@@ -52,11 +104,14 @@ class ServerThread:
     """
 
     def __init__(self, app: FastAPI, sock: socket.socket, graceful_seconds: float = 1.0,
-                 ssl_certfile: Optional[str] = None, ssl_keyfile: Optional[str] = None):
-        """ssl_certfile and ssl_keyfile (PEM): serve HTTPS."""
+                 ssl_certfile: Optional[str] = None, ssl_keyfile: Optional[str] = None,
+                 read_timeout: float = ServerLimits.read_timeout):
+        """ssl_certfile and ssl_keyfile (PEM): serve HTTPS. read_timeout: seconds for a request's
+        headers to arrive (the body's own deadline is the app's: edge.py)."""
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=graceful_seconds, ssl_certfile=ssl_certfile,
-                                ssl_keyfile=ssl_keyfile)
+                                ssl_keyfile=ssl_keyfile, timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                                http=functools.partial(HeadersDeadline, read_timeout=read_timeout))
         self.server = uvicorn.Server(config)
         self.scheme = "https" if ssl_certfile else "http"
         self.sock = sock

@@ -1,5 +1,6 @@
 """What a request asks its answer to look like, as a small hashable value: it travels to every
-rank with the request, and keys the cache of compiled grammars."""
+rank with the request, and keys the cache of compiled grammars; and the limits a server puts on
+compiling one."""
 
 import json
 from dataclasses import dataclass
@@ -24,6 +25,16 @@ class Constraint:
     @staticmethod
     def choice(choices: list[str]) -> "Constraint":
         return Constraint("choice", json.dumps(list(choices)))
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What the server compiles for a request: a constraint's source (the schema as JSON, the
+    regex, the grammar, a forced tool call's schemas) of at most max_bytes, compiled within
+    max_seconds (counted from the request's asking, so time queued behind other compiles counts)."""
+
+    max_bytes: int = 65536
+    max_seconds: float = 10.0
 
 
 def from_response_format(response_format: Optional[dict]) -> Optional[Constraint]:

@@ -4,23 +4,39 @@ xgrammar (what vLLM, SGLang and TensorRT-LLM use) turns a grammar and a vocabula
 mask per step in microseconds. The vocabulary description (TokenizerInfo) is built from our own
 tokenizers, once per model and only when a first constrained request comes: it takes about half a
 second for a vocabulary of 49152.
+
+Compiling can take long (an enum of 20,000 strings: 5 s, of 40,000: 30 s, superlinear), so it
+runs on the compiler's own threads, never on a loop that others wait for: the server asks for a
+grammar within limits (GrammarLimits, a 400 beyond them), and its engine has every rank compile a
+request's grammar before the request is admitted (engine/grammar_shelf.py). A compiled grammar is
+checked before it is used: one whose first mask allows no token matches no text at all.
 """
 
 import json
+import queue
 import threading
 import weakref
-from typing import Iterable
+from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Iterable, Optional
 
 from ..optional import require
 
 from ..text.hf_tokenizer import HFTokenizer
 from ..text.tokenizer import Llama3Tokenizer, Tokenizer
-from .constraint import Constraint
+from .constraint import Constraint, GrammarLimits
 
 xgrammar = require("xgrammar", "structured outputs (response_format, tool_choice)")
 
-# Most compiled grammars kept; a schema sent again after it was evicted compiles again.
+# Most compiled grammars kept, and the most memory they may hold together (an enum of 20,000
+# strings compiles into 26 MB); a schema sent again after it was evicted compiles again.
 CACHE_SIZE = 256
+CACHE_BYTES = 512 * 2**20
+# Grammars compiled at once, each on one thread: a flood of slow grammars takes these cores, not more.
+COMPILE_THREADS = 2
+# Grammars refused for their compile time, remembered so that sending one again is refused at once.
+REMEMBERED_OVERRUNS = 256
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_tokens: Iterable[int]) -> xgrammar.TokenizerInfo:
@@ -56,33 +72,95 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_tokens: Iterable[int]) -> xg
 
 class Grammars:
     """Compiled grammars for one model, cached by constraint; safe to use from several threads
-    (the HTTP side checks a constraint while the engine compiles another)."""
+    (the HTTP side checks a constraint while the engine prepares another)."""
 
     def __init__(self, info: xgrammar.TokenizerInfo):
         self.info = info
         self.stop_tokens = frozenset(info.stop_token_ids)
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        self._compiled: dict[Constraint, xgrammar.CompiledGrammar] = {}
+        # xgrammar's own cache is off: this one keeps what it keeps, bounded in count and bytes
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiled: "OrderedDict[Constraint, xgrammar.CompiledGrammar]" = OrderedDict()  # least recent first
+        self._compiling: dict[Constraint, Future] = {}
+        self._overran: "OrderedDict[Constraint, float]" = OrderedDict()  # the limit each overran
         self._lock = threading.Lock()
+        self._orders: "queue.SimpleQueue[tuple[Constraint, Future]]" = queue.SimpleQueue()
+        # Daemon threads (not an executor's, which the interpreter waits for at exit): a compile
+        # that runs on after its request was refused must not hold up the server's stopping.
+        for index in range(COMPILE_THREADS):
+            threading.Thread(target=self._compile_orders, name=f"llama_tp-grammar-{index}", daemon=True).start()
 
-    def compile(self, constraint: Constraint) -> xgrammar.CompiledGrammar:
-        """The constraint's grammar; raises ValueError saying what xgrammar refused."""
+    def compile(self, constraint: Constraint, limits: Optional[GrammarLimits] = None) -> xgrammar.CompiledGrammar:
+        """The constraint's checked grammar (compiled, or from the cache); raises ValueError
+        saying what xgrammar refused, that it matches no text, or which limit it passed (a phrase
+        with the constraint for its subject: "cannot be compiled into a grammar: ...")."""
+        if limits is not None:
+            size = len(constraint.source.encode())
+            if size > limits.max_bytes:
+                raise ValueError(f"is {size} bytes long, more than the server compiles ({limits.max_bytes}, "
+                                 "--max_grammar_bytes); make it smaller")
+            with self._lock:
+                overran = self._overran.get(constraint)
+            if overran is not None:
+                raise _overran_error(overran)
+        future = self.compile_later(constraint)
+        try:
+            return future.result(None if limits is None else limits.max_seconds)
+        except FutureTimeout:  # xgrammar cannot stop midway: it compiles on, and is remembered as too slow
+            with self._lock:
+                self._overran[constraint] = limits.max_seconds
+                if len(self._overran) > REMEMBERED_OVERRUNS:
+                    self._overran.popitem(last=False)
+            raise _overran_error(limits.max_seconds) from None
+
+    def compile_later(self, constraint: Constraint) -> Future:
+        """A future of compile(constraint) without limits: done at once where the cache holds it,
+        else compiled on the compiler's threads (once, however many ask)."""
         with self._lock:
             compiled = self._compiled.get(constraint)
-        if compiled is None:
-            try:
-                compiled = self._compile(constraint)
-            except RuntimeError as error:  # xgrammar's parse errors: "[time] file:line: what"
-                raise ValueError(str(error).split(": ", 1)[-1].strip()) from None
-            with self._lock:
-                if len(self._compiled) >= CACHE_SIZE:
-                    self._compiled.pop(next(iter(self._compiled)))
-                self._compiled[constraint] = compiled
-        return compiled
+            if compiled is not None:
+                self._compiled.move_to_end(constraint)
+                future = Future()
+                future.set_result(compiled)
+                return future
+            future = self._compiling.get(constraint)
+            if future is None:
+                future = self._compiling[constraint] = Future()
+                self._orders.put((constraint, future))
+            return future
 
     def matcher(self, constraint: Constraint) -> xgrammar.GrammarMatcher:
         """A fresh matcher for one answer."""
         return xgrammar.GrammarMatcher(self.compile(constraint))
+
+    def _compile_orders(self) -> None:
+        """A compiler thread: each order's checked grammar into its future and the cache."""
+        while True:
+            constraint, future = self._orders.get()
+            try:
+                compiled = self._compile_checked(constraint)
+            except Exception as error:  # a refusal (ValueError), or a bug: the asker hears of it either way
+                future.set_exception(error)
+            else:
+                future.set_result(compiled)
+            finally:
+                with self._lock:
+                    self._compiling.pop(constraint, None)
+
+    def _compile_checked(self, constraint: Constraint) -> xgrammar.CompiledGrammar:
+        try:
+            compiled = self._compile(constraint)
+        except (RuntimeError, ValueError, TypeError) as error:  # parse errors: "[time] file:line: what"
+            raise ValueError(f"cannot be compiled into a grammar: {str(error).split(': ', 1)[-1].strip()}") from None
+        mask = xgrammar.allocate_token_bitmask(1, self.info.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        if not mask.any():
+            raise ValueError("matches no text at all: its grammar allows no first token")
+        with self._lock:
+            self._compiled[constraint] = compiled
+            while len(self._compiled) > CACHE_SIZE or (
+                    len(self._compiled) > 1 and sum(g.memory_size_bytes for g in self._compiled.values()) > CACHE_BYTES):
+                self._compiled.popitem(last=False)
+        return compiled
 
     def _compile(self, constraint: Constraint) -> xgrammar.CompiledGrammar:
         kind, source = constraint.kind, constraint.source
@@ -126,3 +204,8 @@ def grammars_for(generator) -> Grammars:
             info = tokenizer_info(generator.tokenizer, generator.model.args.vocab_size, stop_tokens)
             grammars = _BY_GENERATOR[generator] = Grammars(info)
         return grammars
+
+
+def _overran_error(seconds: float) -> ValueError:
+    return ValueError(f"took longer to compile than the server allows ({seconds:g} s, --grammar_timeout); "
+                      "make it smaller or simpler")

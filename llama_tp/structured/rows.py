@@ -46,14 +46,16 @@ class RowAdjustment:
         """Whether the grammar masks this step's logits."""
         return self.matcher is not None and not self.matcher.is_terminated() and self.thinks is not True
 
-    def accept(self, token: int) -> None:
-        """The answer's next token, chosen: advance the grammar, count it."""
+    def accept(self, token: int) -> bool:
+        """The answer's next token, chosen: advance the grammar, count it. False where the grammar
+        refuses it: only where its mask allowed no token at all (the row's logits were all -inf,
+        and the sampler took a token anyway), so the answer cannot go on."""
         if self.matcher is not None and self._after_thinking(token) and not self.matcher.is_terminated():
-            # The mask allowed nothing else, so the grammar takes it: a refusal is xgrammar's or our bug.
             if not self.matcher.accept_token(token):
-                raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+                return False
         if self.penalizes:
             self.counts[token] = self.counts.get(token, 0) + 1
+        return True
 
     def _after_thinking(self, token: int) -> bool:
         """Whether token belongs to the answer after the thinking; moves past the thinking's tags."""
@@ -68,13 +70,22 @@ class RowAdjustment:
 
 def make_adjustment(grammars: "Callable[[], Grammars]", constraint: Optional[Constraint] = None,
                     logit_bias: tuple = (), presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    thinking: Optional[Thinking] = None) -> Optional[RowAdjustment]:
+                    thinking: Optional[Thinking] = None,
+                    grammar: Optional["xgrammar.CompiledGrammar"] = None) -> Optional[RowAdjustment]:
     """A new answer's adjustments, or None when it asks for none. grammars: the model's compiled
     grammars, made when asked for (the first constraint). thinking: a reasoning model's answer,
-    whose constraint waits for the end of its thinking."""
+    whose constraint waits for the end of its thinking. grammar: the constraint's, compiled
+    already (else it is compiled, or taken from the cache, here)."""
     if constraint is None and not logit_bias and not presence_penalty and not frequency_penalty:
         return None
-    matcher = grammars().matcher(constraint) if constraint is not None else None
+    matcher = None
+    if constraint is not None:
+        if grammar is not None:
+            from .grammars import xgrammar
+
+            matcher = xgrammar.GrammarMatcher(grammar)
+        else:
+            matcher = grammars().matcher(constraint)
     if matcher is None or thinking is None:
         return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty)
     return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty, thinking=thinking,

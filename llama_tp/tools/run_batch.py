@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..engine import Delta, GenerationRequest, prompt_seeds, run_job
+from ..engine.engine import DEAD_END
 from ..engine.scheduler import Sequence
 from ..generation import Llama
 from ..logs import logger
 from ..parallel import global_rank
 from ..serve.prepare import chat_request, choices, completion_request
-from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
 from ..serve.responses import Answered, ChatReply, CompletionReply, Reply
 from ..text.streaming import cut_at_stop
 from . import demo
@@ -224,8 +225,12 @@ def answer_all(generator: Llama, model_name: str, lines: list[str], output: Outp
             for update in updates:
                 if update.delta.finished:
                     sequence, done = update.sequence, pending[update.sequence.request.id]
-                    output.write(done.custom_id, response(200, answer(done, sequence, update.delta.finish_reason,
-                                                                      generator)), None)
+                    reason = update.delta.finish_reason
+                    if reason == "error":  # its grammar allowed no next token: the server's 400 for it
+                        body = response(400, error_body(400, DEAD_END, None, "grammar_dead_end"))
+                    else:
+                        body = response(200, answer(done, sequence, reason, generator))
+                    output.write(done.custom_id, body, None)
                     progress.update(sequence.generated)
     finally:
         progress.close()

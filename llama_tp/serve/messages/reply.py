@@ -22,7 +22,8 @@ from ...structured.tools import parse_tool_calls
 from ...text.reasoning import ReasoningSplitter, Split, Thinking
 from ...engine.requests import Delta
 from ..responses import Reply, event, parsed_calls
-from .protocol import error_body
+from ..protocol import RequestError
+from .protocol import messages_error
 
 # A block as it opens in a stream, before its deltas fill it; the deltas' type is `{kind}_delta`,
 # their text in the field `kind`.
@@ -130,8 +131,8 @@ class MessageReply(Reply):
             split = Split(split.reasoning + rest.reasoning, split.content + rest.content)
         return split
 
-    def failure(self, message):
-        return sse("error", error_body(503, message))
+    def failure(self, error: RequestError) -> bytes:
+        return sse("error", messages_error(error)[1])
 
     def piece(self, kind: str, text: str) -> list[bytes]:
         """A thinking_delta or text_delta, after opening a block of its kind if none is open."""

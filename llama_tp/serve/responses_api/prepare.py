@@ -6,10 +6,13 @@ every chat request. Its refusals are told in the Responses API's names (`input`,
 from dataclasses import dataclass
 from typing import Optional
 
+from pydantic import ValidationError
+
+from ...structured.constraint import GrammarLimits
 from ...structured.tools import tool_format
 from ..prepare import chat_request
-from ..protocol import ChatCompletionRequest, RequestError
 from ...engine.requests import GenerationRequest
+from ..protocol import ChatCompletionRequest, RequestError, _request_error
 from .protocol import (FunctionCallItem, FunctionCallOutputItem, FunctionChoice, MessageItem, ReasoningItem,
                        ResponsesRequest)
 from .store import ResponseStore
@@ -33,8 +36,16 @@ class Turn:
     tools: Optional[tuple[str, set[str]]]  # with tools: their format and names, for parsing the calls
 
 
-def prepare_turn(body: ResponsesRequest, generator, store: ResponseStore, response_id: str) -> Turn:
-    """The turn's request; RequestError for what the server refuses, named as the Responses API names it."""
+def asks_for_grammar(body: ResponsesRequest) -> bool:
+    """Whether the turn asks for a grammar (a text format's schema or JSON, a forced call), which preparing it compiles."""
+    formatted = body.text is not None and body.text.format is not None and body.text.format.type != "text"
+    return formatted or body.tool_choice not in (None, "none", "auto")
+
+
+def prepare_turn(body: ResponsesRequest, generator, store: ResponseStore, response_id: str,
+                 grammar_limits: GrammarLimits = GrammarLimits()) -> Turn:
+    """The turn's request, its grammar compiled within grammar_limits; RequestError for what the
+    server refuses, named as the Responses API names it."""
     history: list[dict] = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
@@ -56,9 +67,12 @@ def prepare_turn(body: ResponsesRequest, generator, store: ResponseStore, respon
         "response_format": body.text.format.chat() if body.text and body.text.format else None,
         "chat_template_kwargs": body.chat_template_kwargs,
     }
-    checked = ChatCompletionRequest.model_validate({key: value for key, value in chat.items() if value is not None})
     try:
-        request = chat_request(checked, generator, response_id)
+        try:
+            checked = ChatCompletionRequest.model_validate({key: value for key, value in chat.items() if value is not None})
+        except ValidationError as error:  # what the chat body refuses of the turn (no messages at all: `input` [])
+            raise _request_error(error.errors(include_url=False)[0]) from None
+        request = chat_request(checked, generator, response_id, grammar_limits)
     except RequestError as error:
         raise in_responses_names(error) from None
     parsed = (tool_format(generator.formatter), {tool.name for tool in body.tools}) if tools and choice != "none" else None
