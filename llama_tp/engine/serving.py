@@ -18,6 +18,7 @@ from typing import Callable, Optional, Protocol, Union
 from .. import parallel
 from ..logs import logger
 from .engine import Admission, Engine, Update
+from .observer import CacheUse
 from .requests import Delta, GenerationRequest, RequestState
 
 # The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
@@ -184,4 +185,4 @@ class Serving:
         self.streams.clear()
         self.waiting.clear()
         if self.engine.observer is not None:
-            self.engine.observer.load(0, 0.0)
+            self.engine.observer.load(0, CacheUse())
