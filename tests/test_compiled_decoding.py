@@ -207,7 +207,7 @@ def test_a_warmed_up_step_compiles_nothing_more_for_greedy_or_sampled_rows(wide_
 
 @pytest.mark.parametrize("n_layers, size", [(30, 10), (32, 8), (80, 10), (22, 2), (7, 7), (13, 1)])
 def test_layers_per_call_splits_the_layers_into_equal_groups(n_layers, size):
-    assert model.layers_per_call(n_layers) == size
+    assert model.transformer.layers_per_call(n_layers) == size
 
 
 @pytest.mark.slow
