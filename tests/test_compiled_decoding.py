@@ -7,7 +7,8 @@ import torch
 
 from distributed import run_world
 from kv_rows import by_row
-from llama_tp import Llama, model
+from llama_tp import Llama
+from llama_tp.model import transformer
 
 PROMPTS = [[1, 450, 4996, 17354, 1701], [1, 306, 4658], [1, 18637, 29892, 3186, 29991, 910, 338]]
 
@@ -207,7 +208,7 @@ def test_a_warmed_up_step_compiles_nothing_more_for_greedy_or_sampled_rows(wide_
 
 @pytest.mark.parametrize("n_layers, size", [(30, 10), (32, 8), (80, 10), (22, 2), (7, 7), (13, 1)])
 def test_layers_per_call_splits_the_layers_into_equal_groups(n_layers, size):
-    assert model.transformer.layers_per_call(n_layers) == size
+    assert transformer.layers_per_call(n_layers) == size
 
 
 @pytest.mark.slow
@@ -218,7 +219,7 @@ def test_a_compiled_draft_speculates_with_the_eager_targets_greedy_tokens(checkp
     llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3,
                         compile=True, speculate="draft", draft_quantize="int8")
     assert llama.model.run_decode_layers is model.run_layers  # the target: eager
-    assert llama.speculator.draft.model.run_decode_layers is not model.run_layers
+    assert llama.speculator.draft.model.run_decode_layers is not transformer.run_layers
     plain = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3)
     expected = plain.generate(PROMPTS, max_gen_len=16, temperature=0)[0]
     assert llama.generate(PROMPTS, max_gen_len=16, temperature=0)[0] == expected

@@ -5,7 +5,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llama_tp import Llama
@@ -178,6 +178,7 @@ prompt_lists = st.lists(st.lists(st.integers(3, 31999), min_size=0, max_size=12)
 
 @settings(max_examples=8, **FIXTURE_OK)
 @given(prompts=prompt_lists, max_gen_len=st.integers(1, 28), echo=st.booleans())
+@example(prompts=[[]], max_gen_len=1, echo=True)  # a one-token prompt: its echo's log probability too
 def test_generate_in_batches_equals_each_prompt_alone(generator: Llama, prompts: list[list[int]],
                                                       max_gen_len: int, echo: bool):
     bos = generator.tokenizer.bos_id

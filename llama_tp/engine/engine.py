@@ -117,6 +117,9 @@ class Engine:
         adjustment = make_adjustment(self.grammars, request.constraint, request.logit_bias, request.presence_penalty,
                                      request.frequency_penalty, request.thinking)
         sequence.sampling = Progress(generator, decoder, adjustment)
+        if request.prompt_logprobs:
+            # the prompt's first token, which nothing predicts (a one-token prompt is fed as a step, never scored)
+            sequence.sampling.prompt_logprobs.append(0.0)
         self.history.reset(admission.slot, request.prompt_tokens)
         if self.observer is not None:
             self.observer.admitted(sequence)
@@ -236,10 +239,10 @@ class Engine:
 
     def _keep_prompt_logprobs(self, chunk: Chunk, logits: torch.Tensor) -> None:
         """The log probability of each prompt token the chunk's logits [width, vocab] predict, read
-        back as rank 0 computed it (0 for the prompt's first token, which nothing predicts)."""
+        back as rank 0 computed it."""
         progress = chunk.sequence.sampling
-        if chunk.start == 0:  # (again, for one preempted during its prompt)
-            progress.prompt_logprobs[:] = [0.0]
+        if chunk.start == 0:  # scored again from its start (preempted during its prompt): the first's 0.0 stays
+            del progress.prompt_logprobs[1:]
         targets = prompt_targets(chunk)
         if targets:
             progress.prompt_logprobs += [line[0] for line in read_back([prompt_logprobs(logits, targets)])[1]]
