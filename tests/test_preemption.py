@@ -80,6 +80,7 @@ def _two_ranks_preempting(checkpoint: str) -> dict[str, tuple[list[list[int]], i
     return {name: (*answers(llama, PROMPTS, options), alone[name]) for name, options in OPTIONS.items()}
 
 
+@pytest.mark.slow  # two processes, each answering alone and together twice: 7 minutes on 2 busy cores
 def test_two_ranks_preempt_in_lockstep_with_the_answers_alone(checkpoints):
     ranks = run_world(2, _two_ranks_preempting, str(checkpoints / "mp2"))
     assert ranks[0] == ranks[1]  # the same decisions and tokens on both ranks
