@@ -128,7 +128,7 @@ def test_whole_steps_compile_one_step_for_every_position(wide_heads_checkpoint, 
     graph: nothing depends on the position, nor on which group of layers runs (one layer a group
     here, so two groups)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(model, "MAX_LAYERS_PER_CALL", 1)
+    monkeypatch.setattr(transformer, "MAX_LAYERS_PER_CALL", 1)
     expected = step_logits(build(str(wide_heads_checkpoint), tokenizer_path, compile=False))
     llama = whole_steps(str(wide_heads_checkpoint), tokenizer_path, dynamic=False, backend=CPU_BACKEND)
     assert len(llama.model.decode_layer_groups) == 2
@@ -218,7 +218,7 @@ def test_a_compiled_draft_speculates_with_the_eager_targets_greedy_tokens(checkp
     torch._dynamo.reset()
     llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3,
                         compile=True, speculate="draft", draft_quantize="int8")
-    assert llama.model.run_decode_layers is model.run_layers  # the target: eager
+    assert llama.model.run_decode_layers is transformer.run_layers  # the target: eager
     assert llama.speculator.draft.model.run_decode_layers is not transformer.run_layers
     plain = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3)
     expected = plain.generate(PROMPTS, max_gen_len=16, temperature=0)[0]
