@@ -268,11 +268,11 @@ def chat(generator: Llama, keyboard: Optional[Keyboard], system: Optional[str], 
             return
         elif line == "/reset":
             turns = []
-            generator.model.prefix_cache.forget()
+            generator.forget_prefixes()
             print0("(conversation cleared)")
         elif line == "/system" or line.startswith("/system "):
             system = line[len("/system"):].strip() or None
-            generator.model.prefix_cache.forget()
+            generator.forget_prefixes()
             print0("(system prompt set)" if system else "(system prompt cleared)")
         elif line.startswith("/"):
             print0("(commands: /system TEXT, /reset, /exit)")

@@ -42,6 +42,7 @@ def main(
     temperature: Optional[float] = None,
     top_p: Optional[float] = None,
     max_seq_len: int = 512,
+    kv_cache_memory: Optional[float] = None,
     max_batch_size: int = 4,
     max_gen_len: Optional[int] = None,
     prompts_file: Optional[str] = None,
@@ -75,6 +76,8 @@ def main(
         top_p: nucleus sampling threshold in (0, 1] (default: the model's, else 0.9).
         max_seq_len: longest dialog plus reply, in tokens.
         max_batch_size: most dialogs decoded together (one with --stream).
+        kv_cache_memory: GiB of KV cache a process holds, shared out by the block as dialogs grow
+            (default: the dialogs decoded together x max_seq_len positions' worth).
         max_gen_len: most tokens per reply; by default up to the end of the context.
         prompts_file: a JSON list of dialogs, each a list of {"role", "content"} messages, or
             one dialog a line (JSON Lines); without it, a few built-in examples. Dialogs beyond
@@ -115,7 +118,8 @@ def main(
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(dialogs), stream),
                             dtype=dtype, quantize=quantize, compile=compile,
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
-                            draft_quantize=draft_quantize, reasoning_parser=reasoning_parser)
+                            draft_quantize=draft_quantize, reasoning_parser=reasoning_parser,
+                            kv_cache_memory=kv_cache_memory)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     results = [] if stream else run_job(

@@ -35,6 +35,7 @@ def main(
     model_name: Optional[str] = None,
     max_batch_size: int = 8,
     max_seq_len: int = 2048,
+    kv_cache_memory: Optional[float] = None,
     max_waiting: int = 64,
     max_prefill_tokens: int = 256,
     no_prefix_cache: bool = False,
@@ -65,13 +66,18 @@ def main(
         port: the port to listen on.
         model_name: the name clients ask for (default: the checkpoint folder's name, or
             smollm2-135m-instruct for the demo model).
-        max_batch_size: requests generating at once: each holds a row of the KV cache.
-        max_seq_len: the longest prompt plus answer, in tokens.
+        max_batch_size: requests generating at once (the rows of a step): each holds the blocks of
+            the KV cache its tokens fill, growing as it does.
+        max_seq_len: the longest prompt plus answer of one request, in tokens.
+        kv_cache_memory: GiB of KV cache a process holds, shared out by the block (64 positions)
+            as requests grow, a prompt's full blocks shared with every request that starts the
+            same way (default: max_batch_size x max_seq_len positions' worth). Said at start as
+            "N tokens of KV cache: about M conversations of max_seq_len".
         max_waiting: requests that may wait for a row; beyond, requests are refused at once (429).
         max_prefill_tokens: prompt tokens fed in one step beside the generating requests: a long
             prompt is fed in chunks of this size, so that the others are not stalled for long.
-        no_prefix_cache: prefill every prompt in full, never reusing the keys and values a row
-            holds from an earlier request that began the same way.
+        no_prefix_cache: prefill every prompt in full, never sharing the blocks of keys and values
+            that an earlier request which began the same way filled.
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
         quantize: int8 or int4 (weight-only; int4 on CPU) or int8_dynamic (CPU) linear layers, made
             at load time; a quantized checkpoint loads as it is stored.
@@ -125,7 +131,8 @@ def main(
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
                                 quantize=quantize, compile=compile,
                                 speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
-                                draft_quantize=draft_quantize, reasoning_parser=reasoning_parser)
+                                draft_quantize=draft_quantize, kv_cache_memory=kv_cache_memory,
+                                reasoning_parser=reasoning_parser)
         generator.model.prefix_cache.enabled = not no_prefix_cache
         generator.model.warm_up_decoding()  # before /health says ready, not in the first requests
         serving = engine_loop(generator, max_prefill_tokens, mailbox)

@@ -38,6 +38,7 @@ def main(
     temperature: Optional[float] = None,
     top_p: Optional[float] = None,
     max_seq_len: int = 128,
+    kv_cache_memory: Optional[float] = None,
     max_gen_len: int = 64,
     max_batch_size: int = 4,
     prompts_file: Optional[str] = None,
@@ -72,6 +73,8 @@ def main(
         max_seq_len: longest prompt plus generation, in tokens.
         max_gen_len: most tokens generated per prompt.
         max_batch_size: most prompts decoded together (one with --stream).
+        kv_cache_memory: GiB of KV cache a process holds, shared out by the block as prompts grow
+            (default: the prompts decoded together x max_seq_len positions' worth).
         prompts_file: a JSON list of prompt strings, or one a line (JSON Lines); without it, a
             few built-in examples. Prompts beyond --max_batch_size wait for a row to free up:
             a row whose answer ends takes the next prompt at the next step.
@@ -110,7 +113,7 @@ def main(
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(prompts), stream),
                             dtype=dtype, quantize=quantize, compile=compile,
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
-                            draft_quantize=draft_quantize)
+                            draft_quantize=draft_quantize, kv_cache_memory=kv_cache_memory)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
     records = []

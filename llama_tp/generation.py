@@ -4,7 +4,7 @@ Every rank calls the same methods with the same arguments in lockstep and gets t
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypedDict
 
@@ -17,6 +17,7 @@ from .checkpoint.draft import load_draft
 from .checkpoint.record import read_record
 from .context import check_max_seq_len, trained_context
 from .engine import JOB_PREFILL_TOKENS, Engine, GenerationRequest, Observer, prompt_seeds, run_job
+from .engine.blocks import BlockPool
 from .engine.speculative import Speculator, check_speculation, guesses_a_round, make_speculator
 from .kernels import matmul
 from .logs import logger
@@ -73,6 +74,7 @@ class Llama:
         draft_ckpt_dir: Optional[str] = None,
         draft_quantize: Optional[str] = None,
         reasoning_parser: Optional[str] = None,
+        kv_cache_memory: Optional[float] = None,
     ) -> "Llama":
         """Join the process group, load this rank's slice of the checkpoint, and return a generator.
 
@@ -103,6 +105,10 @@ class Llama:
         reasoning_parser: how the model marks its thinking, told apart from its answer in chat
             answers (docs/serving.md, "Reasoning"): "qwen3" or "deepseek_r1" (both
             `<think>...</think>`), "none"; by default the one the chat template clearly calls for.
+        kv_cache_memory: GiB of keys and values a process holds, handed out to sequences by the
+            block as they grow (engine/blocks.py); by default max_batch_size x max_seq_len
+            positions' worth. max_batch_size is then the most sequences that run at once, and
+            max_seq_len each one's limit.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
@@ -137,13 +143,16 @@ class Llama:
             checkpoint = open_checkpoint(ckpt_dir, args)  # an int8 checkpoint loads as int8
             memory = plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
                           quantize or checkpoint.quantization)
+            if kv_cache_memory is not None:
+                memory = replace(memory, cache_positions=memory.positions_in(kv_cache_memory))
             logger.info(report(memory))
+            logger.info(memory.describe_cache())
             check_fits(memory, placement.device, placement.processes_here)
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
             if compile and speculate is None:
                 compile_decoding(model, placement.device)
-            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype)
+            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype, memory.kv_cache_positions)
             k = guesses_a_round(speculate, speculate_k) if speculate is not None else 0
             draft, description = (load_draft(draft_ckpt_dir, draft_quantize, compile, ckpt_dir, checkpoint.args,
                                              placement, dtype, max_batch_size, max_seq_len, k)
@@ -162,6 +171,8 @@ class Llama:
         # The model's recommended temperature, top_p, top_k, repetition_penalty (checkpoint/record.py)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.speculator = speculator  # None: one token a step
+        # The KV cache's blocks, and the prefixes they hold for later prompts: every engine's in turn.
+        self.block_pool: Optional[BlockPool] = None
         self.reasoning = reasoning  # None: the model does not think, or its thinking is left in its answers
 
     def engine(self, max_prefill_tokens: int = JOB_PREFILL_TOKENS, observer: Optional[Observer] = None,
@@ -170,7 +181,18 @@ class Llama:
         speculator and grammars: what every door runs through. max_prefill_tokens: prompt tokens
         fed a step beside the generating rows; observer: told of what it does (a server's metrics);
         text: every request's deltas carry text (a server's, a stream's)."""
-        return Engine(self.model, self.tokenizer, max_prefill_tokens, self.speculator, self.grammars, observer, text)
+        if self.block_pool is None or self.block_pool.size != self.model.cache_blocks:
+            self.block_pool = BlockPool(self.model.cache_blocks)
+        self.block_pool.release_all()  # one engine at a time: what the one before held (unfinished) is free
+        return Engine(self.model, self.tokenizer, max_prefill_tokens, self.speculator, self.grammars, observer, text,
+                      self.block_pool)
+
+    def forget_prefixes(self) -> None:
+        """Prompts from now on are prefilled whole, sharing no blocks that earlier ones filled (a
+        chat's /reset; a benchmark's cold prompts)."""
+        self.model.prefix_cache.forget()
+        if self.block_pool is not None:
+            self.block_pool.forget()
 
     def grammars(self):
         """This model's compiled grammars (structured outputs), made on first use."""

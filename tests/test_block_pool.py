@@ -70,3 +70,23 @@ def test_no_block_is_ever_held_and_handed_out_again(operations):
                 counts[block] += 1
         assert counts == pool.holders
         assert pool.held == sum(1 for count in counts if count)
+
+
+def test_forgetting_frees_the_cached_blocks_and_their_names():
+    pool = BlockPool(3)
+    keys = block_keys([1, 2, 3, 4], BLOCK)
+    blocks = pool.take(2)
+    pool.name(blocks[0], keys[0])
+    pool.release(blocks)
+    pool.forget()
+    assert not pool.cached and len(pool.free) == 3 and pool.cached_prefix(keys) == []
+
+
+def test_an_engine_gone_gives_back_every_block_its_sequences_held():
+    pool = BlockPool(3)
+    keys = block_keys([1, 2, 3, 4], BLOCK)
+    first = pool.take(2)
+    pool.name(first[0], keys[0])
+    assert pool.cached_prefix(keys) == first[:1]  # held twice
+    pool.release_all()
+    assert pool.held == 0 and list(pool.cached) == first[:1]

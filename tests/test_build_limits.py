@@ -65,10 +65,10 @@ def test_a_converted_models_recorded_context_is_its_limit(checkpoint, tmp_path):
 def test_weights_and_cache_that_do_not_fit_are_refused_before_loading_naming_the_numbers(checkpoint, monkeypatch):
     monkeypatch.setattr(generation, "load_model", None)  # refused before loading: never called
     monkeypatch.setattr(memory, "free_memory", lambda device: (10 * 2**20, "this machine"))  # 10 MiB free
-    with pytest.raises(ValueError, match=r"^the weights and KV cache need 0.02 GiB \(0.02 \+ 0.00 for batch 1 x 64 "
-                                         r"tokens\), but this machine has 0.01 GiB free; lower --max_seq_len or "
-                                         r"--max_batch_size, quantize \(--quantize int8 or int4\), or split the model "
-                                         r"over more machines$"):
+    with pytest.raises(ValueError, match=r"^the weights and KV cache need 0.02 GiB \(0.02 \+ 0.00 for 64 tokens of "
+                                         r"KV cache\), but this machine has 0.01 GiB free; lower --kv_cache_memory "
+                                         r"\(or --max_seq_len or --max_batch_size, whose product it is by default\), "
+                                         r"quantize \(--quantize int8 or int4\), or split the model over more machines$"):
         Llama.build(str(checkpoint), str(LLAMA2_TOKENIZER), max_seq_len=64, max_batch_size=1)
 
 
@@ -88,4 +88,4 @@ def test_a_script_refuses_a_cache_larger_than_this_machine_before_loading(checkp
         env=subprocess_env(LLAMA_TP_ALLOW_LONG_CONTEXT="1", LLAMA_TP_LOG="warning"), timeout=120)
     assert done.returncode == 1
     assert done.stderr.startswith("llama_tp error on rank 0: the weights and KV cache need ")
-    assert "GiB free; lower --max_seq_len or --max_batch_size" in done.stderr and done.stderr.count("\n") == 1
+    assert "GiB free; lower --kv_cache_memory (or --max_seq_len" in done.stderr and done.stderr.count("\n") == 1

@@ -68,7 +68,7 @@ def test_planner_command_line(monkeypatch, capsys):
     runpy.run_module("llama_tp.plan", run_name="__main__")
     printed = capsys.readouterr().out
     assert "weights       16.06 GiB  (8.62 billion of 68.98 billion parameters)" in printed
-    assert "KV cache       0.62 GiB  (80 layers x 1 KV head here)" in printed
+    assert "KV cache       0.63 GiB  (80 layers x 1 KV head here)" in printed  # 4 x 4096 positions and a scratch block
     assert "8 divides the 64 query heads, 8 KV heads" in printed
 
 

@@ -7,6 +7,7 @@ import torch
 
 from kv_rows import by_row
 from llama_tp import Llama
+from llama_tp.engine.blocks import BlockPool
 from llama_tp.model.prefix_cache import PrefixCache
 from llama_tp.engine.scheduler import MAX_PADDING, Chunk, Scheduler, prefill_passes
 from serve_harness import request
@@ -22,7 +23,7 @@ def llama(tmp_path_factory) -> Llama:
 
 def chunks_of(llama: Llama, lengths: list[int], starts: "list[int] | None" = None) -> list[Chunk]:
     """One admitted request per length, each chunk its whole prompt from its start."""
-    scheduler = Scheduler(PrefixCache(4), max_prefill_tokens=256)
+    scheduler = Scheduler(PrefixCache(4), max_prefill_tokens=256, pool=BlockPool(8))
     chunks = []
     for slot, (length, start) in enumerate(zip(lengths, starts or [0] * len(lengths))):
         sequence = scheduler.admit(request(llama, [1] + [100 + slot] * (start + length - 1), 4), slot)
@@ -80,7 +81,7 @@ def test_generate_prefills_its_prompts_in_one_pass_and_answers_each_as_alone(lla
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 32000, (length,), generator=generator).tolist() for length in (6, 6, 5, 6)]
     alone = [llama.generate([prompt], max_gen_len=6, temperature=0)[0][0] for prompt in prompts]
-    llama.model.prefix_cache.forget()  # every prompt prefilled afresh
+    llama.forget_prefixes()  # every prompt prefilled afresh
     passes = []
     forward_segments = llama.model.forward_segments
     monkeypatch.setattr(llama.model, "forward_segments", lambda batches, **kwargs: (
@@ -96,7 +97,7 @@ def test_without_mixed_passes_generate_prefills_its_prompts_padded_together(llam
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 32000, (length,), generator=generator).tolist() for length in (6, 6, 5, 6)]
     alone = [llama.generate([prompt], max_gen_len=6, temperature=0)[0][0] for prompt in prompts]
-    llama.model.prefix_cache.forget()
+    llama.forget_prefixes()
     monkeypatch.setattr(type(llama.model), "can_mix_batches", property(lambda model: False))
     passes = []
     forward = llama.model.forward

@@ -1,6 +1,6 @@
 """Reusing what the KV cache already holds: the record of each row, a conversation's turns through
-the API, and requests sharing a system prompt through the serving engine, with the same results
-as without reuse."""
+the API, and requests sharing a system prompt through the serving engine (full blocks of the
+cache, shared: engine/blocks.py), with the same results as without reuse."""
 
 from contextlib import contextmanager
 from typing import Iterator
@@ -10,6 +10,7 @@ import torch
 
 from distributed import run_world
 from llama_tp import Llama
+from llama_tp.model.kv_cache import BLOCK_POSITIONS
 from llama_tp.model.prefix_cache import PrefixCache, common_length
 from serve_harness import Harness, request, tokens_of
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, TINY_LLAMA3, full_weights, write_checkpoint
@@ -30,52 +31,6 @@ def test_the_longest_held_start_short_of_the_last_token_is_reused():
     cache.keep(0, 2)  # a pass writes row 0 from position 2 on
     assert cache.rows[0] == [1, 5]
     assert PrefixCache(1, enabled=False).reusable(0, [1, 2]) == 0
-
-
-def test_the_best_free_row_holds_the_longest_start_where_that_is_no_less_than_it_loses():
-    cache = PrefixCache(4)
-    for row, tokens in enumerate([[1, 2, 3], [1, 2], [7, 8], [9]]):
-        cache.extend(row, 0, tokens)
-    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2, 3]) == 0  # the next turn: nothing lost
-    assert cache.best_row([1, 2, 3, 4], free=[1, 2, 3]) == 1
-    assert cache.best_row([1, 2, 3], free=[0, 2, 3]) == 0  # the same prompt again: its last token lost
-    assert cache.best_row([5, 6], free=[1, 2, 3]) == 1  # none matches: row 1 was written longest ago
-    cache.extend(1, 2, [4])
-    assert cache.best_row([5, 6], free=[1, 2, 3]) == 2
-    # Two shared tokens do not earn a row holding four more (a conversation): the least recently used
-    cache.extend(0, 3, [7, 7, 7, 7])
-    assert cache.best_row([1, 2, 5, 5, 5, 5, 5, 5, 5, 5], free=[0, 2, 3]) == 2
-
-
-def test_an_empty_row_is_taken_before_any_row_holding_a_conversation():
-    cache = PrefixCache(3)
-    cache.extend(0, 0, [1, 2, 3, 4, 5, 6, 7, 8])  # a system prompt (1, 2, 3), then a conversation
-    cache.extend(2, 0, [9])
-    assert cache.best_row([1, 2, 3, 10, 11], free=[0, 1, 2]) == 1  # the shared start is copied instead
-    assert cache.best_row([1, 2, 3, 10, 11], free=[0, 2]) == 0  # 3 shared, 5 lost: but 2 was used last
-
-
-def test_ties_of_best_row():
-    """Rows holding as much of the prompt: the one that loses least, then the least recently used."""
-    cache = PrefixCache(3)
-    cache.extend(2, 0, [1, 2, 9])
-    cache.extend(0, 0, [1, 2, 8])
-    cache.extend(1, 0, [1, 2, 8, 8])
-    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2]) == 2  # rows 0 and 2 lose 1 token; 2 is older
-    cache.extend(2, 3, [7])
-    assert cache.best_row([1, 2, 3, 4], free=[0, 1, 2]) == 0
-    assert cache.best_row([1, 2, 3, 4], free=[1, 2]) == 1  # 2 shared, 2 lost
-
-
-def test_the_longest_start_is_looked_for_in_every_row_given():
-    cache = PrefixCache(4)
-    for row, tokens in enumerate([[1, 2], [1, 2, 3, 4, 9], [1, 2, 3], [5]]):
-        cache.extend(row, 0, tokens)
-    assert cache.longest_start([1, 2, 3, 4, 5], [0, 1, 2, 3]) == (1, 4)
-    assert cache.longest_start([1, 2, 3, 4, 5], [0, 2, 3]) == (2, 3)
-    assert cache.longest_start([1, 2, 3, 4], [0, 1, 2]) == (1, 3)  # short of the last token
-    assert cache.longest_start([6, 7], [0, 1, 2, 3]) == (0, 0)
-    assert PrefixCache(2, enabled=False).longest_start([1, 2], [0, 1]) == (0, 0)
 
 
 @pytest.mark.parametrize("a, b, shared", [([1, 2, 3], [4, 2, 3], 0), ([1, 2, 3], [1, 2, 4], 2),
@@ -103,7 +58,7 @@ def conversation(llama: Llama, reuse: bool, turns: int = 4) -> tuple[list[list[f
         return forward(tokens, start_pos, *args, **kwargs)
 
     llama.model.forward = noting
-    llama.model.prefix_cache.forget()
+    llama.forget_prefixes()
     llama.model.prefix_cache.enabled = reuse
     dialog, first_starts, lengths = [], [], []
     try:
@@ -125,20 +80,26 @@ def test_a_conversation_reuses_its_history_with_the_same_results(llama):
     reused, starts, lengths = conversation(llama, reuse=True)
     fresh, fresh_starts, _ = conversation(llama, reuse=False)
     assert fresh_starts == [0, 0, 0, 0]
-    # Each turn feeds no more than the last answer (its tokens may be re-encoded apart) and the new question.
-    assert starts[0] == 0 and all(start >= length for start, length in zip(starts[1:], lengths))
+    assert starts[0] == 0 and starts[-1] > 0 and followed_on(starts, lengths)
     for turn_reused, turn_fresh in zip(reused, fresh):
         assert len(turn_reused) == len(turn_fresh)  # the same tokens (the answers are in the dialog)
         assert turn_reused == pytest.approx(turn_fresh, abs=1e-5)  # within fp32 rounding
 
 
+def followed_on(starts: list[int], lengths: list[int]) -> bool:
+    """Whether each turn fed no more than what follows the full blocks of the turn before's prompt
+    (the answer's tokens may be re-encoded apart), starting at a block's first position."""
+    return all(start % BLOCK_POSITIONS == 0 and start >= length // BLOCK_POSITIONS * BLOCK_POSITIONS
+               for start, length in zip(starts[1:], lengths))
+
+
 def test_a_batch_reuses_what_every_row_shares(llama):
-    llama.model.prefix_cache.forget()
+    llama.forget_prefixes()
     prompts = [[1, 450, 4996, 17354, 1701], [1, 450, 4996, 306, 4658, 29892]]
     first, _ = llama.generate(prompts, max_gen_len=4, temperature=0)
     again = [prompts[0] + first[0] + [29871], prompts[1] + first[1][:2]]
     reused, _ = llama.generate(again, max_gen_len=5, temperature=0)
-    llama.model.prefix_cache.forget()
+    llama.forget_prefixes()
     fresh, _ = llama.generate(again, max_gen_len=5, temperature=0)
     assert reused == fresh
 
@@ -146,7 +107,7 @@ def test_a_batch_reuses_what_every_row_shares(llama):
 @contextmanager
 def serving(llama: Llama, reuse: bool) -> Iterator[Harness]:
     """An engine serving llama from an empty cache, reusing prompts or not."""
-    llama.model.prefix_cache.forget()
+    llama.forget_prefixes()
     llama.model.prefix_cache.enabled = reuse
     harness = Harness(llama, max_prefill_tokens=32)
     try:
@@ -156,7 +117,7 @@ def serving(llama: Llama, reuse: bool) -> Iterator[Harness]:
         llama.model.prefix_cache.enabled = True
 
 
-SYSTEM = [1] + list(range(1000, 1060))  # 61 tokens every request begins with
+SYSTEM = [1] + list(range(1000, 1128))  # 129 tokens every request begins with: two full blocks and one
 
 
 def test_serving_reuses_a_shared_system_prompt_with_the_same_tokens(llama):
@@ -166,14 +127,14 @@ def test_serving_reuses_a_shared_system_prompt_with_the_same_tokens(llama):
         with serving(llama, reuse) as harness:
             answers[reuse] = [harness.ask(request(llama, prompt, 8, temperature=0)) for prompt in prompts]
             cached = harness.mailbox.metrics.cached_prompt_tokens._value.get()
-        assert [deltas[-1].cached_tokens for deltas in answers[reuse]] == ([0] + [61] * 4 if reuse else [0] * 5)
-        assert cached == (4 * 61 if reuse else 0)
+        shared = 2 * BLOCK_POSITIONS
+        assert [deltas[-1].cached_tokens for deltas in answers[reuse]] == ([0] + [shared] * 4 if reuse else [0] * 5)
+        assert cached == (4 * shared if reuse else 0)
     assert [tokens_of(d) for d in answers[True]] == [tokens_of(d) for d in answers[False]]
 
 
-def test_a_request_copies_the_start_another_row_holds_with_the_same_tokens(llama):
-    """The second request takes the free row and a copy of the system prompt from the first's row
-    (running, or ended with a longer conversation than the prompt shares)."""
+def test_a_request_shares_the_blocks_a_running_one_filled_with_the_same_tokens(llama):
+    """The second request holds the system prompt's full blocks with the first, which still runs."""
     answers = {}
     for reuse in (True, False):
         with serving(llama, reuse) as harness:
@@ -181,7 +142,7 @@ def test_a_request_copies_the_start_another_row_holds_with_the_same_tokens(llama
             first = harness.deltas(running, count=1)  # prefilled: its row holds the system prompt
             second = harness.ask(request(llama, SYSTEM + [306, 4658], 8, temperature=0))
             answers[reuse] = [tokens_of(first + harness.deltas(running)), tokens_of(second)]
-        assert second[-1].cached_tokens == (len(SYSTEM) if reuse else 0)
+        assert second[-1].cached_tokens == (2 * BLOCK_POSITIONS if reuse else 0)
     assert answers[True] == answers[False]
 
 
@@ -197,6 +158,6 @@ def test_two_ranks_reuse_a_conversation_as_one_process_does(tmp_path):
     one = Llama.build(str(tmp_path / "mp1"), str(LLAMA2_TOKENIZER), max_seq_len=160, max_batch_size=2)
     fresh, _, _ = conversation(one, reuse=False)
     for logprobs, starts, lengths in run_world(2, _conversation_on_two_ranks, str(tmp_path / "mp2")):
-        assert all(start >= length for start, length in zip(starts[1:], lengths))
+        assert followed_on(starts, lengths)
         for turn, expected in zip(logprobs, fresh):
             assert turn == pytest.approx(expected, abs=1e-5)

@@ -1,45 +1,124 @@
-"""The scheduler's plan of a step, without a model."""
+"""The scheduler's plan of a step and the blocks it hands out, without a model."""
 
-from llama_tp.model.prefix_cache import MIN_COPIED_TOKENS, PrefixCache
-from llama_tp.sampling import SamplingOptions
 from llama_tp.engine import GenerationRequest
-from llama_tp.engine.scheduler import Chunk, Copy, Scheduler
+from llama_tp.engine.blocks import BlockPool
+from llama_tp.engine.scheduler import Chunk, Scheduler, StepPlan
+from llama_tp.model.kv_cache import BLOCK_POSITIONS
+from llama_tp.model.prefix_cache import PrefixCache
+from llama_tp.sampling import SamplingOptions
+
+SYSTEM = list(range(1000, 1000 + 2 * BLOCK_POSITIONS))  # a system prompt two blocks long
+
+
+def request(request_id: str, prompt, max_tokens: int = 4) -> GenerationRequest:
+    return GenerationRequest(request_id, tuple(prompt), max_tokens, SamplingOptions(), frozenset({2}))
+
+
+def run_step(scheduler: Scheduler, token: int = 7) -> StepPlan:
+    """A step as the engine runs it: every chunk fed, each sequence whose pending tokens it fed gains token."""
+    plan = scheduler.plan()
+    for chunk in plan.prefill + plan.decode:
+        scheduler.fed(chunk)
+        if chunk.completes:
+            chunk.sequence.tokens.append(token)
+    return plan
 
 
 def test_generating_rows_decode_in_cache_row_order_whatever_order_they_came_in():
     """Rows that fill a block of the cache are then read in place rather than gathered."""
-    scheduler = Scheduler(PrefixCache(4), max_prefill_tokens=64)
+    scheduler = Scheduler(PrefixCache(4), max_prefill_tokens=64, pool=BlockPool(8))
     for number, slot in enumerate((2, 0, 3, 1)):  # admitted in this order
         prompt = (1, 100 + number, 200 + number)
-        sequence = scheduler.admit(GenerationRequest(f"r{number}", prompt, 4, SamplingOptions(), frozenset({2})), slot)
+        sequence = scheduler.admit(request(f"r{number}", prompt), slot)
         scheduler.fed(Chunk(sequence, 0, list(prompt[:-1])))  # all but the last token: one to decode
     plan = scheduler.plan()
     assert plan.prefill == [] and [chunk.sequence.slot.index for chunk in plan.decode] == [0, 1, 2, 3]
     assert [chunk.sequence.request.id for chunk in plan.decode] == ["r1", "r3", "r0", "r2"]
 
 
-def test_a_prompt_that_begins_as_another_slots_tokens_copies_them_once_before_its_passes():
-    system = list(range(1000, 1000 + MIN_COPIED_TOKENS))  # a system prompt, as long as copies start
-    scheduler = Scheduler(PrefixCache(3), max_prefill_tokens=64)
-    first = scheduler.admit(GenerationRequest("a", (1, *system, 7, 8), 4, SamplingOptions(), frozenset({2})), 0)
-    scheduler.fed(Chunk(first, 0, first.tokens))  # prefilled; it runs on
-    short = scheduler.admit(GenerationRequest("b", (1, *system[:-2], 9), 4, SamplingOptions(), frozenset({2})), 2)
-    second = scheduler.admit(GenerationRequest("c", (1, *system, 9, 9), 4, SamplingOptions(), frozenset({2})), 1)
-    assert short.reused == 0 and short.copy is None  # one token too few to be worth a copy
-    assert second.reused == 1 + MIN_COPIED_TOKENS and second.pending == [9, 9]
-    assert scheduler.prefix_cache.rows[1] == [1, *system]
-    plan = scheduler.plan()
-    assert plan.copies == [Copy(0, 1, 0, 1 + MIN_COPIED_TOKENS)]
-    assert [chunk.tokens for chunk in plan.prefill] == [short.tokens, [9, 9]]
-    assert scheduler.plan().copies == []  # done once
+def test_a_sequence_holds_the_blocks_of_its_prompt_and_grows_a_block_at_a_time():
+    scheduler = Scheduler(PrefixCache(2), max_prefill_tokens=256, pool=BlockPool(8))
+    sequence = scheduler.admit(request("a", [1] * (BLOCK_POSITIONS - 1), max_tokens=100), 0)
+    assert sequence.blocks == [0]
+    assert run_step(scheduler).tables == {0: [0]}  # the table given before the first pass
+    plan = run_step(scheduler)  # the prompt's next token, at the block's last position
+    assert not plan.tables and sequence.blocks == [0]
+    plan = run_step(scheduler)  # the next is the second block's first
+    assert plan.tables == {0: [0, 1]} and scheduler.pool.held == 2
 
 
-def test_a_sequence_that_ends_before_its_copy_is_made_leaves_its_slot_without_the_copied_start():
-    system = list(range(1000, 1000 + MIN_COPIED_TOKENS))
-    scheduler = Scheduler(PrefixCache(2), max_prefill_tokens=64)
-    first = scheduler.admit(GenerationRequest("a", (1, *system, 7), 4, SamplingOptions(), frozenset({2})), 0)
-    scheduler.fed(Chunk(first, 0, first.tokens))
-    second = scheduler.admit(GenerationRequest("b", (1, *system, 9), 4, SamplingOptions(), frozenset({2})), 1)
-    assert second.copy is not None
-    scheduler.release(second)  # the server stopped before the step that would have copied
-    assert scheduler.prefix_cache.rows[1] == []
+def test_a_shared_start_is_held_once_by_reference_running_or_ended():
+    scheduler = Scheduler(PrefixCache(3), max_prefill_tokens=1024, pool=BlockPool(16))
+    first = scheduler.admit(request("a", [*SYSTEM, 7, 8]), 0)
+    system_blocks = first.blocks[:2]
+    run_step(scheduler)  # prefilled: its two full blocks are named
+    second = scheduler.admit(request("b", [*SYSTEM, 9, 9, 9]), 1)
+    assert second.reused == len(SYSTEM) and second.pending == [9, 9, 9]
+    assert second.blocks[:2] == first.blocks[:2] and second.blocks[2] != first.blocks[2]
+    assert scheduler.pool.held == 4  # two shared, one each for the rest
+    scheduler.release(first)
+    scheduler.release(second)
+    assert scheduler.pool.held == 0 and len(scheduler.pool.cached) == 2  # the system prompt, for later
+    third = scheduler.admit(request("c", [*SYSTEM, 5]), 2)
+    assert third.reused == len(SYSTEM) and third.blocks[:2] == system_blocks
+
+
+def test_a_prompt_whose_whole_blocks_are_cached_still_feeds_its_last_token_in_a_block_of_its_own():
+    scheduler = Scheduler(PrefixCache(2), max_prefill_tokens=1024, pool=BlockPool(8))
+    first = scheduler.admit(request("a", SYSTEM), 0)
+    run_step(scheduler)
+    again = scheduler.admit(request("b", SYSTEM), 1)
+    # the first block is shared; the second, where the last token is written again, is its own
+    assert again.reused == BLOCK_POSITIONS and again.blocks[0] == first.blocks[0]
+    assert again.blocks[1] != first.blocks[1]
+
+
+def test_cached_blocks_go_least_recently_used_first_when_the_pool_needs_them():
+    scheduler = Scheduler(PrefixCache(1), max_prefill_tokens=1024, pool=BlockPool(4))
+    for name, start in (("a", 1000), ("b", 2000)):  # two ended prompts of two full blocks (and one more)
+        sequence = scheduler.admit(request(name, range(start, start + 2 * BLOCK_POSITIONS + 1)), 0)
+        run_step(scheduler)
+        scheduler.release(sequence)
+    assert len(scheduler.pool.cached) == 3  # b's two, and a's first (its second went to b's third)
+    newer = scheduler.admit(request("c", range(2000, 2000 + 2 * BLOCK_POSITIONS + 1)), 0)
+    assert newer.reused == 2 * BLOCK_POSITIONS
+
+
+def test_a_request_waits_until_its_prompts_blocks_are_available():
+    scheduler = Scheduler(PrefixCache(3), max_prefill_tokens=1024, pool=BlockPool(4))
+    assert scheduler.choose_slot(tuple(range(3 * BLOCK_POSITIONS)), set()) == 0
+    running = scheduler.admit(request("a", range(3 * BLOCK_POSITIONS)), 0)
+    assert scheduler.choose_slot(tuple(range(5000, 5000 + 2 * BLOCK_POSITIONS)), set()) is None  # 1 block left
+    assert scheduler.choose_slot((1, 2, 3), set()) == 1
+    assert scheduler.choose_slot((1, 2, 4), {1}) is None  # the one block is promised to the chosen prompt
+    scheduler.release(running)
+    assert scheduler.choose_slot(tuple(range(5000, 5000 + 2 * BLOCK_POSITIONS)), set()) == 0
+
+
+def test_a_sequence_that_cannot_grow_preempts_the_newest_which_resumes_with_its_tokens():
+    scheduler = Scheduler(PrefixCache(2), max_prefill_tokens=1024, pool=BlockPool(3))
+    old = scheduler.admit(request("old", range(100, 100 + BLOCK_POSITIONS), max_tokens=200), 0)
+    new = scheduler.admit(request("new", range(300, 300 + BLOCK_POSITIONS - 1), max_tokens=200), 1)
+    run_step(scheduler)  # both prompts; each holds one block, one block is free
+    run_step(scheduler)  # old's first token is in its second block (the free one); new fills its first
+    assert len(old.blocks) == 2 and len(new.blocks) == 1 and not scheduler.pool.free
+    plan = run_step(scheduler)  # new needs a second block: none is left, and it is the newest
+    assert new.preempted and new.blocks == [] and scheduler.preemptions == 1
+    assert [chunk.sequence for chunk in plan.decode] == [old]
+    assert scheduler.choose_slot((1, 2), set()) is None  # nothing is admitted while new waits
+    for _ in range(BLOCK_POSITIONS - 1):  # old grows on, and takes new's first block (cached) for its third
+        run_step(scheduler)
+    assert new.preempted and len(old.blocks) == 3
+    scheduler.release(old)
+    plan = run_step(scheduler)  # new resumes: all its tokens fed anew, its prompt and the two it had chosen
+    assert not new.preempted and not plan.decode
+    fed = [(chunk.sequence, chunk.start, chunk.tokens) for chunk in plan.prefill]
+    assert fed == [(new, 0, [*range(300, 363), 7, 7])]
+
+
+def test_a_sequence_alone_grows_through_the_pool():
+    scheduler = Scheduler(PrefixCache(1), max_prefill_tokens=1024, pool=BlockPool(2))
+    sequence = scheduler.admit(request("a", range(BLOCK_POSITIONS), max_tokens=BLOCK_POSITIONS), 0)
+    for _ in range(BLOCK_POSITIONS):
+        run_step(scheduler)
+    assert not sequence.preempted and len(sequence.blocks) == 2

@@ -1,7 +1,7 @@
 """`n`: several choices of one prompt, whose prefill they share. The scheduler's plan (the later
-choices wait for the first's prefill, then copy its keys and values), the HTTP side's shapes with
+choices wait for the first's prefill, then share its full blocks), the HTTP side's shapes with
 the fake engine (indices, usage, streams, seeds), and the real engine's answers (greedy choices
-alike; seeded choice i is what a lone request with seed + i gets, so the copied cache is right)."""
+alike; seeded choice i is what a lone request with seed + i gets, so the shared blocks are right)."""
 
 import json
 from types import SimpleNamespace
@@ -14,7 +14,9 @@ from distributed import run_world
 from fake_engine import MODEL, served
 from llama_tp import Llama
 from llama_tp.engine import GenerationRequest
-from llama_tp.engine.scheduler import Copy, Scheduler
+from llama_tp.engine.blocks import BlockPool
+from llama_tp.engine.scheduler import Scheduler
+from llama_tp.model.kv_cache import BLOCK_POSITIONS
 from llama_tp.model.prefix_cache import PrefixCache
 from llama_tp.sampling import SamplingOptions
 from llama_tp.serve.prepare import choices
@@ -26,7 +28,7 @@ from test_serve_real_engine import real_server
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
 
-PROMPT = [1, 5, 6, 7, 8, 9]
+PROMPT = [1, *range(5, 5 + BLOCK_POSITIONS + 5)]  # a full block of the KV cache and some
 
 
 def choice_request(request_id: str, follows: str = None) -> GenerationRequest:
@@ -34,31 +36,34 @@ def choice_request(request_id: str, follows: str = None) -> GenerationRequest:
                              shares_prefill_with=follows)
 
 
-def test_later_choices_wait_for_the_first_prefill_then_copy_it():
-    scheduler = Scheduler(PrefixCache(3), max_prefill_tokens=16)
+def test_later_choices_wait_for_the_first_prefill_then_share_its_blocks():
+    scheduler = Scheduler(PrefixCache(3), max_prefill_tokens=256, pool=BlockPool(8))
     first = scheduler.admit(choice_request("a"), 0)
     second = scheduler.admit(choice_request("a-1", "a"), 1, follows=first)
     plan = scheduler.plan()
-    assert [chunk.sequence for chunk in plan.prefill] == [first] and not plan.decode and not plan.copies
+    assert [chunk.sequence for chunk in plan.prefill] == [first] and not plan.decode
     scheduler.fed(plan.prefill[0])
     first.tokens.append(42)  # its first token, chosen from the prefill's last logits
     plan = scheduler.plan()
-    assert plan.copies == [Copy(source=0, dest=1, start=0, end=len(PROMPT) - 1)]
-    assert [(chunk.sequence, chunk.start, chunk.tokens) for chunk in plan.decode] == [
-        (first, len(PROMPT), [42]), (second, len(PROMPT) - 1, PROMPT[-1:])]  # the last prompt token: its logits
-    assert not plan.prefill and second.reused == len(PROMPT) - 1
-    assert scheduler.prefix_cache.rows[1] == PROMPT[:-1]
+    assert second.blocks[0] == first.blocks[0] and second.blocks[1] != first.blocks[1]
+    assert plan.tables[1] == second.blocks and scheduler.pool.held == 3  # the full block held once
+    assert [(chunk.sequence, chunk.start, chunk.tokens) for chunk in plan.decode] == [(first, len(PROMPT), [42])]
+    # the rest of the prompt after the shared block, its last token for its logits
+    assert [(chunk.sequence, chunk.start, chunk.tokens) for chunk in plan.prefill] == [
+        (second, BLOCK_POSITIONS, PROMPT[BLOCK_POSITIONS:])]
+    assert second.reused == BLOCK_POSITIONS and scheduler.prefix_cache.rows[1] == PROMPT[:BLOCK_POSITIONS]
 
 
-def test_a_choice_whose_first_was_cancelled_copies_what_was_prefilled():
-    scheduler = Scheduler(PrefixCache(2, enabled=False), max_prefill_tokens=3)  # sharing needs no prefix cache
+def test_a_choice_whose_first_was_cancelled_shares_what_was_prefilled():
+    # sharing needs no prefix cache
+    scheduler = Scheduler(PrefixCache(2, enabled=False), max_prefill_tokens=BLOCK_POSITIONS + 1, pool=BlockPool(8))
     first = scheduler.admit(choice_request("a"), 0)
     second = scheduler.admit(choice_request("a-1", "a"), 1, follows=first)
-    scheduler.fed(scheduler.plan().prefill[0])  # 3 tokens of 6
+    scheduler.fed(scheduler.plan().prefill[0])  # a block and a token of the prompt
     scheduler.release(first)
     plan = scheduler.plan()
-    assert plan.copies == [Copy(0, 1, 0, 3)]
-    assert [(chunk.start, chunk.tokens) for chunk in plan.prefill] == [(3, PROMPT[3:])]
+    assert second.blocks[0] == 0 and second.reused == BLOCK_POSITIONS
+    assert [(chunk.start, chunk.tokens) for chunk in plan.prefill] == [(BLOCK_POSITIONS, PROMPT[BLOCK_POSITIONS:])]
 
 
 def test_choices_through_the_openai_client(llama2_tokenizer):
@@ -137,17 +142,8 @@ def test_the_real_engines_choices(llama):
         assert [c.text for c in greedy.choices] == [llama.tokenizer.decode(tokens[0])] * 3
 
         dialog = [{"role": "user", "content": "Tell me a story about a fox."}]
-        copies = []
-        copy_cache_positions = llama.model.copy_cache_positions
-        llama.model.copy_cache_positions = lambda *where: copies.append(where) or copy_cache_positions(*where)
-        try:
-            sampled = openai_client.chat.completions.create(model=REAL_MODEL, messages=dialog, max_tokens=10,
-                                                            temperature=1.0, seed=11, n=3, logprobs=True)
-        finally:
-            del llama.model.copy_cache_positions
-        prompt_length = sampled.usage.prompt_tokens  # prefilled once, copied into the other two rows
-        # (from where the row's own reuse ends: the prompt's first token, the bos, may be there already)
-        assert [(end, start <= 1) for _, _, start, end in copies] == [(prompt_length - 1, True)] * 2
+        sampled = openai_client.chat.completions.create(model=REAL_MODEL, messages=dialog, max_tokens=10,
+                                                        temperature=1.0, seed=11, n=3, logprobs=True)
         again = openai_client.chat.completions.create(model=REAL_MODEL, messages=dialog, max_tokens=10,
                                                       temperature=1.0, seed=11, n=3, logprobs=True)
         texts = [c.message.content for c in sampled.choices]

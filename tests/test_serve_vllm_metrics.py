@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llama_tp import Llama
+from llama_tp.model.kv_cache import BLOCK_POSITIONS
 from llama_tp.serve.mailbox import Mailbox
 from llama_tp.serve.metrics import VLLM_NAMES, ServerMetrics
 from serve_client import client, metric, wait_until
@@ -18,9 +19,9 @@ from torchrun import one_thread  # noqa: F401  (a fixture)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MODEL = "tiny-metrics"
-PROMPT = list(range(100, 120))  # 20 token ids, a prompt no other test sends
+PROMPT = list(range(100, 172))  # 72 token ids, a prompt no other test sends: a full block of the cache and more
 ANSWER = 8  # tokens each answer has: min_tokens holds off the end of text until then
-MAX_SEQ_LEN = 64
+MAX_SEQ_LEN = 128  # two blocks of the KV cache
 
 
 class SteppedMailbox(Mailbox):
@@ -71,13 +72,14 @@ def test_a_known_load_shows_in_vllms_series(stepped):
     first.start()
     wait_until(lambda: vllm(url, "vllm:num_requests_waiting") == 1)
     assert vllm(url, "vllm:num_requests_running") == 0
-    mailbox.steps(2)  # the first request admitted, prefilled (in chunks of 16 tokens), its first token chosen
+    mailbox.steps(5)  # the first request admitted, prefilled (in chunks of 16 tokens), its first token chosen
     second = threading.Thread(target=ask)  # the same prompt, waiting for the one cache row
     second.start()
     wait_until(lambda: vllm(url, "vllm:num_requests_waiting") == 1)
     assert vllm(url, "vllm:num_requests_running") == 1
-    # the running request holds its prompt and first token, of a cache of 1 row x MAX_SEQ_LEN positions
-    assert vllm(url, "vllm:kv_cache_usage_perc") == (len(PROMPT) + 1) / MAX_SEQ_LEN
+    # the running request's prompt and first token hold both blocks of a cache of 1 row x MAX_SEQ_LEN positions
+    assert vllm(url, "vllm:kv_cache_usage_perc") == 1
+    assert metric(url, "llama_tp_kv_cache_blocks_used") == 2 and metric(url, "llama_tp_kv_cache_blocks_cached") == 0
     assert vllm(url, "vllm:prompt_tokens_total") == vllm(url, "vllm:prefix_cache_queries_total") == len(PROMPT)
     assert vllm(url, "vllm:generation_tokens_total") == 1
     assert vllm(url, "vllm:time_to_first_token_seconds_count") == 1
@@ -88,7 +90,7 @@ def test_a_known_load_shows_in_vllms_series(stepped):
     second.join(30)
     assert [answer.usage.completion_tokens for answer in answers] == [ANSWER, ANSWER]
     reused = answers[1].usage.prompt_tokens_details.cached_tokens
-    assert reused == len(PROMPT) - 1  # all but the prompt's last token, which is fed for its logits
+    assert reused == BLOCK_POSITIONS  # the prompt's full block, which the first request filled
     wait_until(lambda: vllm(url, "vllm:num_requests_running") == 0)
     expected = {
         "vllm:num_requests_waiting": 0, "vllm:kv_cache_usage_perc": 0,
@@ -98,7 +100,7 @@ def test_a_known_load_shows_in_vllms_series(stepped):
         # every token after each request's first
         "vllm:inter_token_latency_seconds_count": 2 * (ANSWER - 1),
         "vllm:time_per_output_token_seconds_count": 2 * (ANSWER - 1),
-        "vllm:request_time_per_output_token_seconds_count": 2,
+        "vllm:request_time_per_output_token_seconds_count": 2, "vllm:num_preemptions_total": 0,
     }
     assert {name: vllm(url, name) for name in expected} == expected
     assert vllm(url, "vllm:time_to_first_token_seconds_bucket", le="+Inf") == 2

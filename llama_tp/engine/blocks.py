@@ -26,10 +26,14 @@ def block_keys(tokens: Sequence[int], block_positions: int) -> list[BlockKey]:
     """The keys of the full blocks of a sequence of tokens, in order (its last, partial block has none)."""
     keys, parent = [], b""
     for start in range(0, len(tokens) - block_positions + 1, block_positions):
-        block = array("q", tokens[start : start + block_positions]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        parent = next_key(parent, tokens[start : start + block_positions])
         keys.append(parent)
     return keys
+
+
+def next_key(parent: BlockKey, block: Sequence[int]) -> BlockKey:
+    """The key of a full block of these tokens after the block keyed parent (b"": the first)."""
+    return hashlib.blake2b(parent + array("q", block).tobytes(), digest_size=16).digest()
 
 
 class BlockPool:
@@ -46,8 +50,22 @@ class BlockPool:
         return len(self.free) + len(self.cached)
 
     @property
+    def size(self) -> int:
+        return len(self.holders)
+
+    @property
     def held(self) -> int:
         return len(self.holders) - self.available
+
+    def cached_run(self, keys: Sequence[BlockKey]) -> list[int]:
+        """The blocks that hold the longest run of these keys from the first, as they are (nothing taken)."""
+        blocks = []
+        for key in keys:
+            block = self.block_of.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
 
     def take(self, count: int) -> Optional[list[int]]:
         """count blocks for a sequence to write, held by it; None (and nothing taken) if fewer are available."""
@@ -67,12 +85,7 @@ class BlockPool:
     def cached_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
         """The blocks that hold the longest run of these keys from the first (a prompt's full blocks):
         each now held once more by the sequence that asked."""
-        blocks = []
-        for key in keys:
-            block = self.block_of.get(key)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self.cached_run(keys)
         for block in blocks:
             self.cached.pop(block, None)
             self.holders[block] += 1
@@ -97,3 +110,19 @@ class BlockPool:
                 self.cached[block] = None
             else:
                 self.free.append(block)
+
+    def forget(self) -> None:
+        """No block names a prefix any more (a chat's /reset, a benchmark's cold prompts): the
+        cached ones are free again; held ones stay held, unnamed."""
+        self.free += reversed(self.cached)
+        self.cached.clear()
+        self.key_of.clear()
+        self.block_of.clear()
+
+    def release_all(self) -> None:
+        """Every held block given back, as its sequences' release would (the engine that ran them
+        is gone: one a caller stopped reading, one that failed)."""
+        for block, holders in enumerate(self.holders):
+            if holders:
+                self.holders[block] = 1
+                self.release([block])

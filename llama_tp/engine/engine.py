@@ -24,12 +24,14 @@ import torch.nn.functional as F
 
 from .. import parallel
 from ..logs import logger
+from ..model.kv_cache import BLOCK_POSITIONS
 from ..model.transformer import Transformer
 from ..sampling.sampler import TokenHistory, sample
 from ..structured.rows import adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
 from .choices import agreed_tokens, read_back
-from .observer import Observer
+from .blocks import BlockPool
+from .observer import CacheUse, Observer
 from .progress import Candidates, Progress
 from .requests import Delta, GenerationRequest, TokenLogprob
 from .scheduler import Chunk, Scheduler, Sequence, prefill_passes
@@ -69,16 +71,18 @@ class Update:
 class Engine:
     def __init__(self, model: Transformer, tokenizer, max_prefill_tokens: int, speculator: Optional[Speculator] = None,
                  grammars: "Optional[Callable[[], Grammars]]" = None, observer: Optional[Observer] = None,
-                 text: bool = False):
+                 text: bool = False, pool: Optional[BlockPool] = None):
         """max_prefill_tokens: prompt tokens fed a step beside the generating rows.
         grammars: the model's structured.grammars.Grammars, made when a first request asks for a
         constraint. observer: told of admissions, tokens, ends and the load (the server's metrics).
         text: every request's deltas carry its text (a server's, a stream's); otherwise only
-        requests with stop strings watch their text."""
+        requests with stop strings watch their text. pool: the blocks of the model's KV cache, with
+        the prefixes they hold from the engines before (by default a fresh one, holding none)."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = model.rotary.device
-        self.scheduler = Scheduler(model.prefix_cache, max_prefill_tokens)
+        self.scheduler = Scheduler(model.prefix_cache, max_prefill_tokens, pool or BlockPool(model.cache_blocks),
+                                   lookahead=speculator.k if speculator is not None else 0)
         self.speculator = speculator  # None: one token a step
         self.grammars = grammars
         self.observer = observer
@@ -97,17 +101,17 @@ class Engine:
 
     def choose_slot(self, prompt: tuple[int, ...], taken: set[int]) -> Optional[int]:
         """The free cache row a new request should take, not one of those taken this step (rank 0
-        decides; the others are told): the one holding the longest start of its prompt, else the
-        least recently used; None if there is none."""
+        decides; the others are told); None if there is none, or if the blocks of its prompt are
+        not available (scheduler.py)."""
         return self.scheduler.choose_slot(prompt, taken)
 
     # Admitting and cancelling
 
     def admit(self, admission: Admission, grammar: "Optional[xgrammar.CompiledGrammar]" = None) -> Sequence:
-        """Start a request in its free cache row, reusing what the row holds of its prompt.
-        grammar: its constraint's, compiled already (else compiled, or taken from the cache, here)."""
+        """Start a request in its free cache row, sharing the cached blocks that hold a start of its
+        prompt. grammar: its constraint's, compiled already (else compiled, or taken from the cache, here)."""
         request = admission.request
-        # `n`'s later choices copy the first's prefill (scheduler.Copy) when it still runs
+        # `n`'s later choices share the blocks of the first's prefill when it still runs
         follows = self.scheduler.find(request.shares_prefill_with) if request.shares_prefill_with else None
         sequence = self.scheduler.admit(request, admission.slot, follows)
         if sequence.reused:
@@ -149,11 +153,12 @@ class Engine:
         """Feed every running sequence what its cache row lacks (within the prefill budget), and
         advance each one whose pending tokens are all fed: what the step produced."""
         plan = self.scheduler.plan()
-        for copy in plan.copies:  # a shared start of a prompt, or a prompt prefilled once for several choices
-            self.model.copy_cache_positions(copy.source, copy.dest, copy.start, copy.end)
-        # A prompt whose own log probabilities are asked for needs every position's logits: a pass of its own.
-        scored = [chunk for chunk in plan.prefill if chunk.sequence.request.prompt_logprobs]
-        prefill = [chunk for chunk in plan.prefill if not chunk.sequence.request.prompt_logprobs]
+        for slot, blocks in plan.tables.items():  # blocks handed out, shared, given back
+            self.model.block_tables.give(slot, blocks)
+        # A prompt whose own log probabilities are asked for needs every position's logits: a pass
+        # of its own (not again for one preempted after its first token, fed its tokens anew).
+        scored = [chunk for chunk in plan.prefill if _scores_prompt(chunk.sequence)]
+        prefill = [chunk for chunk in plan.prefill if not _scores_prompt(chunk.sequence)]
         for chunk in scored:
             self._prefill([chunk], every_position=True)
         if self.speculator is None and self.model.can_mix_batches:
@@ -243,6 +248,8 @@ class Engine:
         """The log probability of each prompt token the chunk's logits [width, vocab] predict, read
         back as rank 0 computed it."""
         progress = chunk.sequence.sampling
+        if chunk.start == 0:  # scored again from its start (preempted during its prompt): the first's 0.0 stays
+            del progress.prompt_logprobs[1:]
         targets = prompt_targets(chunk)
         if targets:
             progress.prompt_logprobs += [line[0] for line in read_back([prompt_logprobs(logits, targets)])[1]]
@@ -284,7 +291,9 @@ class Engine:
         sequences = [chunk.sequence for chunk in chunks]
         rows = [Row(s.slot.index, s.tokens, s.request.options, s.sampling.generator, s.prompt_length,
                     sorted(s.request.stop_tokens),
-                    min(s.request.max_tokens - s.generated, self.model.max_seq_len - len(s.tokens)))
+                    # guesses are written where the row holds blocks
+                    min(s.request.max_tokens - s.generated, self.model.max_seq_len - len(s.tokens),
+                        len(s.blocks) * BLOCK_POSITIONS - len(s.tokens) + 1))
                 for s in sequences]
         requests = [s.request for s in sequences]
         outcomes = self.speculator.round(self.model, rows,
@@ -368,10 +377,18 @@ class Engine:
         return updates
 
     def _report_load(self) -> None:
-        """The observer's gauges of the running requests: how many, and the cache positions they hold."""
-        running = self.scheduler.running
-        held = sum(len(sequence.tokens) for sequence in running)
-        self.observer.load(len(running), held / (self.model.max_batch_size * self.model.max_seq_len))
+        """The observer's gauges of the running requests: how many, and the cache blocks they hold."""
+        self.observer.load(len(self.scheduler.running), self.cache_use())
+
+    def cache_use(self) -> CacheUse:
+        """The KV cache's blocks: held, cached, and the preemptions so far."""
+        pool = self.scheduler.pool
+        return CacheUse(pool.size, pool.held, len(pool.cached), self.scheduler.preemptions)
+
+
+def _scores_prompt(sequence: Sequence) -> bool:
+    """Whether a sequence's prompt chunks give its prompt's own log probabilities."""
+    return bool(sequence.request.prompt_logprobs) and sequence.generated == 0
 
 
 def _takes_best_logit(request: GenerationRequest) -> bool:

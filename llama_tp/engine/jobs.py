@@ -53,6 +53,9 @@ def run_job(engine: Engine, requests: Iterable[tuple[GenerationRequest, int]]) -
         while waiting:
             slot = engine.choose_slot(waiting[0][0].prompt_tokens, taken)
             if slot is None:
+                if not engine.running:  # nothing will free blocks: never wait for them forever
+                    raise RuntimeError(f"a prompt of {len(waiting[0][0].prompt_tokens)} tokens does not fit the "
+                                       f"KV cache's {engine.scheduler.pool.available} free blocks")
                 break
             request, seed = waiting.popleft()
             taken.add(slot)

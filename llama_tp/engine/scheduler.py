@@ -1,43 +1,53 @@
-"""Which request runs in which cache row, and what each step feeds the model.
+"""Which request runs in which cache row, which blocks of the KV cache it holds, and what each
+step feeds the model.
 
 Pure bookkeeping, with no model and no process group: every rank holds the same scheduler, is
 told the same admissions and cancellations, and so makes the same decisions.
 
-Each cache row (slot) remembers the tokens whose keys and values it holds (the model's
-PrefixCache). A request runs in a slot until it ends; each step feeds the model the tokens of its
-sequence that the slot does not hold yet: one for a request that is generating (these rows make
-one batch), a chunk of its prompt for a request being prefilled (within a per-step budget, so
-that a long prompt never stalls the generating rows for long; several prompts' chunks share a
-pass where padding them to one length costs little: prefill_passes).
-A request that ended leaves its tokens in its slot: a later request that begins with them (the
-next turn of a conversation, the same question again) takes that slot and skips their prefill;
-one that shares a shorter start with another slot, ended or running (a system prompt), takes a
-free slot and a copy of that start (a Copy in the step's plan), so that conversations stay
-cached until their slots are the least recently used.
+A cache row (slot) is one of the max_batch_size rows a step runs; the keys and values live in the
+pool's blocks (blocks.py), which a sequence holds as it grows (its block table). A request is
+admitted to a free slot when the blocks of its prompt are available, taking at once the full
+blocks that an earlier sequence filled with the same start (running or ended: a system prompt, a
+conversation's turn before, the same question again), shared by reference, and fresh blocks for
+the rest. Each step feeds the model the tokens of each sequence that its slot does not hold yet
+(the model's PrefixCache record): one for a request that is generating (these rows make one
+batch), a chunk of its prompt for a request being prefilled (within a per-step budget, so that a
+long prompt never stalls the generating rows for long; several prompts' chunks share a pass where
+padding them to one length costs little: prefill_passes). A block that a sequence has filled is
+named (its key chains its tokens on its parent's) so that later prompts can share it; a sequence
+that ends releases its blocks, the named ones staying cached until the pool needs them back.
+A generating sequence that needs a block when none is available preempts the newest sequence:
+that one gives its blocks back and keeps its slot, its tokens, its random generator and the rest
+of its state, and resumes when its blocks are available again by prefilling its tokens anew (from
+what of them is still cached), so that it goes on as it would have.
 A request's `n` choices run in n slots: the first prefills the prompt, the others wait for it,
-then copy what its slot holds of the prompt (a Copy in the step's plan) and feed only the rest.
+then share the blocks it filled and feed only the rest.
 """
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..model.prefix_cache import MIN_COPIED_TOKENS, PrefixCache
+from ..model.kv_cache import BLOCK_POSITIONS, blocks_for
+from ..model.prefix_cache import PrefixCache
+from .blocks import BlockKey, BlockPool, block_keys, next_key
 from .requests import GenerationRequest
 
 
 @dataclass
 class Sequence:
-    """A request in its slot: the prompt, then the tokens generated so far."""
+    """A request in its slot: the prompt, then the tokens generated so far, and the blocks that hold them."""
 
     request: GenerationRequest
     slot: "Slot"
     tokens: list[int]
-    admitted: int  # the admission's number: older requests' prompts are fed first
-    reused: int = 0  # prompt tokens the slot held already
+    admitted: int  # the admission's number: older requests' prompts are fed first, the newest preempted first
+    reused: int = 0  # prompt tokens held already (shared blocks) at admission
     generated: int = 0
     sampling: Any = None  # the engine's per-request state (progress.py): random generator, text decoder
-    follows: Optional["Sequence"] = None  # the choice whose prefill this one waits for, then copies
-    copy: Optional["Copy"] = None  # a start of its prompt held by another slot, copied before the next passes
+    follows: Optional["Sequence"] = None  # the choice whose prefill this one waits for, then shares
+    blocks: list[int] = field(default_factory=list)  # its block table: the pool's blocks holding its positions
+    keys: list[BlockKey] = field(default_factory=list)  # the keys of its first blocks, filled and named
+    preempted: bool = False  # gave its blocks back; waits to be fed its tokens again
 
     @property
     def pending(self) -> list[int]:
@@ -51,10 +61,10 @@ class Sequence:
 
 @dataclass
 class Slot:
-    """One row of the KV cache."""
+    """One row of a step: the sequence running there, if any."""
 
     index: int
-    cached: list[int]  # tokens whose keys and values it holds, from position 0 (the PrefixCache's row)
+    cached: list[int]  # tokens whose keys and values its blocks hold, from position 0 (the PrefixCache's row)
     sequence: Optional[Sequence] = None
 
 
@@ -73,33 +83,31 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class Copy:
-    """Cache row dest takes row source's keys and values at positions [start, end), before the step's passes."""
-
-    source: int
-    dest: int
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
 class StepPlan:
     decode: list[Chunk]  # one token each: one batch
     prefill: list[Chunk]  # in passes of their own (prefill_passes)
-    copies: list[Copy] = field(default_factory=list)  # done first
+    tables: dict[int, list[int]] = field(default_factory=dict)  # slots' new block tables, given first
 
 
 class Scheduler:
-    def __init__(self, prefix_cache: PrefixCache, max_prefill_tokens: int):
+    def __init__(self, prefix_cache: PrefixCache, max_prefill_tokens: int, pool: BlockPool, lookahead: int = 0):
+        """pool: the KV cache's blocks. lookahead: positions a generating sequence may write past
+        its tokens in a step (a speculation round's guesses), held where blocks are free."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, found {max_prefill_tokens}")
         self.prefix_cache = prefix_cache
         self.slots = [Slot(index, cached) for index, cached in enumerate(prefix_cache.rows)]
         self.max_prefill_tokens = max_prefill_tokens
+        self.pool = pool
+        self.lookahead = lookahead
         self.admissions = 0
+        self.preemptions = 0
+        self.promised = 0  # blocks that slots chosen but not yet admitted will take
+        self.tables: dict[int, list[int]] = {}  # slots whose block tables changed since the last plan
 
     @property
     def running(self) -> list[Sequence]:
+        """Every sequence in a slot, preempted ones too (they keep theirs)."""
         return [slot.sequence for slot in self.slots if slot.sequence is not None]
 
     def free_slots(self) -> list[int]:
@@ -107,79 +115,161 @@ class Scheduler:
 
     def choose_slot(self, prompt: tuple[int, ...], taken: set[int]) -> Optional[int]:
         """The free slot a new request should take, not one of those already taken this step
-        (rank 0 decides; the others are told): the one holding the longest start of its prompt,
-        else the least recently used; None if there is none."""
+        (rank 0 decides; the others are told); None if there is none, or if its prompt's blocks
+        are not available (nor are any while a preempted sequence waits for its own)."""
         free = [index for index in self.free_slots() if index not in taken]
-        return self.prefix_cache.best_row(prompt, free) if free else None
+        if not free or any(sequence.preempted for sequence in self.running):
+            return None
+        needed = self._blocks_needed(list(prompt), self.prefix_cache.enabled)
+        if needed > self.pool.available - self.promised:
+            return None
+        self.promised += needed
+        return free[0]
+
+    def _blocks_needed(self, tokens: list[int], reuse: bool) -> int:
+        """The blocks that feeding tokens afresh takes from those available: new ones, and cached
+        ones its start would share (held from then on, no longer available)."""
+        shared = self.pool.cached_run(_shareable_keys(tokens)) if reuse else []
+        return blocks_for(len(tokens)) - len(shared) + sum(block in self.pool.cached for block in shared)
 
     def admit(self, request: GenerationRequest, slot_index: int, follows: Optional[Sequence] = None) -> Sequence:
-        """Start request in the given free slot, reusing what the slot holds of its prompt, or a
-        longer start of it that another slot holds (copied); follows: a running sequence with the
-        same prompt, whose prefill this one will copy."""
+        """Start request in the given free slot, sharing the cached blocks that hold a start of its
+        prompt; follows: a running sequence with the same prompt, whose blocks this one will share."""
         slot = self.slots[slot_index]
         assert slot.sequence is None, f"slot {slot_index} is taken"
-        prompt = request.prompt_tokens
-        # A prompt whose own log probabilities are asked for is computed whole: they need its logits.
-        reuse = not request.prompt_logprobs
-        reused = self.prefix_cache.reusable(slot_index, prompt) if reuse else 0
-        self.prefix_cache.keep(slot_index, reused)
-        source, held = self.prefix_cache.longest_start(prompt, [s.index for s in self.slots if s.index != slot_index])
-        copy = None
-        if reuse and held - reused >= MIN_COPIED_TOKENS:
-            # Planned now, done first in this step: before any pass writes the source slot again.
-            self.prefix_cache.copy(source, slot_index, held)
-            copy, reused = Copy(source, slot_index, reused, held), held
+        self.promised = 0  # every slot chosen is admitted before the next are chosen
         self.admissions += 1
-        slot.sequence = Sequence(request, slot, list(prompt), self.admissions, reused, follows=follows, copy=copy)
+        slot.sequence = Sequence(request, slot, list(request.prompt_tokens), self.admissions, follows=follows)
+        # A prompt whose own log probabilities are asked for is computed whole: they need its logits.
+        taken = self._take_blocks(slot.sequence, self.prefix_cache.enabled and not request.prompt_logprobs)
+        assert taken, f"the blocks of a prompt of {len(request.prompt_tokens)} tokens are not available"
+        slot.sequence.reused = len(slot.cached)
         return slot.sequence
+
+    def _take_blocks(self, sequence: Sequence, reuse: bool) -> bool:
+        """Give a sequence that holds none the blocks of its tokens: shared ones for the start that
+        cached blocks hold (if reuse), fresh ones for the rest; False (nothing taken) if they are
+        not available."""
+        if self._blocks_needed(sequence.tokens, reuse) > self.pool.available:
+            return False
+        keys = _shareable_keys(sequence.tokens)
+        shared = self.pool.cached_prefix(keys) if reuse else []
+        fresh = self.pool.take(blocks_for(len(sequence.tokens)) - len(shared))
+        assert fresh is not None
+        sequence.blocks, sequence.keys = shared + fresh, keys[: len(shared)]
+        self.prefix_cache.keep(sequence.slot.index, 0)
+        self.prefix_cache.extend(sequence.slot.index, 0, sequence.tokens[: len(shared) * BLOCK_POSITIONS])
+        self.tables[sequence.slot.index] = sequence.blocks
+        return True
 
     def find(self, request_id: str) -> Optional[Sequence]:
         return next((s for s in self.running if s.request.id == request_id), None)
 
     def release(self, sequence: Sequence) -> None:
-        """The sequence has ended: its slot is free, holding no start that was to be copied and never was."""
-        if sequence.copy is not None:  # ended before its first step (the server stopping)
-            self.prefix_cache.keep(sequence.slot.index, sequence.copy.start)
+        """The sequence has ended: its slot is free, its blocks given back (those it filled cached)."""
+        self._name_blocks(sequence)
+        self.pool.release(sequence.blocks)
+        sequence.blocks, sequence.keys = [], []
         sequence.slot.sequence = None
 
     def plan(self) -> StepPlan:
         """What this step feeds: every generating sequence's one token, and prompt chunks up to
-        max_prefill_tokens, oldest request first."""
-        decode, prefill, copies, budget = [], [], [], self.max_prefill_tokens
+        max_prefill_tokens, oldest request first; preempted sequences resume where their blocks are
+        available, and a generating sequence that needs a block preempts the newest."""
+        decode, prefill, budget = [], [], self.max_prefill_tokens
+        for sequence in self.running:
+            self._name_blocks(sequence)
+        waiting = {id(sequence) for sequence in self.running if sequence.preempted}  # not those preempted now
         for sequence in sorted(self.running, key=lambda s: s.admitted):
-            if sequence.copy is not None:  # in the order of admission: a copy may read the one before
-                copies.append(sequence.copy)
-                sequence.copy = None
+            if sequence.preempted:
+                # A prompt whose own log probabilities are asked for is computed whole again.
+                reuse = not (sequence.request.prompt_logprobs and sequence.generated == 0)
+                if id(sequence) not in waiting or not self._take_blocks(sequence, reuse):
+                    continue  # still waiting
+                sequence.preempted = False
             if sequence.follows is not None:
                 if _prefilling(sequence.follows):
                     continue  # its prompt's keys and values are on their way
-                copies += self._take_prefill(sequence)
+                self._share_prefill(sequence)
             pending, start = sequence.pending, len(sequence.slot.cached)
             if len(pending) == 1:
+                if not self._grow(sequence):
+                    continue  # preempted itself
                 decode.append(Chunk(sequence, start, pending))
             elif pending and budget > 0:
                 prefill.append(Chunk(sequence, start, pending[:budget]))
                 budget -= len(prefill[-1].tokens)
         # In cache-row order: rows that fill a block of the cache are read in place, not gathered.
         decode.sort(key=lambda chunk: chunk.sequence.slot.index)
-        return StepPlan(decode, prefill, copies)
+        tables, self.tables = self.tables, {}
+        return StepPlan(decode, prefill, tables)
 
-    def _take_prefill(self, sequence: Sequence) -> list[Copy]:
-        """What the followed sequence's slot holds of sequence's prompt beyond what its own slot
-        does, as a copy (none if nothing more); the record says so from now on."""
-        source, dest = sequence.follows.slot.index, sequence.slot.index
+    def _grow(self, sequence: Sequence) -> bool:
+        """Blocks enough for a generating sequence to write its next token (and its lookahead
+        where blocks are free), preempting the newest sequences holding blocks for them; False if
+        the newest was the sequence itself."""
+        while len(sequence.blocks) < blocks_for(len(sequence.tokens)):
+            taken = self.pool.take(1)
+            if taken is None:
+                newest = max((s for s in self.running if s.blocks), key=lambda s: s.admitted)
+                self.preempt(newest)
+                if newest is sequence:
+                    return False
+                continue
+            sequence.blocks += taken
+            self.tables[sequence.slot.index] = sequence.blocks
+        wanted = blocks_for(len(sequence.tokens) + self.lookahead) - len(sequence.blocks)
+        if wanted > 0 and self.pool.free:
+            sequence.blocks += self.pool.take(min(wanted, len(self.pool.free)))
+            self.tables[sequence.slot.index] = sequence.blocks
+        return True
+
+    def preempt(self, sequence: Sequence) -> None:
+        """The sequence gives its blocks back (those it filled stay cached) and waits, in its slot,
+        to be fed its tokens again."""
+        self._name_blocks(sequence)
+        self.pool.release(sequence.blocks)
+        sequence.blocks, sequence.keys = [], []
+        sequence.follows = None  # resumes by prefilling its prompt, sharing what is still cached
+        sequence.preempted = True
+        self.prefix_cache.keep(sequence.slot.index, 0)
+        self.preemptions += 1
+
+    def _name_blocks(self, sequence: Sequence) -> None:
+        """Name the blocks the sequence has filled since (a later prompt can share them)."""
+        held = self.slots[sequence.slot.index].cached
+        for index in range(len(sequence.keys), min(len(held) // BLOCK_POSITIONS, len(sequence.blocks))):
+            parent = sequence.keys[-1] if sequence.keys else b""
+            sequence.keys.append(next_key(parent, held[index * BLOCK_POSITIONS : (index + 1) * BLOCK_POSITIONS]))
+            self.pool.name(sequence.blocks[index], sequence.keys[-1])
+
+    def _share_prefill(self, sequence: Sequence) -> None:
+        """The followed sequence has filled the blocks of the prompt: share the full ones, giving
+        back those this one took for them."""
         sequence.follows = None
-        held = self.prefix_cache.held(source, sequence.request.prompt_tokens)
-        if held <= sequence.reused:
-            return []
-        self.prefix_cache.copy(source, dest, held)
-        copy = Copy(source, dest, sequence.reused, held)
-        sequence.reused = held
-        return [copy]
+        keys = _shareable_keys(sequence.tokens)
+        shared = self.pool.cached_prefix(keys)
+        if len(shared) * BLOCK_POSITIONS <= len(sequence.slot.cached):
+            self.pool.release(shared)
+            return
+        self.pool.release(sequence.blocks[: len(shared)])
+        sequence.blocks[: len(shared)] = shared
+        sequence.keys = keys[: len(shared)]
+        sequence.reused = len(shared) * BLOCK_POSITIONS
+        self.prefix_cache.keep(sequence.slot.index, 0)
+        self.prefix_cache.extend(sequence.slot.index, 0, sequence.tokens[: sequence.reused])
+        self.tables[sequence.slot.index] = sequence.blocks
 
     def fed(self, chunk: Chunk) -> None:
-        """The chunk's keys and values are in its slot now."""
+        """The chunk's keys and values are in its slot now: the blocks it filled can be shared."""
         self.prefix_cache.extend(chunk.sequence.slot.index, chunk.start, chunk.tokens)
+        self._name_blocks(chunk.sequence)
+
+
+def _shareable_keys(tokens: list[int]) -> list[BlockKey]:
+    """The keys of the full blocks that a sequence of tokens may share: all but its last token's
+    (which is fed again to give the logits of the next, and so written)."""
+    return block_keys(tokens[:-1], BLOCK_POSITIONS)
 
 
 def prefill_passes(chunks: list[Chunk], max_seq_len: int) -> list[list[Chunk]]:
@@ -207,4 +297,4 @@ MAX_PADDING = 1.5
 
 def _prefilling(sequence: Sequence) -> bool:
     """Whether sequence still runs and has prompt tokens its slot does not hold yet."""
-    return sequence.slot.sequence is sequence and len(sequence.pending) > 1
+    return sequence.slot.sequence is sequence and not sequence.preempted and len(sequence.pending) > 1

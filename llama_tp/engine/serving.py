@@ -20,6 +20,7 @@ from ..logs import logger
 from ..structured.constraint import Constraint
 from .engine import Admission, Engine, Update
 from .grammar_shelf import HeldRequests, Shelf
+from .observer import CacheUse
 from .requests import Delta, RequestState, Submission
 
 # The most a rank waits for news while nothing runs before the next heartbeat, in seconds.
@@ -215,4 +216,4 @@ class Serving:
         self.waiting.clear()
         self.held.streams.clear()
         if self.engine.observer is not None:
-            self.engine.observer.load(0, 0.0)
+            self.engine.observer.load(0, CacheUse())

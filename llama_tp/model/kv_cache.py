@@ -3,10 +3,12 @@ positions (block tables), and where a pass's tokens sit in them.
 
 The keys and values of every cache row share one pool a layer, in blocks of BLOCK_POSITIONS
 positions; a row's positions are found through its block table (BlockTables). Blocks need not
-follow one another, so a row holds the blocks its tokens fill and two rows can hold the same ones.
-Until a table is given, cache row r holds its own run of blocks, r's after r - 1's, as a cache of
-max_batch_size rows of max_seq_len positions would, and a batch of consecutive rows reads its
-keys and values in place (CacheRows.run).
+follow one another, so a row holds the blocks its tokens fill and two rows can hold the same ones
+(the engine hands them out: engine/blocks.py). The pool's last block is scratch: a table's entries
+past the blocks its row holds name it, so that a pass's padding, and guesses that run past a row's
+blocks, land where no row reads. Until a table is given, cache row r holds its own run of blocks,
+r's after r - 1's, as a cache of max_batch_size rows of max_seq_len positions would, where the pool
+has room for it, and a batch of consecutive rows reads its keys and values in place (CacheRows.run).
 """
 
 from typing import NamedTuple, Optional, Sequence
@@ -68,23 +70,30 @@ class BlockTables:
     row] int64 on the device, and the same lists on the host (which decide, without asking the
     device, whether rows can be read in place)."""
 
-    def __init__(self, rows: int, blocks_per_row: int, device: torch.device):
+    def __init__(self, rows: int, blocks_per_row: int, pool_blocks: int, device: torch.device):
         self.blocks_per_row = blocks_per_row
+        self.scratch = pool_blocks - 1
         self.host = [self._own_run(row) for row in range(rows)]
         self.tables = torch.tensor(self.host, dtype=torch.long, device=device)
-        self.in_own_run = [True] * rows  # whether a row holds the run of blocks it starts with
+        self.in_own_run = [self._fits(row) for row in range(rows)]  # whether a row holds the run it starts with
 
     def give(self, row: int, blocks: Sequence[int]) -> None:
         """Row's positions from now on in blocks (its first positions', then the next's, ...); its
-        other entries the last of them (never read)."""
-        table = list(blocks) + [blocks[-1]] * (self.blocks_per_row - len(blocks))
+        other entries the scratch block (never read)."""
+        table = list(blocks) + [self.scratch] * (self.blocks_per_row - len(blocks))
         self.host[row] = table
         self.tables[row] = torch.tensor(table, dtype=torch.long)
-        self.in_own_run[row] = table == self._own_run(row)
+        self.in_own_run[row] = self._fits(row) and table == self._own_run(row)
 
     def _own_run(self, row: int) -> list[int]:
-        """The blocks a row starts with: the row's own run, after the row before's."""
+        """The blocks a row starts with: the row's own run, after the row before's (scratch where
+        the pool has no room for it)."""
+        if not self._fits(row):
+            return [self.scratch] * self.blocks_per_row
         return list(range(row * self.blocks_per_row, (row + 1) * self.blocks_per_row))
+
+    def _fits(self, row: int) -> bool:
+        return (row + 1) * self.blocks_per_row <= self.scratch
 
     def of(self, slots: Sequence[int], slot_ids: torch.Tensor) -> torch.Tensor:
         """The rows' tables [bsz, blocks a row] (slot_ids: slots on the device)."""
@@ -140,11 +149,6 @@ class KVCache(nn.Module):
         where = (self.heads[:, None], places(rows.tables, rows.positions).flatten()[None, :])  # heads, bsz * seqlen
         self.k[0].index_put_(where, k.transpose(0, 1).flatten(1, 2))
         self.v[0].index_put_(where, v.transpose(0, 1).flatten(1, 2))
-
-    def copy_positions(self, source: torch.Tensor, dest: torch.Tensor) -> None:
-        """The keys and values at pool positions source [n] copied to dest [n]."""
-        for pool in (self.k, self.v):
-            pool[0, :, dest] = pool[0, :, source]
 
     def read(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values at positions [0, rows.end): [bsz, heads, end, head_dim]."""

@@ -35,6 +35,7 @@ class MemoryPlan:
     params_per_rank: int
     kv_heads_per_rank: int
     quantize: Optional[str] = None  # of the linear layers: "int8", "int4" or "int8_dynamic"
+    cache_positions: Optional[int] = None  # the KV cache's; None: max_batch_size rows of max_seq_len
 
     @property
     def weight_bytes(self) -> int:
@@ -45,12 +46,34 @@ class MemoryPlan:
         return (self.params_per_rank - sum(n for _, _, n in linear)) * self.dtype_bytes + quantized
 
     @property
+    def kv_cache_positions(self) -> int:
+        """The positions of the KV cache's blocks (kv_cache.py): cache_positions, by default
+        blocks enough for max_batch_size rows of max_seq_len positions."""
+        if self.cache_positions is None:
+            return self.max_batch_size * blocks_for(self.max_seq_len) * BLOCK_POSITIONS
+        return blocks_for(self.cache_positions) * BLOCK_POSITIONS
+
+    @property
+    def position_bytes(self) -> int:
+        """The keys and values of one position in every layer, local kv heads x head_dim each."""
+        return 2 * self.args.n_layers * self.kv_heads_per_rank * self.args.head_dim * self.dtype_bytes
+
+    @property
     def kv_cache_bytes(self) -> int:
-        """Keys and values of every layer: blocks enough for max_batch_size rows of max_seq_len
-        positions (kv_cache.py), local kv heads x head_dim a position."""
-        positions = self.max_batch_size * blocks_for(self.max_seq_len) * BLOCK_POSITIONS
-        per_layer = 2 * positions * self.kv_heads_per_rank * self.args.head_dim
-        return self.args.n_layers * per_layer * self.dtype_bytes
+        """The pool's blocks and its scratch block (kv_cache.py)."""
+        return (self.kv_cache_positions + BLOCK_POSITIONS) * self.position_bytes
+
+    def positions_in(self, gib: float) -> int:
+        """The positions of the KV cache that gib GiB a process hold, in whole blocks."""
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of GiB, found {gib!r}")
+        return int(gib * GIB) // (self.position_bytes * BLOCK_POSITIONS) * BLOCK_POSITIONS
+
+    def describe_cache(self) -> str:
+        """The KV cache as a user weighs it: "N tokens of KV cache: about M conversations of max_seq_len"."""
+        positions = self.kv_cache_positions
+        return (f"{positions} tokens of KV cache: about {positions / self.max_seq_len:.1f} conversations of "
+                f"max_seq_len {self.max_seq_len}")
 
     @property
     def logits_bytes(self) -> int:
@@ -172,8 +195,9 @@ def check_fits(memory: MemoryPlan, device: torch.device, processes_here: int) ->
     processes = f"{sharing} processes x " if sharing > 1 else ""
     raise ValueError(
         f"the weights and KV cache need {processes}{per_process / GIB:.2f} GiB ({memory.weight_bytes / GIB:.2f} + "
-        f"{memory.kv_cache_bytes / GIB:.2f} for batch {memory.max_batch_size} x {memory.max_seq_len} tokens), "
-        f"but {where} has {free / GIB:.2f} GiB free; lower --max_seq_len or --max_batch_size, quantize "
+        f"{memory.kv_cache_bytes / GIB:.2f} for {memory.kv_cache_positions} tokens of KV cache), "
+        f"but {where} has {free / GIB:.2f} GiB free; lower --kv_cache_memory (or --max_seq_len or "
+        "--max_batch_size, whose product it is by default), quantize "
         "(--quantize int8 or int4), or split the model over more machines"
     )
 

@@ -20,7 +20,7 @@ from ..parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_li
 from .args import ModelArgs
 from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
 from .feed_forward import FeedForward, MixtureOfExperts
-from .kv_cache import BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, blocks_for, places, step_through_kernel
+from .kv_cache import BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, blocks_for, step_through_kernel
 from .prefix_cache import PrefixCache
 from .step_graphs import StepGraphs
 
@@ -289,6 +289,7 @@ class Transformer(nn.Module):
         self.output = column_parallel_linear(args.dim, args.vocab_size, gather_output=False)
         self.max_batch_size = 0
         self.max_seq_len = 0
+        self.cache_blocks = 0
         self.window: Optional[int] = None  # the sliding window where it hides positions (setup_caches)
         self.chunk: Optional[int] = None  # Llama 4's attention chunk where it hides positions (setup_caches)
         # One new token per row: eager, or compile_decoding's (which runs the layers in groups).
@@ -311,14 +312,22 @@ class Transformer(nn.Module):
                                                 for part, rows in zip(module.FUSED[1], module.local_widths)]
         return layout
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the KV caches (kv_cache.py: blocks enough for every row's max_seq_len
-        positions) and the rotary table for these runtime limits; where decoding steps run at the
-        sizes of a ladder (compile_decoding's graphs), one cache row more, which the padding rows
-        write (spare_slot), its every position in one block of its own."""
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+                     cache_positions: Optional[int] = None) -> None:
+        """Allocate the KV caches (kv_cache.py: a pool of blocks holding cache_positions positions,
+        by default every row's max_seq_len, and a scratch block) and the rotary table for these
+        runtime limits: max_batch_size rows a step, each up to max_seq_len positions long. Where
+        decoding steps run at the sizes of a ladder (compile_decoding's graphs), one cache row
+        more, which the padding rows write (spare_slot), its every position in the scratch block."""
         blocks_per_row = blocks_for(max_seq_len)
-        blocks = max_batch_size * blocks_per_row + self.whole_steps
+        if cache_positions is None:
+            cache_positions = max_batch_size * blocks_per_row * BLOCK_POSITIONS
+        if cache_positions < max_seq_len:
+            raise ValueError(f"a KV cache of {cache_positions} positions cannot hold one sequence of max_seq_len "
+                             f"{max_seq_len}; give it more memory or lower max_seq_len")
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.cache_blocks = blocks_for(cache_positions)  # the blocks the engine hands out (engine/blocks.py)
+        blocks = self.cache_blocks + 1
         # A sliding window as long as the caches hides nothing: then attention runs as without one.
         window, chunk = self.args.sliding_window, self.args.attention_chunk_size
         self.window = window if window is not None and window < max_seq_len else None
@@ -329,13 +338,13 @@ class Transformer(nn.Module):
         self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_batch_size, device=device), persistent=False)
         self.prefix_cache = PrefixCache(max_batch_size)
-        self.block_tables = BlockTables(max_batch_size + self.whole_steps, blocks_per_row, device)
+        self.block_tables = BlockTables(max_batch_size + self.whole_steps, blocks_per_row, blocks, device)
         for layer in self.layers:
             attention = layer.attention
             attention.cache = KVCache(blocks, attention.n_local_kv_heads, attention.head_dim, device, dtype,
                                       kernel_fits)
         if self.whole_steps:
-            self.block_tables.give(self.spare_slot, [blocks - 1])
+            self.block_tables.give(self.spare_slot, [])
             self.step_masks = StepMasks(max_batch_size, blocks * BLOCK_POSITIONS, device, self.chunk)
             # A mixture of experts reads back its experts' token counts in every step, which a
             # CUDA graph cannot hold (feed_forward.py): its steps run at the ladder's sizes unrecorded.
@@ -349,16 +358,6 @@ class Transformer(nn.Module):
     def spare_slot(self) -> int:
         """The cache row that decode_step's padding rows write and no row reads."""
         return self.max_batch_size
-
-    @torch.no_grad()
-    def copy_cache_positions(self, source: int, dest: int, start: int, end: int) -> None:
-        """Cache row dest takes row source's keys and values at positions [start, end) in every
-        layer: a prompt prefilled once serves several rows (the server's `n` choices)."""
-        positions = torch.arange(start, end, device=self.positions.device)[None]
-        tables = self.block_tables.tables
-        source_places, dest_places = (places(tables[row : row + 1], positions)[0] for row in (source, dest))
-        for layer in self.layers:
-            layer.attention.cache.copy_positions(source_places, dest_places)
 
     @property
     def exact_steps(self) -> bool:
@@ -400,7 +399,7 @@ class Transformer(nn.Module):
                         f"sliding window ({self.args.sliding_window}): decoding steps compile without CUDA graphs")
         if self.whole_steps and self.max_batch_size:
             self.setup_caches(self.max_batch_size, self.max_seq_len, self.rotary.device,
-                              self.layers[0].attention.cache.k.dtype)
+                              self.layers[0].attention.cache.k.dtype, self.cache_blocks * BLOCK_POSITIONS)
 
     @torch.inference_mode()
     def warm_up_decoding(self) -> None:

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from ..engine.observer import Observer
+from ..engine.observer import CacheUse, Observer
 from ..engine.requests import RequestState
 from ..engine.scheduler import Sequence
 
@@ -26,6 +26,7 @@ VLLM_NAMES = {
     "vllm:num_requests_running": ("Number of requests in model execution batches.", "requests_running"),
     "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "requests_waiting"),
     "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    "vllm:num_preemptions": ("Cumulative number of preemption from the engine.", "preemptions"),
     "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.", "prompt_tokens"),
     "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", "cached_prompt_tokens"),
     "vllm:prompt_tokens": ("Number of prefill tokens processed.", "prompt_tokens"),
@@ -50,8 +51,14 @@ class ServerMetrics:
         self.requests_ended = Counter("llama_tp_requests", "Requests that ended, by how", ["state"], registry=registry)
         self.requests_refused = Counter("llama_tp_requests_refused", "Requests refused before reaching the engine, "
                                         "by HTTP status", ["status"], registry=registry)
-        self.kv_cache_usage = Gauge("llama_tp_kv_cache_usage", "The fraction of the KV cache's positions that the "
+        self.kv_cache_usage = Gauge("llama_tp_kv_cache_usage", "The fraction of the KV cache's blocks that the "
                                     "running requests hold (their prompts and answers so far)", registry=registry)
+        self.kv_cache_blocks_used = Gauge("llama_tp_kv_cache_blocks_used", "Blocks of the KV cache that running "
+                                          "requests hold (a shared prefix's once)", registry=registry)
+        self.kv_cache_blocks_cached = Gauge("llama_tp_kv_cache_blocks_cached", "Blocks of the KV cache that no "
+                                            "request holds, keeping a prefix for later prompts", registry=registry)
+        self.preemptions = Counter("llama_tp_preemptions", "Running requests that gave their blocks back for an "
+                                   "older one to grow, to resume later", registry=registry)
         self.prompt_tokens = Counter("llama_tp_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
         self.cached_prompt_tokens = Counter("llama_tp_prompt_tokens_cached", "Prompt tokens whose keys and values "
                                             "were reused from an earlier request", registry=registry)
@@ -98,6 +105,7 @@ class EngineMetrics(Observer):
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
+        self.preemptions = 0  # the engine's count so far
 
     def admitted(self, sequence: Sequence) -> None:
         self.metrics.prompt_tokens.inc(sequence.prompt_length)
@@ -123,7 +131,11 @@ class EngineMetrics(Observer):
     def ended(self, state: RequestState) -> None:
         self.metrics.requests_ended.labels(state.value).inc()
 
-    def load(self, running: int, cache_usage: float) -> None:
+    def load(self, running: int, cache: CacheUse) -> None:
         self.metrics.requests_running.set(running)
-        self.metrics.kv_cache_usage.set(cache_usage)
+        self.metrics.kv_cache_usage.set(cache.usage)
+        self.metrics.kv_cache_blocks_used.set(cache.used)
+        self.metrics.kv_cache_blocks_cached.set(cache.cached)
+        self.metrics.preemptions.inc(cache.preemptions - self.preemptions)
+        self.preemptions = cache.preemptions
 

@@ -68,6 +68,7 @@ def main(
     model_name: Optional[str] = None,
     max_batch_size: int = 8,
     max_seq_len: int = 2048,
+    kv_cache_memory: Optional[float] = None,
     no_prefix_cache: bool = False,
     dtype: Optional[str] = None,
     quantize: Optional[str] = None,
@@ -93,9 +94,12 @@ def main(
         tokenizer_path: the tokenizer file that came with the checkpoint.
         model_name: the name the bodies' "model" must give, as for the server (default: the
             checkpoint folder's name, or smollm2-135m-instruct for the demo model).
-        max_batch_size: requests generating at once: each holds a row of the KV cache.
-        max_seq_len: the longest prompt plus answer, in tokens.
-        no_prefix_cache: prefill every prompt in full, never reusing what a row holds.
+        max_batch_size: requests generating at once (the rows of a step): each holds the blocks of
+            the KV cache its tokens fill, growing as it does.
+        max_seq_len: the longest prompt plus answer of one request, in tokens.
+        kv_cache_memory: GiB of KV cache a process holds, handed out by the block as requests
+            grow (default: max_batch_size x max_seq_len positions; docs/serving.md).
+        no_prefix_cache: prefill every prompt in full, never sharing blocks an earlier one filled.
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
         quantize: int8 or int4 (weight-only; int4 on CPU) or int8_dynamic (CPU) linear layers.
         compile: compile the decoding step (worth it for long jobs).
@@ -114,6 +118,7 @@ def main(
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype, quantize=quantize,
                             compile=compile, speculate=speculate, speculate_k=speculate_k,
                             draft_ckpt_dir=draft_ckpt_dir, draft_quantize=draft_quantize,
+                            kv_cache_memory=kv_cache_memory,
                             reasoning_parser=reasoning_parser)
     generator.model.prefix_cache.enabled = not no_prefix_cache
     with Output(Path(output_file), resume) as output:

@@ -398,7 +398,7 @@ def generate_afresh(llama: Llama, prompts: list[list[int]], new_tokens: int,
                     options: dict = PLAIN_GREEDY) -> list[list[int]]:
     """Continuations (plain greedy, or as options say) with every prompt token prefilled: the cache
     forgets the run before, which held the same prompts (a peer's run resets its cache alike)."""
-    llama.model.prefix_cache.forget()
+    llama.forget_prefixes()
     return llama.generate(prompts, new_tokens, **options)[0]
 
 
