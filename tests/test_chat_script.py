@@ -150,9 +150,11 @@ class Screen:
 
 
 def test_each_turn_reuses_the_conversation_so_far_until_reset(checkpoints):
-    """The second turn sends the first again and feeds only what is new; after /reset nothing is
-    reused (LLAMA_TP_LOG=debug shows the reuse on stderr)."""
-    session = "Hello there\nTell me more\n/reset\nHello there\n"
+    """The second turn sends the first again and feeds only what is new (the first turn fills a
+    block of the KV cache, which the second shares); after /reset a new conversation shares
+    nothing (LLAMA_TP_LOG=debug shows the reuse on stderr)."""
+    first = " ".join(["Hello there, tell me about the weather today and tomorrow in the city by the sea."] * 3)
+    session = f"{first}\nTell me more\n/reset\nGoodbye\n"
     result = run_script("chat.py", 1, "--ckpt_dir", checkpoints[1], "--tokenizer_path", str(LLAMA2_TOKENIZER),
                         "--temperature", "0", "--max_seq_len", "128", "--max_gen_len", str(MAX_GEN_LEN),
                         stdin=session, timeout=90, env={"LLAMA_TP_LOG": "debug"})
