@@ -94,7 +94,9 @@ def test_a_tokens_output_does_not_depend_on_what_else_is_in_the_batch():
     x = torch.randn(9, TINY["dim"], generator=torch.Generator().manual_seed(2))
     together = layer(x[None])[0]
     for token in range(len(x)):
-        torch.testing.assert_close(layer(x[token : token + 1][None])[0, 0], together[token], atol=1e-6, rtol=0)
+        # Up to fp32 rounding: torch's own products (without our kernels) block a batch of one
+        # row otherwise than one of nine; another choice of experts would differ by far more.
+        torch.testing.assert_close(layer(x[token : token + 1][None])[0, 0], together[token], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("change, message", [
