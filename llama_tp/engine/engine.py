@@ -153,8 +153,7 @@ class Engine:
         """Feed every running sequence what its cache row lacks (within the prefill budget), and
         advance each one whose pending tokens are all fed: what the step produced."""
         plan = self.scheduler.plan()
-        for slot, blocks in plan.tables.items():  # blocks handed out, shared, given back
-            self.model.block_tables.give(slot, blocks)
+        self.model.block_tables.give_all(plan.tables)  # blocks handed out, shared, given back: one copy
         # A prompt whose own log probabilities are asked for needs every position's logits: a pass
         # of its own (not again for one preempted after its first token, fed its tokens anew).
         scored = [chunk for chunk in plan.prefill if _scores_prompt(chunk.sequence)]

@@ -11,7 +11,7 @@ r's after r - 1's, as a cache of max_batch_size rows of max_seq_len positions wo
 has room for it, and a batch of consecutive rows reads its keys and values in place (CacheRows.run).
 """
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -80,10 +80,19 @@ class BlockTables:
     def give(self, row: int, blocks: Sequence[int]) -> None:
         """Row's positions from now on in blocks (its first positions', then the next's, ...); its
         other entries the scratch block (never read)."""
-        table = list(blocks) + [self.scratch] * (self.blocks_per_row - len(blocks))
-        self.host[row] = table
-        self.tables[row] = torch.tensor(table, dtype=torch.long)
-        self.in_own_run[row] = self._fits(row) and table == self._own_run(row)
+        self.give_all({row: blocks})
+
+    def give_all(self, changes: Mapping[int, Sequence[int]]) -> None:
+        """give() for several rows at once: one copy to the device for all of them (a step's)."""
+        if not changes:
+            return
+        rows = list(changes)
+        for row, blocks in changes.items():
+            table = list(blocks) + [self.scratch] * (self.blocks_per_row - len(blocks))
+            self.host[row] = table
+            self.in_own_run[row] = self._fits(row) and table == self._own_run(row)
+        tables = torch.tensor([self.host[row] for row in rows], dtype=torch.long)
+        self.tables[torch.tensor(rows, device=self.tables.device)] = tables.to(self.tables.device)
 
     def _own_run(self, row: int) -> list[int]:
         """The blocks a row starts with: the row's own run, after the row before's (scratch where
