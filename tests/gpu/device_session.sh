@@ -6,7 +6,8 @@
 #     bash tests/gpu/device_session.sh [part ...]     # parts: tests steps bench serve (default: tests bench serve)
 #
 # steps: the GPU tests of whole decoding steps alone. serve: the clients and requests of each load
-# come from SERVE_LOADS ("clients:requests ...", default "1:16 16:64 64:192"), its rows from SERVE_ROWS (64).
+# come from SERVE_LOADS ("clients:requests ...", default "1:16 16:64 64:192"), its rows from SERVE_ROWS (64),
+# its max_seq_len from SERVE_SEQ_LEN (1024) and its KV cache from SERVE_KV_GIB (GiB; default: rows x max_seq_len).
 #
 # It needs beside the checkout what such a machine may lack, in folders git ignores: .whl/ (wheels
 # of the Python packages its image does not have) and .peers/ (gpt-fast, ../shared/peers/gpt-fast,
@@ -66,14 +67,16 @@ for part in $parts; do
     serve)
         checkpoint llama2-7b
         torchrun --nproc_per_node 1 launch/serve.py --ckpt_dir /dev/shm/llama2-7b \
-            --tokenizer_path ../shared/data/llama2-tokenizer.model --max_batch_size "${SERVE_ROWS:-64}" --max_seq_len 1024 \
-            > "$LOGS/server.log" 2>&1 &
+            --tokenizer_path ../shared/data/llama2-tokenizer.model --max_batch_size "${SERVE_ROWS:-64}" --max_seq_len "${SERVE_SEQ_LEN:-1024}" \
+            ${SERVE_KV_GIB:+--kv_cache_memory "$SERVE_KV_GIB"} > "$LOGS/server.log" 2>&1 &
         server=$!
-        for _ in $(seq 180); do
+        for _ in $(seq 180); do  # until it answers, or its process ends
             curl -sf http://127.0.0.1:8000/health > /dev/null && break
+            kill -0 "$server" 2>/dev/null || break
             sleep 1
         done
-        note "server ready after $((SECONDS - start)) s: $(grep -o 'compiled the decoding step in [0-9.]* seconds' "$LOGS/server.log")"
+        note "server ready after $((SECONDS - start)) s: $(grep -o -E 'compiled the decoding step in [0-9.]* seconds|[0-9]+ tokens of KV cache[^.]*' "$LOGS/server.log" | tr '\n' ' ')"
+        if ! curl -sf http://127.0.0.1:8000/health > /dev/null; then note "server failed: $(tail -5 "$LOGS/server.log" | tr '\n' ' ' | cut -c1-1500)"; fi
         for load in ${SERVE_LOADS:-1:16 16:64 64:192}; do
             set -- ${load/:/ }
             timeout 120 python3 -m llama_tp.bench_serve --concurrency "$1" --requests "$2" --max_tokens 128 \
