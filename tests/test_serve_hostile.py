@@ -86,7 +86,10 @@ def test_a_grammar_that_matches_no_text_is_a_400_naming_its_field(server, path, 
         {"messages": HELLO} if path == CHAT else {"prompt": "Once"})
     status, code, named, message = refusal(httpx.post(f"{server.url}{path}", json=body, timeout=60))
     assert (status, code, named) == (400, "invalid_value", param)
-    assert message == f"`{param}` matches no text at all: its grammar allows no first token"
+    assert message == f"`{param}` matches no text at all: its grammar allows no first token" or (
+        # xgrammar 0.2.9 and later refuse a schema that is nothing but a circular $ref as they compile it
+        field != "guided_regex" and message.startswith(f"`{param}` cannot be compiled into a grammar: ")
+        and "$ref" in message)
     assert_serves(server.url)
 
 
