@@ -10,6 +10,13 @@ llama_tp/structured); with a speculator, the rows free of adjustments gain their
 guesses instead (speculative/). Each step's Updates (one Delta per request) go back to whoever
 drives the engine: a batch job or a stream (jobs.py), or the server's loop (serving.py).
 
+What a token needs before the next step (its row's grammar, whether its sequence ends by its
+token or its length, blocks given back) is done as it is read back; the rest of the host's part
+(its text, stop strings, the Delta, the metrics: Made) is reported at once, or, where the device
+runs a step while the host goes on (Engine.overlap: a GPU), after the next step has been launched,
+so that the device does not wait for it. A sequence that its text ends then (a stop string) has
+been fed once more meanwhile: that step's token for it is dropped, and its answer is the same.
+
 It knows nothing of HTTP, of Llama's API or of files: it is given a model (with its KV cache and
 the cache's record, model.prefix_cache), a tokenizer, and a speculator and grammars where the
 model has them.
@@ -60,6 +67,19 @@ class Admission:
 
 
 @dataclass(frozen=True)
+class Made:
+    """A token a step chose for a sequence (or, token None, the end of one without a token: cancelled,
+    its grammar's dead end, a prompt filling its context), waiting for its text, Delta and metrics."""
+
+    sequence: Sequence
+    token: Optional[int]
+    end: Optional[str] = None  # the reason the sequence ends here, as known before its text
+    logprob: Optional[TokenLogprob] = None
+    at: float = 0.0  # when the token counts as made (time.monotonic), for the latencies
+    candidates: Candidates = ()
+
+
+@dataclass(frozen=True)
 class Update:
     """What a step produced for one request: its sequence (the whole answer so far, in
     sequence.sampling) and the step's Delta (the last one has the finish reason)."""
@@ -71,13 +91,16 @@ class Update:
 class Engine:
     def __init__(self, model: Transformer, tokenizer, max_prefill_tokens: int, speculator: Optional[Speculator] = None,
                  grammars: "Optional[Callable[[], Grammars]]" = None, observer: Optional[Observer] = None,
-                 text: bool = False, pool: Optional[BlockPool] = None):
+                 text: bool = False, pool: Optional[BlockPool] = None, overlap: Optional[bool] = None):
         """max_prefill_tokens: prompt tokens fed a step beside the generating rows.
         grammars: the model's structured.grammars.Grammars, made when a first request asks for a
         constraint. observer: told of admissions, tokens, ends and the load (the server's metrics).
         text: every request's deltas carry its text (a server's, a stream's); otherwise only
         requests with stop strings watch their text. pool: the blocks of the model's KV cache, with
-        the prefixes they hold from the engines before (by default a fresh one, holding none)."""
+        the prefixes they hold from the engines before (by default a fresh one, holding none).
+        overlap: report a step's tokens (text, deltas, metrics) after the next step is launched,
+        while the device runs it (by default where the device runs apart from the host, a GPU, and
+        without a speculator, whose rounds stop at a stop string's token)."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = model.rotary.device
@@ -90,6 +113,11 @@ class Engine:
         # Each cache row's tokens, for the repetition penalty: kept on the device, grown a token a step.
         self.history = TokenHistory(model.max_batch_size, model.max_seq_len, self.device)
         self.next_report = SPECULATION_REPORT_ROWS
+        self.overlap = self.device.type == "cuda" and speculator is None if overlap is None else overlap
+        if self.overlap and speculator is not None:
+            raise ValueError("a speculating engine reports each token as it is made: it cannot overlap")
+        self.made: list[Made] = []  # tokens and ends not yet reported
+        self.launched = False  # whether this step has run a pass of the model yet
         self.updates: list[Update] = []  # the current step's
 
     @property
@@ -117,7 +145,8 @@ class Engine:
         if sequence.reused:
             logger.debug(f"reusing the cache: {sequence.reused} of {sequence.prompt_length} prompt tokens held "
                          "from a request before")
-        generator = torch.Generator(device=self.device).manual_seed(admission.seed)
+        # The host's: a GPU step's rows then draw their numbers without a kernel each (sampler.on_device).
+        generator = torch.Generator().manual_seed(admission.seed)
         watches_text = self.text or bool(request.stop)
         decoder = IncrementalDecoder(self.tokenizer, request.stop) if watches_text else None
         # structured outputs (llama_tp/structured): each rank keeps its own grammar state
@@ -135,15 +164,19 @@ class Engine:
 
     def cancel(self, request_id: str) -> list[Update]:
         """End a running request now (its client left): its last Update, "cancelled"."""
+        self._report_made()
         sequence = self.scheduler.find(request_id)
         if sequence is not None:
-            self._finish(sequence, "cancelled", [])
+            self._finish(sequence, "cancelled")
+            self._report_made()
         return self._take_updates()
 
     def end_all(self) -> list[Update]:
         """End every running request cleanly with what it has (the server stopping)."""
+        self._report_made()
         for sequence in self.scheduler.running:
-            self._finish(sequence, "cancelled", [])
+            self._finish(sequence, "cancelled")
+        self._report_made()
         return self._take_updates()
 
     # Steps
@@ -152,6 +185,7 @@ class Engine:
     def step(self) -> list[Update]:
         """Feed every running sequence what its cache row lacks (within the prefill budget), and
         advance each one whose pending tokens are all fed: what the step produced."""
+        self.launched = False
         plan = self.scheduler.plan()
         self.model.block_tables.give_all(plan.tables)  # blocks handed out, shared, given back: one copy
         # A prompt whose own log probabilities are asked for needs every position's logits: a pass
@@ -174,6 +208,8 @@ class Engine:
                 self._prefill(chunks)
             if plan.decode:
                 self._decode(plan.decode)
+        if not (self.overlap and self.launched and self.scheduler.running):  # no next step to overlap
+            self._report_made()
         if self.observer is not None:
             self._report_load()  # the running requests' answers grew
         return self._take_updates()
@@ -216,15 +252,18 @@ class Engine:
         else:
             logits = self.model.forward_segments([batch_tensors(batch, self.device)[:3] for batch in batches],
                                                  vocab_slice=plain_greedy)
+        self.launched = True
+        self._report_made()  # the step before's tokens, while the device runs this pass (overlap)
         for chunk in chunks:
-            self.scheduler.fed(chunk)
+            if chunk.sequence.sampling.ended is None:  # not ended by its text just now
+                self.scheduler.fed(chunk)
         if every_position:
             self._keep_prompt_logprobs(chunks[0], logits[0])
             logits = logits[:, -1:]
-        completing = [row for row, chunk in enumerate(chunks) if chunk.completes]
+        completing = [row for row, chunk in enumerate(chunks) if chunk.completes and chunk.sequence.sampling.ended is None]
         full = [row for row in completing if self._is_full(chunks[row].sequence)]
         for row in full:  # a prompt that fills the context: nothing more to choose
-            self._finish(chunks[row].sequence, "length", [])
+            self._finish(chunks[row].sequence, "length")
         completing = [row for row in completing if row not in full]
         if not completing:  # prompts' chunks before their last: nothing to choose yet
             return
@@ -314,35 +353,23 @@ class Engine:
 
     def _advance(self, sequence: Sequence, token: int, logprob: Optional[TokenLogprob], at: float,
                  candidates: Candidates = ()) -> bool:
-        """Append a chosen token and end the sequence where it ends (then True). at: when the token
-        counts as made (time.monotonic), for the latencies."""
-        request, progress = sequence.request, sequence.sampling
+        """Append a chosen token, ending the sequence where its token or its length ends it (then
+        True); its text and Delta follow (_report_made). at: when the token counts as made
+        (time.monotonic), for the latencies."""
+        progress = sequence.sampling
         if progress.adjustment is not None and not progress.adjustment.accept(token):  # structured outputs
             # its grammar allowed no token at all: this answer ends, the others go on
-            self._finish(sequence, "error", [])
-            return True
-        sequence.tokens.append(token)
-        sequence.generated += 1
-        stopped = token in request.stop_tokens
-        if not stopped:
-            progress.answer.append(token)
-            if logprob is not None:
-                progress.logprobs.append(logprob)
-            if request.top_candidates:
-                progress.candidates.append(candidates)
-        piece = progress.decoder.push(progress.answer) if progress.decoder is not None and not stopped else ""
-        stopped = stopped or (progress.decoder is not None and progress.decoder.stopped)
-        if self.observer is not None:  # before the times move on: it reads the last token's
-            self.observer.token(sequence, at)
-        if progress.first_token_at is None:
-            progress.first_token_at = at
-        progress.last_token_at = at
-        delta = Delta(piece, () if token in request.stop_tokens else (token,), (logprob,) if logprob else ())
-        if stopped or self._is_full(sequence):
-            self._finish(sequence, "stop" if stopped else "length", [delta])
-            return True
-        self.updates.append(Update(sequence, delta))
-        return False
+            self._finish(sequence, "error")
+        else:
+            sequence.tokens.append(token)
+            sequence.generated += 1
+            end = "stop" if token in sequence.request.stop_tokens else "length" if self._is_full(sequence) else None
+            if end is not None:
+                self._end(sequence, end)
+            self.made.append(Made(sequence, token, end, logprob, at, candidates))
+        if not self.overlap:
+            self._report_made()  # a speculation round's next token waits for this one's stop strings
+        return progress.ended is not None
 
     def _is_full(self, sequence: Sequence) -> bool:
         """Whether sequence has reached its token limit, or the end of its cache row."""
@@ -350,10 +377,56 @@ class Engine:
 
     # Ends
 
-    def _finish(self, sequence: Sequence, reason: str, deltas: list[Delta]) -> None:
-        """End a running sequence on every rank: its last deltas, the last with its text's end and
-        counts. reason "error": the one way a running answer fails alone, its grammar's dead end."""
+    def _finish(self, sequence: Sequence, reason: str) -> None:
+        """End a running sequence without a token. reason "error": the one way a running answer
+        fails alone, its grammar's dead end."""
+        self._end(sequence, reason)
+        self.made.append(Made(sequence, None, reason))
+
+    def _end(self, sequence: Sequence, reason: str) -> None:
+        """A sequence ends: its slot and blocks are free for the next plan."""
         self.scheduler.release(sequence)
+        sequence.sampling.ended = reason
+
+    # Reports: text, Deltas, metrics
+
+    def _report_made(self) -> None:
+        """Each token and end made since the last report: its text (and whether a stop string ends
+        it there), its Delta and the metrics, in the order they were made."""
+        made, self.made = self.made, []
+        for item in made:
+            if item.token is None:
+                self._close(item.sequence, item.end, [])
+            else:
+                self._report_token(item)
+
+    def _report_token(self, item: Made) -> None:
+        sequence, token = item.sequence, item.token
+        request, progress = sequence.request, sequence.sampling
+        stopped = token in request.stop_tokens
+        if not stopped:
+            progress.answer.append(token)
+            if item.logprob is not None:
+                progress.logprobs.append(item.logprob)
+            if request.top_candidates:
+                progress.candidates.append(item.candidates)
+        piece = progress.decoder.push(progress.answer) if progress.decoder is not None and not stopped else ""
+        stopped = stopped or (progress.decoder is not None and progress.decoder.stopped)
+        if self.observer is not None:  # before the times move on: it reads the last token's
+            self.observer.token(sequence, item.at)
+        if progress.first_token_at is None:
+            progress.first_token_at = item.at
+        progress.last_token_at = item.at
+        delta = Delta(piece, () if token in request.stop_tokens else (token,), (item.logprob,) if item.logprob else ())
+        if not stopped and item.end is None:
+            self.updates.append(Update(sequence, delta))
+            return
+        if progress.ended is None:  # a stop string in its text
+            self._end(sequence, "stop")
+        self._close(sequence, "stop" if stopped else item.end, [delta])
+
+    def _close(self, sequence: Sequence, reason: str, deltas: list[Delta]) -> None:
+        """An ended sequence's last deltas, the last with its text's end and counts."""
         progress = sequence.sampling
         if progress.decoder is not None:
             text = cut_at_stop(self.tokenizer.decode(progress.answer), sequence.request.stop)

@@ -28,3 +28,4 @@ class Progress:
     prompt_logprobs: list[float] = field(default_factory=list)
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
+    ended: Optional[str] = None  # why it ended, once it has (its blocks are given back then)
