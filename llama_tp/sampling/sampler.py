@@ -353,5 +353,14 @@ def _uniforms(rows: Sequence[int], generators: Generators, device: torch.device)
     """One uniform number in [0, 1) for each sampled row, from its own generator: [rows] float64."""
     if generators is None or isinstance(generators, torch.Generator):
         return torch.rand(len(rows), dtype=torch.float64, device=device, generator=generators)
-    return torch.stack([torch.rand((), dtype=torch.float64, device=device, generator=generators[row])
-                        for row in rows])
+    return on_device(torch.stack([torch.rand((), dtype=torch.float64, device=generators[row].device,
+                                             generator=generators[row]) for row in rows]), device)
+
+
+def on_device(drawn: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Numbers drawn where their generators are (the engine's are the host's, each a row's) on
+    device: one copy, which on a GPU waits for nothing, where a GPU's own generators would launch
+    a kernel a row."""
+    if drawn.device == device:
+        return drawn
+    return drawn.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else drawn.to(device)
