@@ -46,6 +46,9 @@ class Inbox(Protocol):
     def left_waiting(self, count: int = 1) -> None:
         """count requests left the waiting line (admitted, or ended while waiting)."""
 
+    def deliver(self, deltas: list[tuple[Submission, Delta]]) -> None:
+        """A step's deltas, each to its request's stream, in order."""
+
     def drain(self) -> list[Submission]:
         """The requests still queued (once the engine stops or fails, so no more come)."""
 
@@ -171,15 +174,17 @@ class Serving:
 
     def _deliver(self, updates: list[Update]) -> None:
         """Rank 0: each update's delta to its request's stream (the last one closes it)."""
-        if self.inbox is None:
+        if self.inbox is None or not updates:
             return
+        deltas = []
         for update in updates:
             request_id = update.sequence.request.id
             if update.delta.finished:
-                self.streams.pop(request_id).put(update.delta)
+                deltas.append((self.streams.pop(request_id), update.delta))
                 self.held.ended(update.sequence.request)
             else:
-                self.streams[request_id].put(update.delta)
+                deltas.append((self.streams[request_id], update.delta))
+        self.inbox.deliver(deltas)
 
     def _end_stream(self, stream: Submission, delta: Delta, state: RequestState) -> None:
         """Rank 0: a request's last delta, wherever it was (held, waiting or running)."""

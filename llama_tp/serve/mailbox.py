@@ -48,10 +48,7 @@ class RequestStream:
 
     def put(self, delta: Delta) -> None:
         """From any thread: hand the HTTP side a delta (dropped if the HTTP side's loop has closed)."""
-        try:
-            self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
-        except RuntimeError:  # the server has stopped: nobody reads this stream, and the engine goes on
-            pass
+        hand_over(self._loop, [(self, delta)])
 
     async def next(self) -> Delta:
         return await self._deltas.get()
@@ -130,6 +127,15 @@ class Mailbox:
             self._waiting -= count
             self.metrics.requests_waiting.set(self._waiting)
 
+    def deliver(self, deltas: list[tuple[RequestStream, Delta]]) -> None:
+        """A step's deltas to their streams, in order: the HTTP side's loop is woken once for them
+        all, not once a delta (each wake-up is a write to its pipe, and a turn of its thread)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Delta]]] = {}
+        for stream, delta in deltas:
+            by_loop.setdefault(stream._loop, []).append((stream, delta))
+        for loop, handed in by_loop.items():
+            hand_over(loop, handed)
+
     def wake(self) -> None:
         """Make a waiting take() return (the state changed)."""
         self._messages.put(Cancel(""))
@@ -160,3 +166,17 @@ class Mailbox:
                 messages.append(self._messages.get_nowait())
         except queue.Empty:
             return messages
+
+
+def hand_over(loop: asyncio.AbstractEventLoop, deltas: list[tuple[RequestStream, Delta]]) -> None:
+    """Put deltas in their streams' queues on loop, their readers' (dropped if it has closed: the
+    server has stopped, nobody reads them, and the engine goes on)."""
+
+    def put_all() -> None:
+        for stream, delta in deltas:
+            stream._deltas.put_nowait(delta)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:
+        pass

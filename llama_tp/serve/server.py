@@ -5,6 +5,7 @@ HTTP/1.1 through h11 with a deadline on every request's headers."""
 import asyncio
 import functools
 import socket
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Optional
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
 
 # Seconds a kept-alive connection may stay idle between requests (uvicorn's timeout_keep_alive).
 KEEP_ALIVE_SECONDS = 5
+# The most the engine's thread waits for the GIL while the HTTP thread runs Python (sys.setswitchinterval).
+# Python's default, 5 ms, is as long as a GPU's step: the engine, which waits for its device with the
+# GIL released, would find the HTTP thread streaming its deltas and wait up to that long to go on.
+GIL_SWITCH_SECONDS = 0.0005
 
 
 def engine_loop(generator: "Llama", max_prefill_tokens: int, mailbox: Optional[Mailbox]) -> Serving:
@@ -126,6 +131,7 @@ class ServerThread:
 
     def start(self, timeout: float = 10.0) -> "ServerThread":
         """Start serving; return once connections are accepted."""
+        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
