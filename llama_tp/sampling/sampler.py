@@ -353,8 +353,13 @@ def _uniforms(rows: Sequence[int], generators: Generators, device: torch.device)
     """One uniform number in [0, 1) for each sampled row, from its own generator: [rows] float64."""
     if generators is None or isinstance(generators, torch.Generator):
         return torch.rand(len(rows), dtype=torch.float64, device=device, generator=generators)
-    return on_device(torch.stack([torch.rand((), dtype=torch.float64, device=generators[row].device,
-                                             generator=generators[row]) for row in rows]), device)
+    return on_device(torch.cat([uniforms(1, generators[row], device) for row in rows]), device)
+
+
+def uniforms(count: int, generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
+    """count uniform numbers from generator, where it is (None: device's global one): [count] float64."""
+    where = device if generator is None else generator.device
+    return torch.rand(count, dtype=torch.float64, device=where, generator=generator)
 
 
 def on_device(drawn: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ...sampling.sampler import Generators, inverse_cdf, on_device
+from ...sampling.sampler import Generators, inverse_cdf, on_device, uniforms
 
 
 def accept_greedy(choices: torch.Tensor, guesses: torch.Tensor,
@@ -85,8 +85,8 @@ def _uniforms(counts: Union[torch.Tensor, Sequence[int]], m: int, generators: Ge
     if generators is None or isinstance(generators, torch.Generator):
         return torch.rand(len(counts), m + 1, dtype=torch.float64, device=device, generator=generators)
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-    drawn = on_device(torch.cat([torch.rand(count + 1, dtype=torch.float64, device=generator.device, generator=generator)
-                                 for count, generator in zip(counts, generators)]), device)
+    drawn = on_device(torch.cat([uniforms(count + 1, generator, device) for count, generator in zip(counts, generators)]),
+                      device)
     places = [row * (m + 1) + i for row, count in enumerate(counts) for i in (*range(count), m)]
     uniform = torch.zeros(len(counts) * (m + 1), dtype=torch.float64, device=device)
     return uniform.index_put_((torch.tensor(places, device=device),), drawn).view(len(counts), m + 1)
