@@ -156,7 +156,8 @@ class Engine:
         if request.prompt_logprobs:
             # the prompt's first token, which nothing predicts (a one-token prompt is fed as a step, never scored)
             sequence.sampling.prompt_logprobs.append(0.0)
-        self.history.reset(admission.slot, request.prompt_tokens)
+        if _penalises_repeats(request):
+            self.history.reset(admission.slot, request.prompt_tokens)
         if self.observer is not None:
             self.observer.admitted(sequence)
             self._report_load()
@@ -298,13 +299,14 @@ class Engine:
         candidates where asked. The host reads the step back once (tokens and what is asked beside
         them, as rank 0 chose them: choices.py), twice in a step where some row's nucleus needed
         the full sort."""
-        slots = torch.tensor([s.slot.index for s in sequences], device=self.device)
         requests = [s.request for s in sequences]
         options = [request.options for request in requests]
-        lengths = [len(s.tokens) for s in sequences]
+        # Only rows that penalise repeats keep their tokens on the device (penalty 1 leaves the others' as they are).
+        penalised = [row for row, request in enumerate(requests) if _penalises_repeats(request)]
         history = None
-        if any(o.repetition_penalty != 1.0 for o in options):
-            history = self.history.ids[slots, : max(lengths)]
+        if penalised:
+            slots = torch.tensor([s.slot.index for s in sequences], device=self.device)
+            history = self.history.ids[slots, : max(len(s.tokens) for s in sequences)]
         ban = stop_bans(requests, [s.generated for s in sequences], logits.shape[-1], self.device)
         draw = sample(logits, options, [s.sampling.generator for s in sequences], history, ban)
         top = max(request.top_logprobs for request in requests)
@@ -313,7 +315,10 @@ class Engine:
         logprobs = F.log_softmax(logits.float(), dim=-1) if asks_logprobs else None
         candidates = candidate_columns(requests, logits, history, ban) if most else []
         tokens, rows = agreed_tokens(draw, lambda chosen: [*logprob_columns(chosen, logprobs, top), *candidates])
-        self.history.append(slots, torch.tensor(lengths, device=self.device), tokens)
+        if penalised:
+            at = torch.tensor(penalised, device=self.device)
+            self.history.append(slots[at], torch.tensor([len(sequences[row].tokens) for row in penalised],
+                                                        device=self.device), tokens[at])
         picks = []
         after = 3 + 2 * top if asks_logprobs else 2  # where the candidates' columns start
         for request, row in zip(requests, rows):
@@ -339,7 +344,8 @@ class Engine:
         extras = round_extras(requests, rows, outcomes)
         now = time.monotonic()
         for sequence, outcome, gained in zip(sequences, outcomes, extras):
-            self.history.write(sequence.slot.index, len(sequence.tokens), outcome.tokens)
+            if _penalises_repeats(sequence.request):
+                self.history.write(sequence.slot.index, len(sequence.tokens), outcome.tokens)
             previous = sequence.sampling.last_token_at or now
             for index, token in enumerate(outcome.tokens):
                 at = previous + (now - previous) * (index + 1) / len(outcome.tokens)  # the round's time, shared
@@ -461,6 +467,10 @@ class Engine:
 def _scores_prompt(sequence: Sequence) -> bool:
     """Whether a sequence's prompt chunks give its prompt's own log probabilities."""
     return bool(sequence.request.prompt_logprobs) and sequence.generated == 0
+
+
+def _penalises_repeats(request: GenerationRequest) -> bool:
+    return request.options.repetition_penalty != 1.0
 
 
 def _takes_best_logit(request: GenerationRequest) -> bool:

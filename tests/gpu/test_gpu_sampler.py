@@ -1,6 +1,6 @@
 """The batched sampler on a GPU: a step's tensors all on the logits' device (a tensor made on the
 CPU by mistake fails only here: the CPU suite cannot see it, and the meta device lets CPU values
-into index_put), each row with its own CUDA generator, and the draws still following the
+into index_put), each row with its own generator (the GPU's, or the host's as the engine's are), and the draws still following the
 distribution sampling.py defines, on both of top-p's paths (its candidates, the full sort)."""
 
 import pytest
@@ -33,12 +33,13 @@ def test_draws_on_the_gpu_follow_the_defined_distribution(four_candidates, logit
         assert draw.unsettled[0::2].all()  # the full sort's path was taken, on the device
 
 
-def test_each_row_draws_from_its_own_cuda_generator_whatever_shares_the_step():
+@pytest.mark.parametrize("where", ["cuda", "cpu"], ids=["the GPU's generators", "the host's (the engine's)"])
+def test_each_row_draws_from_its_own_generator_whatever_shares_the_step(where):
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)).to(CUDA)
     options = [GREEDY, NUCLEUS, SamplingOptions(temperature=1.2, top_k=5, top_p=1.0), CUT]
 
     def run(rows):
-        generators = [torch.Generator(CUDA).manual_seed(10 + row) for row in rows]
+        generators = [torch.Generator(where).manual_seed(10 + row) for row in rows]
         return torch.stack([sample(logits[rows], [options[r] for r in rows], generators).settle()
                             for _ in range(30)])
 
