@@ -246,12 +246,12 @@ class Engine:
         chunks = [chunk for batch in batches for chunk in batch]
         plain_greedy = not every_position and all(_takes_best_logit(c.sequence.request) for c in chunks if c.completes)
         if len(batches) == 1:
-            tokens, starts, slots, lengths = batch_tensors(chunks, self.device)
+            tokens, starts, slots, lengths = batch_tensors(chunks)
             width = tokens.shape[1]
             logits = self.model.forward(tokens, starts, last_only=not every_position, vocab_slice=plain_greedy,
                                         slots=slots, lengths=None if min(lengths) == width else lengths)
         else:
-            logits = self.model.forward_segments([batch_tensors(batch, self.device)[:3] for batch in batches],
+            logits = self.model.forward_segments([batch_tensors(batch)[:3] for batch in batches],
                                                  vocab_slice=plain_greedy)
         self.launched = True
         self._report_made()  # the step before's tokens, while the device runs this pass (overlap)

@@ -18,12 +18,13 @@ from .speculative.rows import Row, histories, suppressed
 NO_TOKEN = -1
 
 
-def batch_tensors(chunks: list[Chunk], device: torch.device) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
-    """chunks' tokens as one batch [rows, longest], the shorter padded on the right; their start
-    positions, cache rows and lengths."""
+def batch_tensors(chunks: list[Chunk]) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+    """chunks' tokens as one batch [rows, longest] on the host (the model moves them: a step replayed
+    as a CUDA graph takes them in its one copy of inputs), the shorter padded on the right; their
+    start positions, cache rows and lengths."""
     lengths = [len(chunk.tokens) for chunk in chunks]
     width = max(lengths)
-    tokens = torch.tensor([chunk.tokens + [0] * (width - len(chunk.tokens)) for chunk in chunks], device=device)
+    tokens = torch.tensor([chunk.tokens + [0] * (width - len(chunk.tokens)) for chunk in chunks])
     return tokens, [chunk.start for chunk in chunks], [c.sequence.slot.index for c in chunks], lengths
 
 

@@ -422,8 +422,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos: "int | Sequence[int]", last_only: bool = False,
                 vocab_slice: bool = False, slots: Optional[Sequence[int]] = None,
                 lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen], row r placed in cache row
-        slots[r] (by default r) from position start_pos: one for every row, or one per row.
+        """Logits [bsz, seqlen, vocab] in fp32 for tokens [bsz, seqlen] (on the host or the model's
+        device), row r placed in cache row slots[r] (by default r) from position start_pos: one for
+        every row, or one per row.
 
         last_only: only the last position's logits, [bsz, 1, vocab]: all that picking the next
         token needs, and it spares a prompt's worth of the largest matrix product.
@@ -442,6 +443,7 @@ class Transformer(nn.Module):
             self._fall_back_if_compiling_failed()
             return logits
         rows = self.cache_rows(bsz, seqlen, starts, slots)
+        tokens = tokens.to(self.rotary.device)
         last = None if lengths is None else torch.tensor(lengths, device=tokens.device) - 1
         h = self.tok_embeddings(tokens)
         if seqlen == 1 and self.run_decode_layers is not run_layers:
@@ -467,7 +469,8 @@ class Transformer(nn.Module):
             self._overwrite(slots, starts)
             last += range(first + seqlen - 1, first + bsz * seqlen, seqlen)
             first += bsz * seqlen
-        h = self.tok_embeddings(torch.cat([tokens.flatten() for tokens, _, _ in batches]))[None]  # 1, tokens, dim
+        tokens = torch.cat([tokens.flatten() for tokens, _, _ in batches]).to(self.rotary.device)
+        h = self.tok_embeddings(tokens)[None]  # 1, tokens, dim
         for layer in self.layers:
             h = layer.forward_segments(h, segments)
         h = h[0, torch.tensor(last, device=h.device)][:, None]  # rows, 1, dim
