@@ -10,7 +10,7 @@ padded alike, so that the rungs, the padding and what compiles are checked there
 """
 
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterator, Optional
 
 import torch
 
@@ -31,7 +31,7 @@ class StepGraphs:
 
     def __init__(self, step: StepFunction, max_rows: int, spare_slot: int, device: torch.device, record: bool,
                  after_compiling: Callable[[], bool]):
-        """after_compiling: called after the step compiled for a new rung and key (and its graph was
+        """after_compiling: called after the step compiled for a new rung and key (before its graph is
         recorded), at the same step on every rank, where the ranks can agree on how it went: whether
         compiled steps go on."""
         self.step, self.spare_slot, self.device, self.record = step, spare_slot, device, record
@@ -64,8 +64,10 @@ class StepGraphs:
         if not self.record:
             return self.step(*inputs, key)[:rows]
         if (rung, key) not in self.graphs:
-            self.graphs[rung, key] = self._recorded(rung, key)
-            self.after_compiling()
+            recorded = self._recorded(rung, key)
+            if recorded is None:  # compiling failed: this step, and the next ones, eagerly
+                return self.step(*inputs, key)[:rows]
+            self.graphs[rung, key] = recorded
         graph, output = self.graphs[rung, key]
         graph.replay()
         return output[:rows].clone()
@@ -78,15 +80,20 @@ class StepGraphs:
                 if not self.record:
                     with self._padded(rung) as inputs:
                         self.step(*inputs, key)
+                    if not self.after_compiling():
+                        return
                 elif (rung, key) not in self.graphs:
-                    self.graphs[rung, key] = self._recorded(rung, key)
-                if not self.after_compiling():
-                    return
+                    recorded = self._recorded(rung, key)
+                    if recorded is None:
+                        return
+                    self.graphs[rung, key] = recorded
 
-    def _recorded(self, rung: int, key: Hashable) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _recorded(self, rung: int, key: Hashable) -> Optional[tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
         """A graph of the step on the rung's inputs, and the tensor it writes its output to. The
         step runs twice first, on a stream of its own as recording wants: compiling for these
-        shapes and making the libraries' workspaces happen there."""
+        shapes and making the libraries' workspaces happen there. None where compiling failed on
+        some rank (after_compiling): no graph is recorded of the eager code that ran instead
+        (FlexAttention's eager code cannot even be recorded)."""
         with self._padded(rung) as inputs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -94,6 +101,8 @@ class StepGraphs:
                 for _ in range(2):
                     self.step(*inputs, key)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            if not self.after_compiling():
+                return None
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 output = self.step(*inputs, key)

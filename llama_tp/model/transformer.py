@@ -32,6 +32,8 @@ LINEAR_LAYERS = ("wqkv", "wo", "w13", "w2", "output")
 
 # The most layers one compiled decoding call runs (see Transformer.compile_decoding).
 MAX_LAYERS_PER_CALL = 10
+# The most versions of a compiled decoding function kept (rungs of the ladder x heads, with room).
+RECOMPILE_LIMIT = 64
 
 
 class RMSNorm(nn.Module):
@@ -388,8 +390,10 @@ class Transformer(nn.Module):
         size = layers_per_call(len(self.layers))
         self.decode_layer_groups = [self.layers[first : first + size] for first in range(0, len(self.layers), size)]
         # Before each call, skip checking the parameters of modules whose attributes are unchanged
-        # since the call before: a group's checks take half the time.
-        fewer_checks = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)
+        # since the call before: a group's checks take half the time. A compiled function is kept
+        # for each rung of the ladder and each head (gathered or not): more than the compiler's 8.
+        fewer_checks = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True,
+                                                   recompile_limit=RECOMPILE_LIMIT)
         self.compile_failure: Optional[Exception] = None
         self.run_decode_layers = fewer_checks(torch.compile(run_layers, **compile_options))
         self.run_decode_head = fewer_checks(torch.compile(run_head, **compile_options))

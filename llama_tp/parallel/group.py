@@ -179,13 +179,17 @@ class DecodeCompilation:
 
 def decode_compilation(device: torch.device) -> DecodeCompilation:
     """CUDA graphs on GPUs (they replay a whole step as one launch, but need the same shapes every
-    time: the step runs at the next size of a ladder), where a graph can hold the step's
+    time: the step runs at the next size of a ladder, compiled for each), where a graph can hold the step's
     collectives; compiled without graphs of the compiler's own, which would replay each group of
     layers apart; on CPU, code generation for a step whose length may grow, with
     the code that calls the kernels in C++ too (cpp_wrapper): a demo-model step at batch 1 took
     24.1 ms instead of 25.1, for 4 s more of compiling when nothing is cached."""
     if device.type == "cuda":
-        return DecodeCompilation({}, graphs=graphs_hold_collectives())
+        graphs = graphs_hold_collectives()
+        # A graph's rung is one batch size: each compiles for its own (the compiler's dynamic batch
+        # size, which it chose after a second size, failed for FlexAttention's block masks on an
+        # H200, and a graph would have recorded eager FlexAttention, which a capture refuses).
+        return DecodeCompilation({"dynamic": False} if graphs else {}, graphs=graphs)
     require_cxx_compiler("compile=True on CPU", "leave compile off")
     return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, graphs=False)
 
