@@ -147,6 +147,7 @@ class KVCache(nn.Module):
         self.kernel_attends = (cpu_kernels.decoding_kernels_run_on(device) and dtype == torch.float32
                                and head_dim % cpu_kernels.ATTENTION_LANES == 0 and kernel_fits)
         self.register_buffer("heads", torch.arange(n_kv_heads, device=device), persistent=False)
+        self.register_buffer("first", torch.zeros(1, dtype=torch.long, device=device), persistent=False)
 
     def write(self, rows: CacheRows, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [bsz, heads, seqlen, head_dim] at the rows' positions."""
@@ -155,9 +156,11 @@ class KVCache(nn.Module):
             for pool, new in ((self.k, k), (self.v, v)):
                 self._rows_in_place(pool, rows, len(k)).index_copy_(2, rows.positions[0], new.transpose(0, 1))
             return
-        where = (self.heads[:, None], places(rows.tables, rows.positions).flatten()[None, :])  # heads, bsz * seqlen
-        self.k[0].index_put_(where, k.transpose(0, 1).flatten(1, 2))
-        self.v[0].index_put_(where, v.transpose(0, 1).flatten(1, 2))
+        # Indexed from the pool itself, not through a view of it (self.k[0]): compiled, a write
+        # through a view copies the whole pool twice (17 ms a step of a 7B with a 16 GiB pool on an H200).
+        where = (self.first, self.heads[:, None], places(rows.tables, rows.positions).flatten()[None, :])
+        self.k.index_put_(where, k.transpose(0, 1).flatten(1, 2))  # heads, bsz * seqlen, head_dim
+        self.v.index_put_(where, v.transpose(0, 1).flatten(1, 2))
 
     def read(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values at positions [0, rows.end): [bsz, heads, end, head_dim]."""
