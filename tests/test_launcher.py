@@ -8,10 +8,12 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import llama_tp
+from llama_tp.parallel import launcher
 from jobs import LAUNCH, PROJECT_ROOT, alive, rank_pids, subprocess_env, wait_for_log_line
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
@@ -39,6 +41,14 @@ def test_version_is_the_packages():
 
 
 @pytest.mark.slow  # torchrun jobs
+def test_the_jobs_code_is_the_first_rank_to_exit_by_itself():
+    """torchrun stops the other ranks once one fails; whichever it saw end first, the job exits with
+    the code of the first rank that exited of its own accord (a usage error's 2), not 1."""
+    stopped, usage, later = (SimpleNamespace(exitcode=code, timestamp=at) for code, at in ((-15, 10), (2, 11), (3, 12)))
+    assert launcher._job_exit_code([stopped, later, usage]) == 2
+    assert launcher._job_exit_code([stopped]) == 1
+
+
 def test_a_mistake_is_one_line_per_rank_in_rank_order(checkpoint):
     result = launch("--nproc_per_node", "3", str(LAUNCH / "text_completion.py"), "--ckpt_dir", str(checkpoint),
                     "--tokenizer_path", str(LLAMA2_TOKENIZER), "--temprature", "0")

@@ -53,9 +53,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         except ChildFailedError as error:
             if debug:
                 raise
-            first = error.failures[error.get_first_failure()[0]]
             _exit(Path(lines), {rank: failure.exitcode for rank, failure in error.failures.items()},
-                  first.exitcode if first.exitcode > 0 else 1)
+                  _job_exit_code(list(error.failures.values())))
         except SignalException as error:  # Ctrl-C or SIGTERM: torchrun has stopped the ranks
             if debug:
                 raise
@@ -78,6 +77,14 @@ def _exit(lines: Path, exit_codes: dict[int, int], code: int) -> NoReturn:
     for rank in sorted(said):
         print(said[rank], file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def _job_exit_code(failures: list) -> int:
+    """The code of the rank that exited first of its own accord (a usage error's 2 on every rank,
+    say), not that of a rank torchrun stopped after it (a signal's negative code), whichever
+    torchrun saw end first; 1 where every failed rank was killed."""
+    exited = [failure for failure in failures if failure.exitcode > 0]
+    return min(exited, key=lambda failure: failure.timestamp).exitcode if exited else 1
 
 
 def _ending(exit_code: int) -> str:
