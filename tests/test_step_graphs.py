@@ -1,0 +1,103 @@
+"""StepGraphs (model/step_graphs.py) without a GPU: a step runs at the next rung of the ladder, a
+rung's graph is recorded once (after the ranks agreed its compiling went well) and replayed after,
+and where compiling failed no graph is recorded: the step, and the ones after, run as they are.
+torch.cuda's streams and graphs are stood in for by fakes that replay what they recorded."""
+
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+
+from llama_tp.model.step_graphs import StepGraphs, ladder
+
+SPARE = 7
+
+
+class FakeGraph:
+    """Records the step it captures and runs it again on replay, into the same output."""
+
+    recording: "FakeGraph | None" = None
+
+    def __init__(self):
+        self.replay_step = None
+
+    def replay(self) -> None:
+        self.replay_step()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    class Stream:
+        def __init__(self, *args):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    @contextmanager
+    def graph(fake: FakeGraph, pool=None):
+        FakeGraph.recording = fake
+        yield
+        FakeGraph.recording = None
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+class Step:
+    """A step function that logs its calls: its output is tokens + 100 * positions."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, bool]] = []  # (rows, while recording)
+
+    def __call__(self, tokens, slots, positions, key):
+        self.calls.append((len(tokens), FakeGraph.recording is not None))
+        output = tokens + 100 * positions
+        recording = FakeGraph.recording
+        if recording is not None:  # what a replay recomputes from the inputs, as a graph does
+            recording.replay_step = lambda: output.copy_(tokens + 100 * positions)
+        return output
+
+
+def test_the_ladder_doubles_up_to_the_most_rows():
+    assert ladder(1) == [1]
+    assert ladder(16) == [1, 2, 4, 8, 16]
+    assert ladder(24) == [1, 2, 4, 8, 16, 24]
+
+
+def test_a_rung_is_recorded_once_then_replayed_with_each_steps_inputs(fake_cuda):
+    step, agreed = Step(), []
+    graphs = StepGraphs(step, 8, SPARE, torch.device("cpu"), record=True, after_compiling=lambda: agreed.append(1) or True)
+    first = graphs.run(torch.tensor([1, 2, 3]), [0, 1, 2], [5, 6, 7], "greedy")
+    assert first.tolist() == [501, 602, 703]
+    assert step.calls == [(4, False), (4, False), (4, True)]  # two warm-ups, then the capture, at rung 4
+    assert len(agreed) == 1  # the ranks agreed before recording
+    again = graphs.run(torch.tensor([4, 5]), [3, 1], [9, 8], "greedy")  # rung 2: recorded anew
+    assert again.tolist() == [904, 805]
+    third = graphs.run(torch.tensor([9, 9, 9, 9]), [0, 1, 2, 3], [1, 1, 1, 1], "greedy")  # rung 4 again: a replay
+    assert third.tolist() == [109] * 4
+    assert len(step.calls) == 6 and len(agreed) == 2
+
+
+def test_where_compiling_failed_no_graph_is_recorded_and_steps_run_as_they_are(fake_cuda):
+    step = Step()
+    graphs = StepGraphs(step, 8, SPARE, torch.device("cpu"), record=True, after_compiling=lambda: False)
+    output = graphs.run(torch.tensor([1, 2]), [0, 1], [3, 4], "sampled")
+    assert output.tolist() == [301, 402]
+    assert step.calls == [(2, False), (2, False), (2, False)]  # two warm-ups, then this step itself: no capture
+    assert not graphs.graphs
+    graphs.prepare(("greedy", "sampled"))  # the warm-up of every rung stops at the first failure
+    assert not graphs.graphs and step.calls[-1] == (8, False)
+
+
+def test_warming_up_records_every_rung_largest_first_writing_the_spare_row_only(fake_cuda):
+    step = Step()
+    graphs = StepGraphs(step, 4, SPARE, torch.device("cpu"), record=True, after_compiling=lambda: True)
+    graphs.inputs[4][1, :2] = torch.tensor([3, 1])  # what an earlier step left there
+    graphs.prepare(("greedy",))
+    assert list(graphs.graphs) == [(4, "greedy"), (2, "greedy"), (1, "greedy")]
+    assert graphs.inputs[4][1, :2].tolist() == [3, 1]  # given back after the warm-up's spare rows
