@@ -263,20 +263,26 @@ def dequantized(tensor) -> torch.Tensor:
 def tokenizer_files(metadata: Metadata, tokens: list[str]) -> tuple[dict[str, bytes], list[int], Optional[str]]:
     """tokenizer.json and tokenizer_config.json from the embedded vocabulary, eos, and the chat template."""
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise ValueError(f"{metadata.path}: its {model!r} vocabulary is not supported, only byte-level BPE "
-                         "('gpt2'); convert the model's Hugging Face folder with `convert hf` instead")
+                         "('gpt2') and SentencePiece's ('llama'); convert the model's Hugging Face folder with "
+                         "`convert hf` instead")
     special_ids = {
         f"{role}_token": metadata.get(f"tokenizer.ggml.{key}_token_id", None)
         for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))
     }
     template = metadata.get("tokenizer.chat_template", None)
-    add_bos = metadata.get("tokenizer.ggml.add_bos_token", False)
+    token_types = metadata.get("tokenizer.ggml.token_type")
+    if model == "llama":  # SentencePiece's: Llama 2, Mistral, Mixtral, which begin with their bos
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", True)
+        vocabulary = gguf_vocab.sentencepiece_tokenizer_json(tokens, metadata.get("tokenizer.ggml.scores"), token_types,
+                                                             metadata.get("tokenizer.ggml.add_space_prefix", True))
+    else:
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", False)
+        vocabulary = gguf_vocab.tokenizer_json(tokens, metadata.get("tokenizer.ggml.merges"), token_types,
+                                               metadata.get("tokenizer.ggml.pre", "default"))
     files = {
-        "tokenizer.json": gguf_vocab.tokenizer_json(
-            tokens, metadata.get("tokenizer.ggml.merges"),
-            metadata.get("tokenizer.ggml.token_type"), metadata.get("tokenizer.ggml.pre", "default"),
-        ),
+        "tokenizer.json": vocabulary,
         "tokenizer_config.json": gguf_vocab.tokenizer_config_json(tokens, special_ids, add_bos, template),
     }
     eos = special_ids["eos_token"]

@@ -1,4 +1,6 @@
-"""A GGUF file's embedded byte-level BPE vocabulary, written out as a Hugging Face tokenizer.json."""
+"""A GGUF file's embedded vocabulary, written out as a Hugging Face tokenizer.json: byte-level BPE
+(tokenizer.ggml.model "gpt2": Llama 3's, Qwen's, SmolLM2's) or SentencePiece's BPE ("llama": Llama
+2's, Mistral's and Mixtral's)."""
 
 import json
 from typing import Optional
@@ -6,7 +8,9 @@ from typing import Optional
 from ...optional import require
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+# SentencePiece's space.
+SPACE = "\u2581"
 
 # How text is split into words before BPE, by the GGUF's tokenizer.ggml.pre: the regexes are
 # llama.cpp's (llama-vocab.cpp), which reproduce each model's original Hugging Face tokenizer.
@@ -53,7 +57,45 @@ def tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int],
     tokenizer = tokenizers.Tokenizer(bpe)
     tokenizer.pre_tokenizer = pre_tokenizer_for(pre)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    # Control tokens (<|im_start|>) must stay whole instead of being cut into byte pieces.
+    return _with_added_tokens(tokenizer, tokens, token_types)
+
+
+def sentencepiece_tokenizer_json(tokens: list[str], scores: list[float], token_types: list[int],
+                                 add_space_prefix: bool) -> bytes:
+    """tokenizer.json for a SentencePiece BPE vocabulary (tokenizer.ggml.model "llama"), as
+    transformers' LlamaConverter writes Llama 2's: spaces are "\u2581" (and one begins the text,
+    with add_space_prefix), pieces merge in the order of their scores, and a character the
+    vocabulary lacks is its bytes' <0xXX> tokens."""
+    tokenizers = require("tokenizers", "a GGUF file's vocabulary")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    unknown = next((token for token, kind in zip(tokens, token_types) if kind == UNKNOWN), None)
+    bpe = tokenizers.models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, scores, vocab), unk_token=unknown,
+                                fuse_unk=True, byte_fallback=True)
+    tokenizer = tokenizers.Tokenizer(bpe)
+    normalizers, decoders = tokenizers.normalizers, tokenizers.decoders
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(SPACE)] * add_space_prefix + [normalizers.Replace(" ", SPACE)])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                          + [decoders.Strip(" ", 1, 0)] * add_space_prefix)
+    return _with_added_tokens(tokenizer, tokens, token_types)
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges that reproduce SentencePiece's: every split of a piece into two pieces of the
+    vocabulary, the pieces with the best scores merged first (transformers' SentencePieceExtractor)."""
+    merges = []
+    for piece, score in zip(tokens, scores):
+        splits = [(piece[:cut], piece[cut:], score) for cut in range(1, len(piece))
+                  if piece[:cut] in vocab and piece[cut:] in vocab]
+        merges += sorted(splits, key=lambda merge: (vocab[merge[0]], vocab[merge[1]]))
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _with_added_tokens(tokenizer, tokens: list[str], token_types: list[int]) -> bytes:
+    """tokenizer with the vocabulary's control and user-defined tokens as added tokens, as JSON."""
+    tokenizers = require("tokenizers", "a GGUF file's vocabulary")
+    # Control tokens (<|im_start|>, <s>) must stay whole instead of being cut into byte pieces.
     added = [
         tokenizers.AddedToken(token, special=kind == CONTROL, normalized=False)
         for token, kind in zip(tokens, token_types) if kind in (CONTROL, USER_DEFINED)
