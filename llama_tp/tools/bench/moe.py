@@ -16,10 +16,8 @@ engine's mixture of experts.
 
 With --peer llama-bench, llama.cpp runs the same two models beside ours: they are made as random
 Hugging Face models (transformers' Mixtral and Llama), llama.cpp's own converter writes each one's
-GGUF file in fp32 and ours converts the same folder (`python -m llama_tp.convert --kind hf`), so
-both hold the same weights (our GGUF import reads byte-level BPE vocabularies only, and these models
-carry Llama's SentencePiece one), and `llama-bench` times llama.cpp's decoding of one sequence, a
-run of ours and one of its at a time.
+GGUF file (fp32), ours is converted from that file (`python -m llama_tp.convert --kind gguf`), and
+`llama-bench` times llama.cpp's decoding of one sequence, a run of ours and one of its at a time.
 """
 
 import json
@@ -40,7 +38,7 @@ from ...kernels import matmul
 from ...model.args import ModelArgs
 from ..cli import run
 from ..convert.writer import ffn_params
-from ..convert.hf import convert_hf
+from ..convert.gguf import convert_gguf
 from .llama_bench import LlamaCpp
 from .random_checkpoint import random_weights
 from .speed import DECODE_PROMPT_LEN, PROMPT_SEED, TokenIds, generate_afresh, interleaved
@@ -105,11 +103,11 @@ def main(dim: int = 768, n_layers: int = 8, n_heads: int = 12, n_kv_heads: int =
     scratch = Path(scratch_dir.name)
     for name, shape in params.items():
         folder = Path(parallel.broadcast_object(str(scratch / name) if placement.is_main else None))
-        if peer_tools is not None:  # a Hugging Face model: llama.cpp's GGUF of it, and ours
+        if peer_tools is not None:  # llama.cpp's GGUF of a Hugging Face model, and ours converted from it
             hf = hf_model(scratch / f"hf-{name}", shape, tokenizer_path)
             ggufs[name] = scratch / f"{name}.gguf"
             peer_tools.convert(hf, ggufs[name], "f32")
-            convert_hf(str(hf), str(folder), dtype="fp32")
+            convert_gguf(str(ggufs[name]), str(folder))
             shape = json.loads((folder / "params.json").read_text())
         elif placement.is_main:
             folder.mkdir()
