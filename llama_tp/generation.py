@@ -17,6 +17,7 @@ from .checkpoint.draft import load_draft
 from .checkpoint.record import read_record
 from .context import check_max_seq_len, trained_context
 from .engine import JOB_PREFILL_TOKENS, Engine, GenerationRequest, Observer, prompt_seeds, run_job
+from .engine.beams import search_blocks
 from .engine.blocks import BlockPool
 from .engine.requests import BeamSearch
 from .engine.speculative import Speculator, check_speculation, guesses_a_round, make_speculator
@@ -538,6 +539,11 @@ class Llama:
         requests = []
         for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
             room = min(max_gen_len, self.model.max_seq_len - len(prompt))
+            if decoding.beams is not None and search_blocks(len(prompt), room, decoding.beams.width) > self.model.cache_blocks:
+                raise ValueError(f"prompt {index}: a search of {decoding.beams.width} beams over its {len(prompt)} tokens "
+                                 f"and {room} more may hold {search_blocks(len(prompt), room, decoding.beams.width)} "
+                                 f"blocks of the KV cache, which has {self.model.cache_blocks}; give it more "
+                                 "(kv_cache_memory), search fewer beams or lower max_gen_len")
             if room > 0 or (logprobs and echo):
                 request = GenerationRequest(str(index), tuple(prompt), room, options, frozenset(stop_tokens), stop,
                                             logprobs, top_candidates=show_top, prompt_logprobs=logprobs and echo,

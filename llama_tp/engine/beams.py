@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import parallel
+from ..model.kv_cache import BLOCK_POSITIONS, blocks_for
 from ..sampling.processors import apply_processors
 from ..sampling.rule import adjust_logits
 from ..structured.bad_words import banned_next
@@ -142,6 +143,13 @@ class Search:
 
     def _reason(self, hypothesis: Hypothesis) -> str:
         return "stop" if hypothesis.tokens and hypothesis.tokens[-1] in self.request.stop_tokens else "length"
+
+
+def search_blocks(prompt_length: int, max_tokens: int, width: int) -> int:
+    """The most blocks a search can hold: its prompt's full blocks once, and each beam's own copy
+    of the rest (the prompt's last, partial block and every token it may generate). A door refuses
+    a search the KV cache cannot hold, which would preempt itself step after step."""
+    return prompt_length // BLOCK_POSITIONS + width * blocks_for(prompt_length % BLOCK_POSITIONS + max_tokens)
 
 
 class BeamSearches:
