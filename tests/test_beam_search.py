@@ -14,6 +14,9 @@ from llama_tp.model.args import ModelArgs
 from llama_tp.model.kv_cache import BLOCK_POSITIONS, blocks_for
 from llama_tp.sampling import SamplingOptions
 from llama_tp.tools.bench.hf import build_hf_model
+from serve_client import client
+from test_serve_real_engine import MODEL as REAL_MODEL
+from test_serve_real_engine import real_server
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 from torchrun import one_thread  # noqa: F401  (a fixture)
 
@@ -155,6 +158,10 @@ def test_searches_preempted_and_resumed_give_the_same_beams(folders, llama):
     found, _ = tight.generate([prompt] * 3, MAX_GEN_LEN, num_beams=4, num_return_sequences=2, early_stopping="never")
     assert found == roomy
     assert engines[0].scheduler.preemptions > 0 and tight.block_pool.held == 0
+    # 8 beams could each hold two blocks of their own: more than the cache has, so they would preempt each other for good
+    with pytest.raises(ValueError, match="prompt 0: a search of 8 beams over its 58 tokens and 70 more may hold 16 "
+                                         "blocks of the KV cache, which has 10"):
+        tight.generate([prompt], 70, num_beams=8)
 
 
 def test_what_beam_search_cannot_be_is_refused_in_a_line(llama):
@@ -204,3 +211,36 @@ def _on_two_ranks(folder: str, returned: int) -> dict:
 def test_two_ranks_find_transformers_beams(folders, transformers_beams, returned):
     found = run_world(2, _on_two_ranks, folders[2], returned)
     assert found[0] == found[1] == expected(transformers_beams, returned)
+
+
+def test_the_servers_use_beam_search_answers_as_generate(llama):
+    """vLLM's extension through the openai client's extra_body: n beams (or best_of's, or
+    beam_width's), the n best as the choices, the API's own beams."""
+    prompt = "Once upon a time"
+    tokens = llama.tokenizer.encode(prompt, bos=True, eos=False)
+    dialog = [{"role": "user", "content": "Tell me a story."}]
+    with real_server(llama) as server:
+        openai_client = client(server.url)
+        completion = openai_client.completions.create(
+            model=REAL_MODEL, prompt=prompt, max_tokens=MAX_GEN_LEN, n=4,
+            extra_body={"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True})
+        best_of = openai_client.completions.create(model=REAL_MODEL, prompt=prompt, max_tokens=MAX_GEN_LEN, n=2,
+                                                   best_of=4, logprobs=0, extra_body={"use_beam_search": True})
+        chat = openai_client.chat.completions.create(model=REAL_MODEL, messages=dialog, max_tokens=MAX_GEN_LEN, n=2,
+                                                     logprobs=True, extra_body={"use_beam_search": True, "beam_width": 3})
+    searched, _ = llama.generate([tokens], MAX_GEN_LEN, num_beams=4, num_return_sequences=4, length_penalty=0.5,
+                                 early_stopping=True)
+    assert [choice.text for choice in completion.choices] == [llama.tokenizer.decode(answer) for answer in searched]
+    assert [choice.index for choice in completion.choices] == [0, 1, 2, 3]
+    best, logprobs = llama.generate([tokens], MAX_GEN_LEN, num_beams=4, num_return_sequences=2, logprobs=True)
+    assert [choice.text for choice in best_of.choices] == [llama.tokenizer.decode(answer) for answer in best]
+    for choice, answer_logprobs in zip(best_of.choices, logprobs):
+        assert choice.logprobs.token_logprobs == pytest.approx(answer_logprobs, abs=1e-5)
+    assert best_of.usage.completion_tokens == sum(len(answer) + (choice.finish_reason == "stop")
+                                                  for answer, choice in zip(best, best_of.choices))
+    assert best_of.usage.prompt_tokens == len(tokens)
+    replies = llama.chat_completion([dialog], max_gen_len=MAX_GEN_LEN, num_beams=3, num_return_sequences=2,
+                                    logprobs=True)
+    assert [choice.message.content for choice in chat.choices] == [reply["generation"]["content"] for reply in replies]
+    for choice, reply in zip(chat.choices, replies):
+        assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(reply["logprobs"], abs=1e-5)
