@@ -131,11 +131,13 @@ class Scheduler:
 
     def choose_slots(self, prompt: tuple[int, ...], count: int, taken: set[int]) -> Optional[tuple[int, ...]]:
         """choose_slot for a request that runs in count slots (a beam search's beams): its
-        prompt's blocks, and a block more for each beam to fork (copy-on-write)."""
+        prompt's blocks, and a block more for each beam's first token (the others' copies of the
+        prompt's last block, or every beam's first block where the prompt fills its blocks)."""
         free = [index for index in self.free_slots() if index not in taken]
         if len(free) < count or any(sequence.preempted for sequence in self.running):
             return None
-        needed = self._blocks_needed(list(prompt), self.prefix_cache.enabled) + (count if count > 1 else 0)
+        forks = 0 if count == 1 else count - (1 if len(prompt) % BLOCK_POSITIONS else 0)
+        needed = self._blocks_needed(list(prompt), self.prefix_cache.enabled) + forks
         if needed > self.pool.available - self.promised:
             return None
         self.promised += needed
