@@ -444,11 +444,12 @@ class Llama:
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
+        bad_words: Optional[list[str]] = None,
     ) -> TextStream:
-        """text_completion of one prompt as a stream of text pieces (see TextStream)."""
+        """text_completion of one prompt as a stream of text pieces (see TextStream); bad_words as in generate."""
         prompt_tokens = self.tokenizer.encode(prompt, bos=True, eos=False)
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
-        return self._stream(prompt_tokens, max_gen_len, options, stop)
+        return self._stream(prompt_tokens, max_gen_len, options, stop, bad_words=bad_words)
 
     def stream_chat_completion(
         self,
@@ -461,26 +462,29 @@ class Llama:
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
+        bad_words: Optional[list[str]] = None,
     ) -> TextStream:
-        """The assistant's reply to one dialog as a stream of text pieces (see TextStream)."""
+        """The assistant's reply to one dialog as a stream of text pieces (see TextStream); bad_words as in generate."""
         prompt_tokens = self.formatter.encode_dialog_prompt(dialog)
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         if self.formatter.is_unsafe(dialog):
             options.check()
             return TextStream(_refusal)
-        return self._stream(prompt_tokens, max_gen_len, options, stop, self.formatter.stop_tokens)
+        return self._stream(prompt_tokens, max_gen_len, options, stop, self.formatter.stop_tokens, bad_words)
 
     def _stream(self, prompt_tokens: list[int], max_gen_len: Optional[int], options: SamplingOptions,
-                stop: Optional[list[str]], stop_tokens: Optional[set[int]] = None) -> TextStream:
+                stop: Optional[list[str]], stop_tokens: Optional[set[int]] = None,
+                bad_words: Optional[list[str]] = None) -> TextStream:
         """Check the arguments now, then generate lazily, one piece per step that completes text."""
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
         stop = check_stop(stop)
-        self._check_generate_args([prompt_tokens], max_gen_len, options)
+        decoding = self._decoding(1, 1.0, False, 1, bad_words, None)
+        self._check_generate_args([prompt_tokens], max_gen_len, options, (_digest(decoding),))
 
         def run(stream: TextStream) -> Iterator[str]:
             requests = self._requests([prompt_tokens], max_gen_len, options, stop, prompt_seeds(options.seed, 1),
-                                      stop_tokens=stop_tokens)
+                                      stop_tokens=stop_tokens, decoding=decoding)
             for updates in run_job(self.engine(text=True), requests):
                 for update in updates:
                     if update.delta.text:
