@@ -16,10 +16,9 @@ from .checkpoint import load_model, open_checkpoint
 from .checkpoint.draft import load_draft
 from .checkpoint.record import read_record
 from .context import check_max_seq_len, trained_context
+from .decoding import Decoding, decoding
 from .engine import JOB_PREFILL_TOKENS, Engine, GenerationRequest, Observer, prompt_seeds, run_job
-from .engine.beams import search_blocks
 from .engine.blocks import BlockPool
-from .engine.requests import BeamSearch
 from .engine.speculative import Speculator, check_speculation, guesses_a_round, make_speculator
 from .kernels import matmul
 from .logs import logger
@@ -27,8 +26,6 @@ from .model.memory import check_fits, plan, report
 from .model.transformer import Transformer
 from .model.quantize import check_quantize_on
 from .sampling import SamplingOptions
-from .sampling.processors import check_processors
-from .structured.bad_words import word_sequences
 from .structured.constraint import Constraint, from_response_format
 from .text.chat_format import UNSAFE_ERROR, Dialog, Message, chat_format_for, encode_dialog
 from .text.hf_tokenizer import HFTokenizer
@@ -59,21 +56,6 @@ class Answer:
     tokens: list[int]
     logprobs: list[float]
     top: list[tuple[tuple[int, float], ...]]
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """What a call asks beside its sampling options: beam search (None: none), banned words' token
-    sequences, Python's logits processors."""
-
-    beams: Optional[BeamSearch] = None
-    bad_words: tuple[tuple[int, ...], ...] = ()
-    processors: tuple = ()
-
-    @property
-    def returned(self) -> int:
-        """Answers per prompt: beam search's num_return_sequences, else one."""
-        return self.beams.returned if self.beams is not None else 1
 
 
 class Llama:
@@ -274,13 +256,13 @@ class Llama:
         """
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
-        decoding = self._decoding(num_beams, length_penalty, early_stopping, num_return_sequences, bad_words,
-                                  logits_processors, stop=stop)
-        self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo, _digest(decoding)), seed)
-        answers = [Answer([], [], []) for _ in range(len(prompt_tokens) * decoding.returned)]
+        asked = decoding(self.tokenizer, self.model.max_batch_size, num_beams, length_penalty, early_stopping,
+                         num_return_sequences, bad_words, logits_processors, stop)
+        self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo, asked.digest()), seed)
+        answers = [Answer([], [], []) for _ in range(len(prompt_tokens) * asked.returned)]
         seeds = prompt_seeds(seed, len(prompt_tokens))
         for index, answer in self._generate(prompt_tokens, max_gen_len, options, stop, seeds, logprobs, echo,
-                                            decoding=decoding):
+                                            decoding=asked):
             answers[index] = answer
         return [answer.tokens for answer in answers], ([answer.logprobs for answer in answers] if logprobs else None)
 
@@ -324,19 +306,19 @@ class Llama:
             max_gen_len = self.model.max_seq_len - 1
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
-        decoding = self._decoding(num_beams, length_penalty, early_stopping, num_return_sequences, bad_words,
-                                  logits_processors, stop=stop, show_top=show_top, response_format=response_format)
+        asked = decoding(self.tokenizer, self.model.max_batch_size, num_beams, length_penalty, early_stopping,
+                         num_return_sequences, bad_words, logits_processors, stop, show_top, response_format)
         prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
         constraint = self._constraint(response_format)
-        self._check_generate_args(prompt_tokens, max_gen_len, options, (constraint, _digest(decoding)), seed=seed)
-        results: list[CompletionPrediction] = [{} for _ in range(len(prompts) * decoding.returned)]
+        self._check_generate_args(prompt_tokens, max_gen_len, options, (constraint, asked.digest()), seed=seed)
+        results: list[CompletionPrediction] = [{} for _ in range(len(prompts) * asked.returned)]
         answers = self._generate(prompt_tokens, max_gen_len, options, stop, prompt_seeds(seed, len(prompts)),
                                  logprobs=logprobs, echo=echo, show_top=show_top, constraint=constraint,
-                                 decoding=decoding)
+                                 decoding=asked)
         for row, answer in answers:
             tokens = answer.tokens
             # With echo, a stop string inside the prompt does not count.
-            start = len(self.tokenizer.decode(prompt_tokens[row // decoding.returned])) if echo else 0
+            start = len(self.tokenizer.decode(prompt_tokens[row // asked.returned])) if echo else 0
             result: CompletionPrediction = {"generation": cut_at_stop(self.tokenizer.decode(tokens), stop, start)}
             if logprobs:
                 result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
@@ -389,14 +371,14 @@ class Llama:
             max_gen_len = self.model.max_seq_len - 1
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
-        decoding = self._decoding(num_beams, length_penalty, early_stopping, num_return_sequences, bad_words,
-                                  logits_processors, stop=stop, response_format=response_format)
-        returned = decoding.returned
+        asked = decoding(self.tokenizer, self.model.max_batch_size, num_beams, length_penalty, early_stopping,
+                         num_return_sequences, bad_words, logits_processors, stop, response_format=response_format)
+        returned = asked.returned
         prompt_tokens = [self._encode_dialog(dialog, index, chat_template_kwargs) for index, dialog in enumerate(dialogs)]
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
         safe_tokens = [prompt_tokens[row] for row in safe]
         constraint = self._constraint(response_format)
-        self._check_generate_args(safe_tokens, max_gen_len, options, (constraint, _digest(decoding)), seed=seed,
+        self._check_generate_args(safe_tokens, max_gen_len, options, (constraint, asked.digest()), seed=seed,
                                   prompts=len(dialogs))
         results: list[ChatPrediction] = [{} for _ in range(len(dialogs) * returned)]
         thinking = [self.reasoning.thinking(prompt) for prompt in safe_tokens] if self.reasoning else None
@@ -426,7 +408,7 @@ class Llama:
             seeds = [seeds[row] for row in safe] if seeds else prompt_seeds(None, len(safe))
             answers = self._generate(safe_tokens, max_gen_len, options, stop, seeds, logprobs=logprobs,
                                      stop_tokens=self.formatter.stop_tokens, constraint=constraint, thinking=thinking,
-                                     decoding=decoding)
+                                     decoding=asked)
             for index, answer in answers:
                 prompt, beam = divmod(index, returned)
                 answered(safe[prompt] * returned + beam, answer.tokens, answer.logprobs,
@@ -479,12 +461,12 @@ class Llama:
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
         stop = check_stop(stop)
-        decoding = self._decoding(1, 1.0, False, 1, bad_words, None)
-        self._check_generate_args([prompt_tokens], max_gen_len, options, (_digest(decoding),))
+        asked = decoding(self.tokenizer, self.model.max_batch_size, bad_words=bad_words)
+        self._check_generate_args([prompt_tokens], max_gen_len, options, (asked.digest(),))
 
         def run(stream: TextStream) -> Iterator[str]:
             requests = self._requests([prompt_tokens], max_gen_len, options, stop, prompt_seeds(options.seed, 1),
-                                      stop_tokens=stop_tokens, decoding=decoding)
+                                      stop_tokens=stop_tokens, decoding=asked)
             for updates in run_job(self.engine(text=True), requests):
                 for update in updates:
                     if update.delta.text:
@@ -543,11 +525,7 @@ class Llama:
         requests = []
         for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
             room = min(max_gen_len, self.model.max_seq_len - len(prompt))
-            if decoding.beams is not None and search_blocks(len(prompt), room, decoding.beams.width) > self.model.cache_blocks:
-                raise ValueError(f"prompt {index}: a search of {decoding.beams.width} beams over its {len(prompt)} tokens "
-                                 f"and {room} more may hold {search_blocks(len(prompt), room, decoding.beams.width)} "
-                                 f"blocks of the KV cache, which has {self.model.cache_blocks}; give it more "
-                                 "(kv_cache_memory), search fewer beams or lower max_gen_len")
+            decoding.check_fits(index, len(prompt), room, self.model.cache_blocks)
             if room > 0 or (logprobs and echo):
                 request = GenerationRequest(str(index), tuple(prompt), room, options, frozenset(stop_tokens), stop,
                                             logprobs, top_candidates=show_top, prompt_logprobs=logprobs and echo,
@@ -556,32 +534,6 @@ class Llama:
                                             logits_processors=decoding.processors)
                 requests.append((request, seed))
         return requests
-
-    def _decoding(self, num_beams: int, length_penalty: float, early_stopping: "bool | str", num_return_sequences: int,
-                  bad_words: Optional[list[str]], logits_processors: Optional[list[Callable]], stop: tuple = (),
-                  show_top: int = 0, response_format: Optional[dict] = None) -> Decoding:
-        """The call's beam search, banned words and logits processors, checked (ValueError naming the
-        first that cannot be, or cannot be with the call's other arguments)."""
-        if bad_words is not None and (isinstance(bad_words, str) or not isinstance(bad_words, (list, tuple))):
-            raise ValueError(f"bad_words must be a list of words, found {bad_words!r}")
-        decoding = Decoding(None, word_sequences(self.tokenizer, bad_words or ()), check_processors(logits_processors))
-        if num_beams == 1:
-            if num_return_sequences != 1:
-                raise ValueError(f"num_return_sequences {num_return_sequences!r} needs beam search: num_beams of at "
-                                 "least as many (one answer a prompt without; ask for more prompts to sample more)")
-            return decoding
-        beams = BeamSearch(num_beams, length_penalty, early_stopping, num_return_sequences)
-        beams.check()
-        if num_beams > self.model.max_batch_size:
-            raise ValueError(f"num_beams {num_beams} needs a cache row a beam, but max_batch_size is "
-                             f"{self.model.max_batch_size}; build with max_batch_size of at least {num_beams}")
-        refused = {"stop": (stop, "beams end at stop tokens and the token limit; cut the text yourself"),
-                   "show_top": (show_top, "a beam's candidates are those of every beam"),
-                   "response_format": (response_format, "beams are not checked against a grammar")}
-        for name, (value, why) in refused.items():
-            if value:
-                raise ValueError(f"{name} cannot be combined with beam search (num_beams {num_beams}): {why}")
-        return replace(decoding, beams=beams)
 
     def _constraint(self, response_format: Optional[dict]) -> Optional[Constraint]:
         """response_format as a compiled Constraint (None for plain text); ValueError if it is not one."""
@@ -656,11 +608,6 @@ def _beam_answer(prompt: list[int], update, beam: int, echo: bool) -> Answer:
     if echo:
         return Answer(list(prompt) + tokens, update.sequence.sampling.prompt_logprobs + logprobs, [])
     return Answer(tokens, logprobs, [])
-
-
-def _digest(decoding: Decoding) -> tuple:
-    """What of decoding every rank must be given alike (Python's processors cannot be compared: their count)."""
-    return decoding.beams, decoding.bad_words, len(decoding.processors)
 
 
 def _call_seed(seed: "int | list[int] | None") -> Optional[int]:

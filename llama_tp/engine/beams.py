@@ -98,7 +98,7 @@ class Search:
         keep = torch.topk(running, k=self.width)[1]
         running_scores = torch.take_along_dim(running, keep, dim=1)
         # finished hypotheses: the best `width` of those so far and the new ones (_update_finished_beams)
-        top = torch.cat((torch.ones(self.width, dtype=torch.bool), torch.zeros(len(values) - self.width, dtype=torch.bool)))
+        top = torch.arange(len(values)) < self.width  # transformers' top_num_beam_mask
         just_finished = hits & top[None, :]
         scored = topk / ((self.generated + 1) ** beams.length_penalty)
         full = torch.all(self.is_finished, dim=-1, keepdim=True) & (beams.early_stopping is True)
@@ -206,7 +206,8 @@ class BeamSearches:
         vocab = scores.shape[-1]
         ban = stop_bans([request] * len(beams), [search.generated] * len(beams), vocab, scores.device)
         if request.bad_words:
-            banned = [(row, token) for row, beam in enumerate(beams) for token in banned_next(beam.tokens, request.bad_words)]
+            banned = [(row, token) for row, beam in enumerate(beams)
+                      for token in banned_next(beam.tokens, request.bad_words)]
             if banned:
                 ban = torch.zeros(len(beams), vocab, dtype=torch.bool, device=scores.device) if ban is None else ban
                 rows, tokens = zip(*banned)
@@ -216,9 +217,8 @@ class BeamSearches:
             history = torch.tensor([beam.tokens for beam in beams], device=scores.device)
         scores = adjust_logits(scores, request.options, history, ban)
         if request.logits_processors and parallel.model_parallel_rank() == 0:
-            scores = apply_processors(scores, range(len(beams)), [request.logits_processors] * len(beams),
-                                      [request.prompt_tokens] * len(beams),
-                                      [beam.tokens[beam.prompt_length :] for beam in beams])
+            scores = apply_processors(scores, [(request.logits_processors, request.prompt_tokens,
+                                                beam.tokens[beam.prompt_length :]) for beam in beams])
         return scores
 
     def end(self, sequence: Sequence, reason: str) -> Optional[Delta]:

@@ -27,9 +27,9 @@ from ..logs import logger
 from ..model.kv_cache import BLOCK_POSITIONS
 from ..model.transformer import Transformer
 from ..sampling.sampler import TokenHistory, sample
+from ..sampling.processors import apply_processors
 from ..structured.rows import adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
-from ..sampling.processors import apply_processors
 from .beams import BeamSearches
 from .choices import agreed_tokens, read_back
 from .blocks import BlockPool
@@ -253,11 +253,9 @@ class Engine:
         logits = adjust_rows([s.sampling.adjustment for s in sequences], logits,
                              parallel.model_parallel_rank() * logits.shape[-1] if plain_greedy else 0,
                              self.model.args.vocab_size, [s.tokens for s in sequences])
-        processed = [row for row, sequence in enumerate(sequences) if sequence.request.logits_processors]
-        if processed and parallel.model_parallel_rank() == 0:  # Python's, on rank 0's choice path only
-            logits = apply_processors(logits, processed, [sequences[row].request.logits_processors for row in processed],
-                                      [sequences[row].request.prompt_tokens for row in processed],
-                                      [sequences[row].tokens[sequences[row].prompt_length :] for row in processed])
+        if parallel.model_parallel_rank() == 0:  # Python's logits processors, on rank 0's choice path only
+            logits = apply_processors(logits, [(s.request.logits_processors, s.request.prompt_tokens,
+                                                s.tokens[s.prompt_length :]) for s in sequences])
         if plain_greedy:  # each rank offers the best of its slice: no logits gathered, and every
             # rank picks the winner from the same gathered pairs, so they agree without rank 0's word
             picks = [(token, None, ()) for token in parallel.vocab_argmax(logits).tolist()]
@@ -423,7 +421,8 @@ class Engine:
 
     def _report_load(self) -> None:
         """The observer's gauges of the running requests: how many, and the cache blocks they hold."""
-        self.observer.load(len({id(s.request) for s in self.scheduler.running}), self.cache_use())  # a search's beams: one
+        requests = {id(sequence.request) for sequence in self.scheduler.running}  # a beam search's beams: one request
+        self.observer.load(len(requests), self.cache_use())
 
     def cache_use(self) -> CacheUse:
         """The KV cache's blocks: held, cached, and the preemptions so far."""

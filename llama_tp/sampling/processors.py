@@ -44,18 +44,22 @@ def _arguments(processor: Processor) -> int:
                and parameter.default is parameter.empty for parameter in parameters)
 
 
-def apply_processors(logits: torch.Tensor, rows: Sequence[int], processors: Sequence[Sequence[Processor]],
-                     prompts: Sequence[Sequence[int]], generated: Sequence[Sequence[int]]) -> torch.Tensor:
-    """logits [rows, vocab] with each listed row's processors applied in turn: row rows[i] by
-    processors[i], given prompts[i] and generated[i] (copies: a processor may keep them)."""
+def apply_processors(logits: torch.Tensor, rows: Sequence[tuple[Sequence[Processor], Sequence[int], Sequence[int]]]
+                     ) -> torch.Tensor:
+    """logits [rows, vocab] with each row's processors applied in turn: rows[i] is row i's
+    (processors, prompt tokens, tokens generated so far), handed to them as copies (a processor
+    may keep them). Rows without processors, and a batch without any, are left as they are."""
+    if not any(processors for processors, _, _ in rows):
+        return logits
     logits = logits.clone()
-    for row, row_processors, prompt, tokens in zip(rows, processors, prompts, generated):
+    for row, (processors, prompt, tokens) in enumerate(rows):
         values = logits[row]
-        for processor in row_processors:
+        for processor in processors:
             arguments = (list(prompt), list(tokens), values) if _arguments(processor) == 3 else (list(tokens), values)
             values = processor(*arguments)
             if not isinstance(values, torch.Tensor) or values.shape != logits[row].shape:
-                raise ValueError(f"a logits processor returned {type(values).__name__} "
-                                 f"{tuple(getattr(values, 'shape', ()))}, not the logits' shape {tuple(logits[row].shape)}")
+                shape = tuple(getattr(values, "shape", ()))
+                raise ValueError(f"a logits processor returned {type(values).__name__} {shape}, not the logits' "
+                                 f"shape {tuple(logits[row].shape)}")
         logits[row] = values
     return logits

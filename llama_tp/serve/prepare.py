@@ -322,7 +322,8 @@ def _check_search_fits(request: GenerationRequest, generator, limit_param: str) 
     """Refuse a beam search whose beams could outgrow the whole KV cache (they would preempt each other for good)."""
     if request.beams is None:
         return
-    blocks, held = search_blocks(len(request.prompt_tokens), request.max_tokens, request.beams.width), generator.model.cache_blocks
+    blocks = search_blocks(len(request.prompt_tokens), request.max_tokens, request.beams.width)
+    held = generator.model.cache_blocks
     if blocks > held:
         raise RequestError(400, f"a search of {request.beams.width} beams over the prompt's {len(request.prompt_tokens)} "
                            f"tokens and {request.max_tokens} more may hold {blocks} blocks of the KV cache, which has "
