@@ -244,3 +244,30 @@ def test_the_servers_use_beam_search_answers_as_generate(llama):
     assert [choice.message.content for choice in chat.choices] == [reply["generation"]["content"] for reply in replies]
     for choice, reply in zip(chat.choices, replies):
         assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(reply["logprobs"], abs=1e-5)
+
+
+@pytest.mark.parametrize("ours_options, theirs_options", [
+    (dict(min_gen_len=20), dict(min_new_tokens=20)),  # no end token before 20 tokens
+    (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),  # on the log probabilities, as transformers'
+])
+def test_min_gen_len_and_the_repetition_penalty_as_transformers_processors(llama, ours_options, theirs_options):
+    args = ModelArgs.from_dict(TINY_LLAMA2).with_vocab_size(VOCAB)
+    model = build_hf_model({name: tensor.float() for name, tensor in sharp_weights().items()}, args, 128,
+                           torch.float32)
+    prompt = prompts()[3]  # whose beams repeat a token without the penalty
+    found, _ = llama.generate([prompt], MAX_GEN_LEN, num_beams=4, num_return_sequences=4, **ours_options)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=MAX_GEN_LEN, num_beams=4, num_return_sequences=4, do_sample=False,
+                             eos_token_id=[END], pad_token_id=0, **theirs_options)
+    expected = [row[len(prompt):].tolist() for row in out]
+    assert found == [answer[: answer.index(END)] if END in answer else answer for answer in expected]
+    plain, _ = llama.generate([prompt], MAX_GEN_LEN, num_beams=4, num_return_sequences=4)
+    assert found != plain  # the option changed the search
+
+
+def test_speculating_models_search_beams_a_token_a_step_as_others_do(folders, llama):
+    speculating = Llama.build(folders[1], str(LLAMA2_TOKENIZER), max_seq_len=128, max_batch_size=8,
+                              speculate="lookup")
+    searched = speculating.generate(prompts()[:3], MAX_GEN_LEN, num_beams=4, num_return_sequences=2)[0]
+    assert searched == llama.generate(prompts()[:3], MAX_GEN_LEN, num_beams=4, num_return_sequences=2)[0]
