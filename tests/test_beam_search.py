@@ -9,9 +9,12 @@ import torch
 from distributed import run_world
 from llama_tp import Llama
 from llama_tp.engine import Admission, GenerationRequest
+from llama_tp.engine.blocks import BlockPool
 from llama_tp.engine.requests import BeamSearch
+from llama_tp.engine.scheduler import Scheduler
 from llama_tp.model.args import ModelArgs
 from llama_tp.model.kv_cache import BLOCK_POSITIONS, blocks_for
+from llama_tp.model.prefix_cache import PrefixCache
 from llama_tp.sampling import SamplingOptions
 from llama_tp.tools.bench.hf import build_hf_model
 from serve_client import client
@@ -271,3 +274,51 @@ def test_speculating_models_search_beams_a_token_a_step_as_others_do(folders, ll
                               speculate="lookup")
     searched = speculating.generate(prompts()[:3], MAX_GEN_LEN, num_beams=4, num_return_sequences=2)[0]
     assert searched == llama.generate(prompts()[:3], MAX_GEN_LEN, num_beams=4, num_return_sequences=2)[0]
+
+
+def test_forked_beams_share_their_parents_blocks_and_copy_the_one_they_write():
+    """The scheduler's bookkeeping alone: beams take over their parents' blocks by reference; the
+    block a beam writes, shared, is copied first (by all but the last to write it)."""
+    scheduler = Scheduler(PrefixCache(4), max_prefill_tokens=512, pool=BlockPool(12))
+    prompt = tuple(range(3, 3 + BLOCK_POSITIONS + 10))  # a full block and 10 tokens of the next
+    request = GenerationRequest("s", prompt, 8, SamplingOptions(), frozenset({END}), beams=BeamSearch(4))
+    slots = scheduler.choose_slots(prompt, 4, set())
+    assert slots == (0, 1, 2, 3)
+    leader = scheduler.admit(request, slots[0])
+    scheduler.reserve(slots[1:])
+    assert scheduler.free_slots() == [] and scheduler.choose_slot((1, 2), set()) is None
+    scheduler.fed(scheduler.plan().prefill[0])
+    prompt_blocks = list(leader.blocks)
+    beams = scheduler.fork([leader], list(slots[1:]), [0, 0, 0, 0], [7, 8, 9, 10])
+    assert [beam.slot.index for beam in beams] == [0, 1, 2, 3] and beams[0].tokens == list(prompt) + [7]
+    assert all(beam.blocks == prompt_blocks for beam in beams) and scheduler.pool.held == 2  # held once
+    plan = scheduler.plan()
+    assert [chunk.tokens for chunk in plan.decode] == [[7], [8], [9], [10]]
+    # the prompt's partial block: copied by three beams, written in place by the last
+    assert [source for source, _ in plan.copies] == [beams[3].blocks[1]] * 3
+    assert len({beam.blocks[1] for beam in beams}) == 4 and len({beam.blocks[0] for beam in beams}) == 1
+    assert scheduler.pool.held == 5 and plan.tables == {beam.slot.index: beam.blocks for beam in beams}
+    for chunk in plan.decode:
+        scheduler.fed(chunk)
+    # the next step: beam 0 goes on twice, beam 2 once, beam 3 once; beam 1 ends, its copy given back
+    first = (list(beams[0].tokens), list(beams[0].blocks))
+    again = scheduler.fork(beams, [], [0, 0, 2, 3], [11, 12, 13, 14])
+    assert [beam.slot.index for beam in again] == [0, 1, 2, 3]  # beam 1's slot taken by beam 0's second child
+    assert (again[1].tokens, again[1].blocks) == (first[0] + [12], first[1])
+    assert scheduler.pool.held == 4 and scheduler.prefix_cache.rows[1] == scheduler.prefix_cache.rows[0]
+
+
+def test_a_cancelled_search_answers_with_its_best_beams_and_gives_back_every_block(llama):
+    engine = llama.engine()
+    request = GenerationRequest("c", tuple(prompts()[2]), MAX_GEN_LEN, SamplingOptions(), frozenset({END}),
+                                beams=BeamSearch(4, early_stopping="never", returned=3))
+    slots = engine.choose_slots(request, set())
+    engine.admit(Admission(request, slots[0], 0, beam_slots=slots[1:]))
+    for _ in range(4):
+        assert not engine.step()  # no answer before the search ends
+    (update,) = engine.cancel("c")
+    assert update.delta.finish_reason == "cancelled" and len(update.delta.beams) == 3
+    # the best finished hypotheses so far, then the best running beams (4 tokens each after 4 steps)
+    assert all(beam.finish_reason == "cancelled" and 1 <= len(beam.tokens) <= 4 for beam in update.delta.beams)
+    assert update.delta.tokens == update.delta.beams[0].tokens
+    assert engine.cache_use().used == 0 and engine.scheduler.free_slots() == list(range(8))
