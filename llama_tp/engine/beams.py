@@ -1,8 +1,8 @@
 """Beam search in the engine: transformers' generate(num_beams=...) step for step, its beams in
 cache rows that share the prompt's blocks.
 
-A request with beams (GenerationRequest.beams) is admitted to one slot, with `width` more slots
-reserved (scheduler.reserve), and prefills its prompt once. From then on each step scores every
+A request with beams (GenerationRequest.beams) is admitted to one slot, with `width` - 1 more
+slots reserved (scheduler.reserve), and prefills its prompt once. From then on each step scores every
 beam's continuations at once: the log-softmax of its logits (after the repetition penalty, the
 stop-token ban before min_tokens, banned words and Python's logits processors, applied to the log
 probabilities as transformers' processors are in beam search), plus the beam's score so far; the
@@ -15,8 +15,8 @@ them, with the same float32 arithmetic, so that ties and length penalties fall a
   length_penalty) where they beat the worst, unless early_stopping=True has `width` already or
   the early-stop heuristic says no running beam can improve them;
 - the best `width` unfinished ones are the next step's beams: the scheduler forks them (each
-  takes over its parent's blocks by reference; a block two beams share is copied by the first
-  that writes it), and the beams no candidate continues give their blocks back;
+  takes over its parent's blocks by reference; a beam that writes a block another beam holds
+  too copies it first), and the beams no candidate continues give their blocks back;
 - the search ends when early stopping allows it, or when every candidate has finished; its
   answers are the `returned` best finished hypotheses.
 
