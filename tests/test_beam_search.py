@@ -8,7 +8,7 @@ import torch
 
 from distributed import run_world
 from llama_tp import Llama
-from llama_tp.engine import Admission, GenerationRequest
+from llama_tp.engine import Admission, GenerationRequest, run_job
 from llama_tp.engine.blocks import BlockPool
 from llama_tp.engine.requests import BeamSearch
 from llama_tp.engine.scheduler import Scheduler
@@ -322,3 +322,23 @@ def test_a_cancelled_search_answers_with_its_best_beams_and_gives_back_every_blo
     assert all(beam.finish_reason == "cancelled" and 1 <= len(beam.tokens) <= 4 for beam in update.delta.beams)
     assert update.delta.tokens == update.delta.beams[0].tokens
     assert engine.cache_use().used == 0 and engine.scheduler.free_slots() == list(range(8))
+
+
+def test_a_search_beside_other_requests_changes_none_of_their_answers(llama):
+    """One step holds a search's beams, greedy and sampled rows, a prompt's chunks: each answer is the one it gets alone."""
+    search = GenerationRequest("beams", tuple(prompts()[3]), MAX_GEN_LEN, SamplingOptions(), frozenset({END}),
+                               beams=BeamSearch(4, returned=2))
+    greedy = GenerationRequest("greedy", tuple(prompts()[1]), MAX_GEN_LEN, SamplingOptions(temperature=0),
+                               frozenset({END}))
+    sampled = GenerationRequest("sampled", tuple(prompts()[2]), MAX_GEN_LEN, SamplingOptions(temperature=1.0),
+                                frozenset({END}), bad_words=((20601,),))
+    jobs = [(greedy, 1), (search, 2), (sampled, 3)]
+
+    def answers(requests) -> dict:
+        finals = {update.sequence.request.id: update.delta for step in run_job(llama.engine(), requests)
+                  for update in step if update.delta.finished}
+        return {name: [list(beam.tokens) for beam in delta.beams] or list(delta.tokens) for name, delta in finals.items()}
+
+    together = answers(jobs)
+    assert together == answers(jobs[:1]) | answers(jobs[1:2]) | answers(jobs[2:])
+    assert len(together["beams"]) == 2 and 20601 not in together["sampled"]
