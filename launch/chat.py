@@ -196,6 +196,7 @@ def main(
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
     draft_quantize: Optional[str] = None,
+    bad_words: Optional[list[str]] = None,
 ):
     """Chat in the terminal (or from a pipe) with a chat model.
 
@@ -226,6 +227,8 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+        bad_words: words no reply may hold, e.g. '["darn", "heck"]' (each in every way it is
+            tokenized, with and without a leading space).
     """
     room = max_gen_len or max_seq_len // 4
     if room >= max_seq_len:
@@ -243,7 +246,8 @@ def main(
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
                             draft_quantize=draft_quantize)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
-                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
+                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed,
+                   bad_words=bad_words)
     keyboard = Keyboard(sys.stdin.fileno()) if global_rank() == 0 else None
     print0("Commands: /system TEXT, /reset, /exit. Ctrl-C stops a reply; Ctrl-D ends the chat.\n")
     with keyboard.session() if keyboard else nullcontext():

@@ -11,7 +11,7 @@ from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
 from llama_tp.tools.job_output import check_output, run_job
-from llama_tp.tools.prompts import batch_rows, load_prompts, prompt_record, write_json
+from llama_tp.tools.prompts import batch_rows, beam_search, load_prompts, prompt_record, write_json
 
 EXAMPLE_DIALOGS: list[Dialog] = [
     [{"role": "user", "content": "what is the recipe of mayonnaise?"}],
@@ -63,6 +63,10 @@ def main(
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
     draft_quantize: Optional[str] = None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: str = "false",
+    bad_words: Optional[list[str]] = None,
     reasoning_parser: Optional[str] = None,
 ):
     """Print each dialog and the model's reply.
@@ -106,6 +110,15 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+        num_beams: beam search with this many beams a dialog, its best answer printed (transformers'
+            num_beams; temperature, top_p and top_k play no part); each beam takes a row of its own,
+            --max_batch_size dialogs then take max_batch_size x num_beams rows.
+        length_penalty: beam search: an answer scores its log probability over its length to this
+            power (1: the default; above 0 favours longer answers, below 0 shorter ones).
+        early_stopping: beam search: true (end once num_beams answers are finished), false (also
+            once no beam is likely to do better: the default) or never (only once none can).
+        bad_words: words no answer may hold, e.g. '["darn", "heck"]' (each in every way it is
+            tokenized, with and without a leading space).
         reasoning_parser: qwen3 or deepseek_r1: a thinking model's <think>...</think> goes apart
             from its chat answers (reasoning_content); none: left in them (default: the one the
             chat template calls for, where it is clear).
@@ -113,18 +126,21 @@ def main(
     if stream and (output_jsonl or resume or overwrite):
         raise ValueError("--output_jsonl, --resume and --overwrite are for batch jobs; run them without --stream")
     check_output(output_jsonl, resume, overwrite)
+    search = beam_search(num_beams, length_penalty, early_stopping, stream)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     dialogs = load_prompts(prompts_file, "chat") if prompts_file else EXAMPLE_DIALOGS
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(dialogs), stream),
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len,
+                            batch_rows(max_batch_size, len(dialogs), stream, num_beams),
                             dtype=dtype, quantize=quantize, compile=compile,
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
                             draft_quantize=draft_quantize, reasoning_parser=reasoning_parser,
                             kv_cache_memory=kv_cache_memory)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
-                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
+                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed,
+                   bad_words=bad_words)
     results = [] if stream else run_job(
         dialogs, lambda batch, batch_seed, on_result: generator.chat_completion(
-            batch, token_ids=True, on_result=on_result, **(options | {"seed": batch_seed})),
+            batch, token_ids=True, on_result=on_result, **(options | search | {"seed": batch_seed})),
         lambda result: result["generation"]["content"], output_jsonl, resume, seed,
         lambda result: result["generation"].get("reasoning_content"), overwrite=overwrite)
     records = []

@@ -11,7 +11,7 @@ from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
 from llama_tp.tools.job_output import check_output, run_job
-from llama_tp.tools.prompts import batch_rows, load_prompts, prompt_record, write_json
+from llama_tp.tools.prompts import batch_rows, beam_search, load_prompts, prompt_record, write_json
 
 EXAMPLE_PROMPTS = [
     # For these prompts, the expected answer is the natural continuation of the prompt
@@ -60,6 +60,10 @@ def main(
     speculate_k: Optional[int] = None,
     draft_ckpt_dir: Optional[str] = None,
     draft_quantize: Optional[str] = None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: str = "false",
+    bad_words: Optional[list[str]] = None,
 ):
     """Print a completion of each prompt.
 
@@ -102,20 +106,32 @@ def main(
         speculate_k: guesses a round, 1 to 15 (default: tuned for each mode).
         draft_ckpt_dir: the draft model's checkpoint, sharing the tokenizer (default: this model).
         draft_quantize: the draft's quantization: int4 or int8 alone makes such a copy of this model.
+        num_beams: beam search with this many beams a prompt, its best answer printed (transformers'
+            num_beams; temperature, top_p and top_k play no part); each beam takes a row of its own,
+            --max_batch_size prompts then take max_batch_size x num_beams rows.
+        length_penalty: beam search: an answer scores its log probability over its length to this
+            power (1: the default; above 0 favours longer answers, below 0 shorter ones).
+        early_stopping: beam search: true (end once num_beams answers are finished), false (also
+            once no beam is likely to do better: the default) or never (only once none can).
+        bad_words: words no answer may hold, e.g. '["darn", "heck"]' (each in every way it is
+            tokenized, with and without a leading space).
     """
     if stream and show_top:
         raise ValueError("--show_top lists candidates after generation; run it without --stream")
     if stream and (output_jsonl or resume or overwrite):
         raise ValueError("--output_jsonl, --resume and --overwrite are for batch jobs; run them without --stream")
     check_output(output_jsonl, resume, overwrite)
+    search = beam_search(num_beams, length_penalty, early_stopping, stream)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     prompts = load_prompts(prompts_file, "text") if prompts_file else EXAMPLE_PROMPTS
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, batch_rows(max_batch_size, len(prompts), stream),
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len,
+                            batch_rows(max_batch_size, len(prompts), stream, num_beams),
                             dtype=dtype, quantize=quantize, compile=compile,
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
                             draft_quantize=draft_quantize, kv_cache_memory=kv_cache_memory)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
-                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed)
+                   repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed,
+                   bad_words=bad_words)
     records = []
     if stream:
         for prompt in prompts:
@@ -131,7 +147,7 @@ def main(
 
         def answer(batch: list[str], batch_seed, on_result) -> None:
             results = generator.text_completion(batch, show_top=show_top, token_ids=True, on_result=on_result,
-                                                **(options | {"seed": batch_seed}))
+                                                **(options | search | {"seed": batch_seed}))
             first_top.append(results[0].get("top"))
 
         records = run_job(prompts, answer, lambda result: result["generation"], output_jsonl, resume, seed,

@@ -16,6 +16,7 @@ from .checkpoint import load_model, open_checkpoint
 from .checkpoint.draft import load_draft
 from .checkpoint.record import read_record
 from .context import check_max_seq_len, trained_context
+from .decoding import Decoding, decoding
 from .engine import JOB_PREFILL_TOKENS, Engine, GenerationRequest, Observer, prompt_seeds, run_job
 from .engine.blocks import BlockPool
 from .engine.speculative import Speculator, check_speculation, guesses_a_round, make_speculator
@@ -223,6 +224,12 @@ class Llama:
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: "int | list[int] | None" = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: "bool | str" = False,
+        num_return_sequences: int = 1,
+        bad_words: Optional[list[str]] = None,
+        logits_processors: Optional[list[Callable]] = None,
     ) -> tuple[list[list[int]], Optional[list[list[float]]]]:
         """Continue each prompt by up to max_gen_len tokens, stopping at the tokenizer's stop tokens.
 
@@ -237,13 +244,25 @@ class Llama:
         Returns the generated tokens (prompt included with echo) and, with logprobs, the log
         probability of each returned token. A row that produces one of the `stop` strings ends
         with the token that completed it (text_completion then cuts the text before the string).
+
+        num_beams > 1: beam search, as transformers' generate(num_beams=..., length_penalty=...,
+        early_stopping=..., num_return_sequences=...) runs it (temperature, top_p and top_k play
+        no part); each prompt then has num_return_sequences answers, best first, prompt i's at
+        i * num_return_sequences onwards. bad_words: words no answer may hold (every way each is
+        tokenized, with and without a leading space). logits_processors: callables (generated
+        token ids, logits [vocab]) -> logits, or (prompt ids, generated ids, logits) -> logits,
+        run on rank 0 before each token is chosen (sampling/processors.py; docs/serving.md,
+        "Decoding").
         """
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
-        self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo), seed)
-        answers = [Answer([], [], []) for _ in prompt_tokens]
+        asked = decoding(self.tokenizer, self.model.max_batch_size, num_beams, length_penalty, early_stopping,
+                         num_return_sequences, bad_words, logits_processors, stop)
+        self._check_generate_args(prompt_tokens, max_gen_len, options, (stop, logprobs, echo, asked.digest()), seed)
+        answers = [Answer([], [], []) for _ in range(len(prompt_tokens) * asked.returned)]
         seeds = prompt_seeds(seed, len(prompt_tokens))
-        for index, answer in self._generate(prompt_tokens, max_gen_len, options, stop, seeds, logprobs, echo):
+        for index, answer in self._generate(prompt_tokens, max_gen_len, options, stop, seeds, logprobs, echo,
+                                            decoding=asked):
             answers[index] = answer
         return [answer.tokens for answer in answers], ([answer.logprobs for answer in answers] if logprobs else None)
 
@@ -264,6 +283,12 @@ class Llama:
         token_ids: bool = False,
         on_result: Optional[Callable[[int, CompletionPrediction], None]] = None,
         response_format: Optional[dict] = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: "bool | str" = False,
+        num_return_sequences: int = 1,
+        bad_words: Optional[list[str]] = None,
+        logits_processors: Optional[list[Callable]] = None,
     ) -> list[CompletionPrediction]:
         """Continue each text prompt; max_gen_len defaults to the whole context.
 
@@ -273,21 +298,27 @@ class Llama:
         result) is called on every rank as prompt i's result is in (for writing results as they
         come); the list returned holds them all in the prompts' order. response_format: OpenAI's
         ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}).
+        num_beams, length_penalty, early_stopping, num_return_sequences, bad_words and
+        logits_processors as in generate (prompt i's num_return_sequences results at i *
+        num_return_sequences onwards, row in on_result counting them).
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
+        asked = decoding(self.tokenizer, self.model.max_batch_size, num_beams, length_penalty, early_stopping,
+                         num_return_sequences, bad_words, logits_processors, stop, show_top, response_format)
         prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
         constraint = self._constraint(response_format)
-        self._check_generate_args(prompt_tokens, max_gen_len, options, (constraint,), seed=seed)
-        results: list[CompletionPrediction] = [{} for _ in prompts]
+        self._check_generate_args(prompt_tokens, max_gen_len, options, (constraint, asked.digest()), seed=seed)
+        results: list[CompletionPrediction] = [{} for _ in range(len(prompts) * asked.returned)]
         answers = self._generate(prompt_tokens, max_gen_len, options, stop, prompt_seeds(seed, len(prompts)),
-                                 logprobs=logprobs, echo=echo, show_top=show_top, constraint=constraint)
+                                 logprobs=logprobs, echo=echo, show_top=show_top, constraint=constraint,
+                                 decoding=asked)
         for row, answer in answers:
             tokens = answer.tokens
             # With echo, a stop string inside the prompt does not count.
-            start = len(self.tokenizer.decode(prompt_tokens[row])) if echo else 0
+            start = len(self.tokenizer.decode(prompt_tokens[row // asked.returned])) if echo else 0
             result: CompletionPrediction = {"generation": cut_at_stop(self.tokenizer.decode(tokens), stop, start)}
             if logprobs:
                 result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
@@ -317,6 +348,12 @@ class Llama:
         on_result: Optional[Callable[[int, ChatPrediction], None]] = None,
         response_format: Optional[dict] = None,
         chat_template_kwargs: Optional[dict] = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: "bool | str" = False,
+        num_return_sequences: int = 1,
+        bad_words: Optional[list[str]] = None,
+        logits_processors: Optional[list[Callable]] = None,
     ) -> list[ChatPrediction]:
         """The assistant's next message for each dialog, in the chat format the tokenizer implies.
 
@@ -326,18 +363,24 @@ class Llama:
         "json_schema": {"schema": ...}}): every answer follows it (a reasoning model's answer
         after its thinking). chat_template_kwargs: variables for the model's chat template, such
         as Qwen3's {"enable_thinking": False}. A reasoning model's message (Llama.reasoning) holds
-        its thinking apart, in "reasoning_content".
+        its thinking apart, in "reasoning_content". num_beams, length_penalty, early_stopping,
+        num_return_sequences, bad_words and logits_processors as in generate (dialog i's
+        num_return_sequences results at i * num_return_sequences onwards).
         """
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, _call_seed(seed))
         stop = check_stop(stop)
+        asked = decoding(self.tokenizer, self.model.max_batch_size, num_beams, length_penalty, early_stopping,
+                         num_return_sequences, bad_words, logits_processors, stop, response_format=response_format)
+        returned = asked.returned
         prompt_tokens = [self._encode_dialog(dialog, index, chat_template_kwargs) for index, dialog in enumerate(dialogs)]
         safe = [row for row, dialog in enumerate(dialogs) if not self.formatter.is_unsafe(dialog)]
         safe_tokens = [prompt_tokens[row] for row in safe]
         constraint = self._constraint(response_format)
-        self._check_generate_args(safe_tokens, max_gen_len, options, (constraint,), seed=seed, prompts=len(dialogs))
-        results: list[ChatPrediction] = [{} for _ in dialogs]
+        self._check_generate_args(safe_tokens, max_gen_len, options, (constraint, asked.digest()), seed=seed,
+                                  prompts=len(dialogs))
+        results: list[ChatPrediction] = [{} for _ in range(len(dialogs) * returned)]
         thinking = [self.reasoning.thinking(prompt) for prompt in safe_tokens] if self.reasoning else None
 
         def answered(row: int, tokens: list[int], token_logprobs: list[float], text: str,
@@ -357,16 +400,19 @@ class Llama:
                 on_result(row, result)
 
         for row in sorted(set(range(len(dialogs))) - set(safe)):
-            answered(row, [], [], UNSAFE_ERROR)
+            for place in range(row * returned, (row + 1) * returned):
+                answered(place, [], [], UNSAFE_ERROR)
 
         if safe:  # each dialog keeps the seed of its place in the call
             seeds = prompt_seeds(seed, len(dialogs)) if seed is not None else None
             seeds = [seeds[row] for row in safe] if seeds else prompt_seeds(None, len(safe))
             answers = self._generate(safe_tokens, max_gen_len, options, stop, seeds, logprobs=logprobs,
-                                     stop_tokens=self.formatter.stop_tokens, constraint=constraint, thinking=thinking)
+                                     stop_tokens=self.formatter.stop_tokens, constraint=constraint, thinking=thinking,
+                                     decoding=asked)
             for index, answer in answers:
-                answered(safe[index], answer.tokens, answer.logprobs,
-                         cut_at_stop(self.tokenizer.decode(answer.tokens), stop), thinking[index] if thinking else None)
+                prompt, beam = divmod(index, returned)
+                answered(safe[prompt] * returned + beam, answer.tokens, answer.logprobs,
+                         cut_at_stop(self.tokenizer.decode(answer.tokens), stop), thinking[prompt] if thinking else None)
         return results
 
     def stream_text_completion(
@@ -380,11 +426,12 @@ class Llama:
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
+        bad_words: Optional[list[str]] = None,
     ) -> TextStream:
-        """text_completion of one prompt as a stream of text pieces (see TextStream)."""
+        """text_completion of one prompt as a stream of text pieces (see TextStream); bad_words as in generate."""
         prompt_tokens = self.tokenizer.encode(prompt, bos=True, eos=False)
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
-        return self._stream(prompt_tokens, max_gen_len, options, stop)
+        return self._stream(prompt_tokens, max_gen_len, options, stop, bad_words=bad_words)
 
     def stream_chat_completion(
         self,
@@ -397,26 +444,29 @@ class Llama:
         stop: Optional[list[str]] = None,
         min_gen_len: int = 0,
         seed: Optional[int] = None,
+        bad_words: Optional[list[str]] = None,
     ) -> TextStream:
-        """The assistant's reply to one dialog as a stream of text pieces (see TextStream)."""
+        """The assistant's reply to one dialog as a stream of text pieces (see TextStream); bad_words as in generate."""
         prompt_tokens = self.formatter.encode_dialog_prompt(dialog)
         options = self.sampling_options(temperature, top_p, top_k, repetition_penalty, min_gen_len, seed)
         if self.formatter.is_unsafe(dialog):
             options.check()
             return TextStream(_refusal)
-        return self._stream(prompt_tokens, max_gen_len, options, stop, self.formatter.stop_tokens)
+        return self._stream(prompt_tokens, max_gen_len, options, stop, self.formatter.stop_tokens, bad_words)
 
     def _stream(self, prompt_tokens: list[int], max_gen_len: Optional[int], options: SamplingOptions,
-                stop: Optional[list[str]], stop_tokens: Optional[set[int]] = None) -> TextStream:
+                stop: Optional[list[str]], stop_tokens: Optional[set[int]] = None,
+                bad_words: Optional[list[str]] = None) -> TextStream:
         """Check the arguments now, then generate lazily, one piece per step that completes text."""
         if max_gen_len is None:
             max_gen_len = self.model.max_seq_len - 1
         stop = check_stop(stop)
-        self._check_generate_args([prompt_tokens], max_gen_len, options)
+        asked = decoding(self.tokenizer, self.model.max_batch_size, bad_words=bad_words)
+        self._check_generate_args([prompt_tokens], max_gen_len, options, (asked.digest(),))
 
         def run(stream: TextStream) -> Iterator[str]:
             requests = self._requests([prompt_tokens], max_gen_len, options, stop, prompt_seeds(options.seed, 1),
-                                      stop_tokens=stop_tokens)
+                                      stop_tokens=stop_tokens, decoding=asked)
             for updates in run_job(self.engine(text=True), requests):
                 for update in updates:
                     if update.delta.text:
@@ -430,15 +480,19 @@ class Llama:
     def _generate(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions, stop: tuple[str, ...],
                   seeds: list[int], logprobs: bool = False, echo: bool = False, show_top: int = 0,
                   stop_tokens: Optional[set[int]] = None, constraint: Optional[Constraint] = None,
-                  thinking: Optional[list[Optional[Thinking]]] = None) -> Iterator[tuple[int, Answer]]:
-        """Each prompt's answer through the engine, as it ends (prompt i's as (i, answer)); a prompt
-        that fills the context answers nothing (its own tokens, with echo)."""
+                  thinking: Optional[list[Optional[Thinking]]] = None,
+                  decoding: Decoding = Decoding()) -> Iterator[tuple[int, Answer]]:
+        """Each prompt's answer through the engine, as it ends (prompt i's as (i, answer); with
+        beam search's R answers a prompt, its j-th best as (i * R + j, answer)); a prompt that
+        fills the context answers nothing (its own tokens, with echo)."""
         requests = self._requests(prompts, max_gen_len, options, stop, seeds, logprobs, echo, show_top, stop_tokens,
-                                  constraint, thinking)
+                                  constraint, thinking, decoding)
         held = {request.id for request, _ in requests}
+        returned = decoding.returned
         for index, prompt in enumerate(prompts):
             if str(index) not in held:
-                yield index, Answer(list(prompt) if echo else [], [], [])
+                for place in range(index * returned, (index + 1) * returned):
+                    yield place, Answer(list(prompt) if echo else [], [], [])
         dead_ends = []  # prompts whose grammar allowed no next token: refused once the others are answered
         for updates in run_job(self.engine(), requests):
             for update in updates:
@@ -446,6 +500,9 @@ class Llama:
                     index = int(update.sequence.request.id)
                     if update.delta.finish_reason == "error":
                         dead_ends.append((index, update.sequence.generated))
+                    elif decoding.beams is not None:
+                        for beam in range(returned):
+                            yield index * returned + beam, _beam_answer(prompts[index], update, beam, echo)
                     else:
                         yield index, _answer(prompts[index], update.sequence.sampling, echo)
         if dead_ends:
@@ -456,7 +513,8 @@ class Llama:
     def _requests(self, prompts: list[list[int]], max_gen_len: int, options: SamplingOptions, stop: tuple[str, ...],
                   seeds: list[int], logprobs: bool = False, echo: bool = False, show_top: int = 0,
                   stop_tokens: Optional[set[int]] = None, constraint: Optional[Constraint] = None,
-                  thinking: Optional[list[Optional[Thinking]]] = None) -> list[tuple[GenerationRequest, int]]:
+                  thinking: Optional[list[Optional[Thinking]]] = None,
+                  decoding: Decoding = Decoding()) -> list[tuple[GenerationRequest, int]]:
         """The engine's request for each prompt (its id, the prompt's place), with its seed. The
         answer ends at stop_tokens (by default the tokenizer's; a chat format may add its end of
         turn), and at a constraint's own. A prompt that leaves no room to generate has none,
@@ -467,10 +525,13 @@ class Llama:
         requests = []
         for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
             room = min(max_gen_len, self.model.max_seq_len - len(prompt))
+            decoding.check_fits(index, len(prompt), room, self.model.cache_blocks)
             if room > 0 or (logprobs and echo):
                 request = GenerationRequest(str(index), tuple(prompt), room, options, frozenset(stop_tokens), stop,
                                             logprobs, top_candidates=show_top, prompt_logprobs=logprobs and echo,
-                                            constraint=constraint, thinking=thinking[index] if thinking else None)
+                                            constraint=constraint, thinking=thinking[index] if thinking else None,
+                                            bad_words=decoding.bad_words, beams=decoding.beams,
+                                            logits_processors=decoding.processors)
                 requests.append((request, seed))
         return requests
 
@@ -537,6 +598,16 @@ def _answer(prompt: list[int], progress, echo: bool) -> Answer:
     if echo:
         return Answer(list(prompt) + progress.answer, progress.prompt_logprobs + logprobs, progress.candidates)
     return Answer(list(progress.answer), logprobs, progress.candidates)
+
+
+def _beam_answer(prompt: list[int], update, beam: int, echo: bool) -> Answer:
+    """A beam search's beam-th best answer from its last update (none where fewer came back)."""
+    answers = update.delta.beams
+    tokens = list(answers[beam].tokens) if beam < len(answers) else []
+    logprobs = [entry.logprob for entry in answers[beam].logprobs] if beam < len(answers) else []
+    if echo:
+        return Answer(list(prompt) + tokens, update.sequence.sampling.prompt_logprobs + logprobs, [])
+    return Answer(tokens, logprobs, [])
 
 
 def _call_seed(seed: "int | list[int] | None") -> Optional[int]:

@@ -34,6 +34,7 @@ class StandInModel:
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size  # the most choices (`n`) a request may ask for
         self.args = SimpleNamespace(vocab_size=vocab_size)  # structured outputs compile for it
+        self.cache_blocks = max_batch_size * -(-max_seq_len // 64)  # what a beam search may hold at most
 
 
 @dataclass

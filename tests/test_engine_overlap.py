@@ -1,14 +1,15 @@
 """A step's tokens reported while the device runs the next step (Engine.overlap, a GPU's default):
 every request gets the deltas of an engine that reports each token at once, however it ends (its
 length, a stop token, a stop string found in its text after it was fed once more, a cancelled
-client, a preemption), greedy and seeded sampled, alone and in a batch. On a CPU the model's pass
+client, a preemption), greedy, seeded sampled and beam search, alone and in a batch. On a CPU the model's pass
 has run by the time the report comes, so these tests check the order of things, not the timing."""
 
 import pytest
 
 from llama_tp import Llama
-from llama_tp.engine import Admission, Engine, run_job
-from llama_tp.engine.requests import Delta
+from llama_tp.engine import Admission, Engine, GenerationRequest, run_job
+from llama_tp.engine.requests import BeamSearch, Delta
+from llama_tp.sampling import SamplingOptions
 from serve_harness import request
 from test_preemption import with_pool
 from test_serve_engine import PROMPTS
@@ -112,3 +113,18 @@ def test_preempted_requests_answer_as_reported_at_once(llama):
     finally:
         with_pool(llama, blocks)
     same_deltas(overlapped, at_once)
+
+
+def test_a_beam_search_beside_overlapped_reports_answers_as_at_once(llama):
+    """A search's beams are chosen and forked inside the step (beams.py), beside rows whose reports
+    wait for the next step: every answer, the search's beams too, is the one reported at once."""
+    search = GenerationRequest("beams", tuple(PROMPTS[4]), 12, SamplingOptions(), frozenset(llama.tokenizer.stop_tokens),
+                               beams=BeamSearch(2, returned=2))
+    requests = [(request(llama, PROMPTS[0], 12, temperature=0.8), 1), (search, 2),
+                (request(llama, PROMPTS[2], 12, temperature=0), 3)]
+    at_once = deltas_by_request(llama, requests, overlap=False)
+    overlapped = deltas_by_request(llama, requests, overlap=True)
+    same_deltas(overlapped, at_once)
+    assert [[beam.tokens for beam in deltas[-1].beams] for deltas in overlapped] == \
+           [[beam.tokens for beam in deltas[-1].beams] for deltas in at_once]
+    assert len(overlapped[1][-1].beams) == 2

@@ -71,8 +71,21 @@ def test_text_completion_script_speculates_with_the_apis_tokens_over_two_process
     assert [r["token_ids"] for r in records] == [e["token_ids"] for e in expected]
 
 
+@pytest.mark.slow
+def test_scripts_search_beams_and_ban_words_as_the_api_over_two_processes(tmp_path, checkpoints, api):
+    flags = ("--num_beams", "2", "--length_penalty", "0.5", "--early_stopping", "never", "--bad_words", '["the", "a"]')
+    records = run_with_files(tmp_path, checkpoints, "chat_completion.py", 2, DIALOGS, *flags)
+    expected = api.chat_completion(DIALOGS, max_gen_len=6, token_ids=True, num_beams=2, length_penalty=0.5,
+                                   early_stopping="never", bad_words=["the", "a"])
+    assert [r["token_ids"] for r in records] == [e["token_ids"] for e in expected]
+    records = run_with_files(tmp_path, checkpoints, "text_completion.py", 1, PROMPTS, "--num_beams", "2")
+    expected = api.text_completion(PROMPTS, max_gen_len=6, token_ids=True, num_beams=2)
+    assert [r["token_ids"] for r in records] == [e["token_ids"] for e in expected]
+
+
 def test_scripts_build_no_more_rows_than_they_decode_at_once():
     assert batch_rows(4, n_prompts=2, stream=False) == 2
+    assert batch_rows(4, n_prompts=2, stream=False, beams=3) == 6  # a row a beam
     assert batch_rows(4, n_prompts=9, stream=False) == 4  # the rest in later batches
     assert batch_rows(4, n_prompts=9, stream=True) == 1  # streamed prompts run one at a time
     assert batch_rows(0, n_prompts=2, stream=True) == 0  # for Llama.build to refuse by name

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llama_tp"
 LAYERS = [
     {"bench", "bench_serve", "convert", "plan", "reshard", "run_batch", "tools"},  # the commands
     {"serve"},  # the HTTP door
-    {"__init__", "generation", "context"},  # the API door, and its check of max_seq_len
+    {"__init__", "generation", "context", "decoding"},  # the API door, its check of max_seq_len and of decoding options
     {"engine"},  # the loop under every door
     {"checkpoint"},  # files: loading and writing checkpoints
     {"structured", "sampling", "text"},

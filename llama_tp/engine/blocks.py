@@ -1,7 +1,8 @@
 """Which blocks of the KV cache each sequence holds, which are free, and which hold a prefix that
 a later prompt can start from (vLLM's automatic prefix caching).
 
-A block (kv_cache.BLOCK_POSITIONS positions) is free, held by one or more sequences (counted), or
+A block (kv_cache.BLOCK_POSITIONS positions) is free, held by one or more sequences (counted: a
+prompt's blocks by the requests that start the same way, a beam search's by its beams), or
 cached: held by none, but full, so that its keys and values are a known run of tokens after a
 known start. A full block is named by a key made of its tokens and its parent's key (the key of
 the block before it in its sequence), so one key names one whole prefix: a prompt whose first
@@ -90,6 +91,13 @@ class BlockPool:
             self.cached.pop(block, None)
             self.holders[block] += 1
         return blocks
+
+    def share(self, blocks: Sequence[int]) -> None:
+        """Held blocks, each held once more (a beam takes over its parent's: beams.py). Only the
+        holder that writes a shared block copies it first (copy-on-write: the scheduler's _grow)."""
+        for block in blocks:
+            assert self.holders[block], f"block {block} is not held"
+            self.holders[block] += 1
 
     def name(self, block: int, key: BlockKey) -> None:
         """A held block has just been filled with the run of tokens key names: a later prompt that

@@ -34,8 +34,10 @@ from ..logs import logger
 from ..model.kv_cache import BLOCK_POSITIONS
 from ..model.transformer import Transformer
 from ..sampling.sampler import TokenHistory, sample
+from ..sampling.processors import apply_processors
 from ..structured.rows import adjust_rows, make_adjustment
 from ..text.streaming import IncrementalDecoder, cut_at_stop
+from .beams import BeamSearches
 from .choices import agreed_tokens, read_back
 from .blocks import BlockPool
 from .observer import CacheUse, Observer
@@ -64,6 +66,7 @@ class Admission:
     slot: int
     seed: int  # the request's own, or one rank 0 drew: every rank samples alike
     grammar: Optional[int] = None  # its grammar's number on every rank's Shelf (serving.py; a batch job's: None)
+    beam_slots: tuple[int, ...] = ()  # a beam search's: the free slots its other beams will take (beams.py)
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class Engine:
         self.made: list[Made] = []  # tokens and ends not yet reported
         self.launched = False  # whether this step has run a pass of the model yet
         self.updates: list[Update] = []  # the current step's
+        self.beams = BeamSearches(self.scheduler, tokenizer, model.max_seq_len)
 
     @property
     def running(self) -> list[Sequence]:
@@ -132,6 +136,11 @@ class Engine:
         decides; the others are told); None if there is none, or if the blocks of its prompt are
         not available (scheduler.py)."""
         return self.scheduler.choose_slot(prompt, taken)
+
+    def choose_slots(self, request: GenerationRequest, taken: set[int]) -> Optional[tuple[int, ...]]:
+        """choose_slot for a request: a beam search takes a slot for each of its beams."""
+        count = request.beams.width if request.beams is not None else 1
+        return self.scheduler.choose_slots(request.prompt_tokens, count, taken)
 
     # Admitting and cancelling
 
@@ -151,8 +160,10 @@ class Engine:
         decoder = IncrementalDecoder(self.tokenizer, request.stop) if watches_text else None
         # structured outputs (llama_tp/structured): each rank keeps its own grammar state
         adjustment = make_adjustment(self.grammars, request.constraint, request.logit_bias, request.presence_penalty,
-                                     request.frequency_penalty, request.thinking, grammar)
+                                     request.frequency_penalty, request.thinking, grammar, request.bad_words)
         sequence.sampling = Progress(generator, decoder, adjustment)
+        if request.beams is not None:
+            self.beams.start(sequence, admission.beam_slots)
         if request.prompt_logprobs:
             # the prompt's first token, which nothing predicts (a one-token prompt is fed as a step, never scored)
             sequence.sampling.prompt_logprobs.append(0.0)
@@ -189,6 +200,7 @@ class Engine:
         self.launched = False
         plan = self.scheduler.plan()
         self.model.block_tables.give_all(plan.tables)  # blocks handed out, shared, given back: one copy
+        self.model.copy_blocks(plan.copies)  # blocks that beams shared, before one writes its own
         # A prompt whose own log probabilities are asked for needs every position's logits: a pass
         # of its own (not again for one preempted after its first token, fed its tokens anew).
         scored = [chunk for chunk in plan.prefill if _scores_prompt(chunk.sequence)]
@@ -231,8 +243,8 @@ class Engine:
             return
         # structured outputs (llama_tp/structured): a draft's guesses are not checked against a
         # grammar, so adjusted rows decode a token a step beside the rounds
-        adjusted = [chunk for chunk in chunks if chunk.sequence.sampling.adjustment is not None]
-        free = [chunk for chunk in chunks if chunk.sequence.sampling.adjustment is None]
+        adjusted = [chunk for chunk in chunks if not _speculates(chunk.sequence)]
+        free = [chunk for chunk in chunks if _speculates(chunk.sequence)]
         if free:
             self._speculate(free)
         if adjusted:
@@ -270,10 +282,20 @@ class Engine:
             return
         sequences = [chunks[row].sequence for row in completing]
         logits = logits[completing, -1] if len(completing) < len(chunks) else logits[:, -1]  # bsz, vocab (or a slice)
-        # structured outputs, logit_bias, penalties (llama_tp/structured): free rows pay nothing
+        searching = [row for row, sequence in enumerate(sequences) if sequence.request.beams is not None]
+        if searching:  # beam searches choose their beams together (beams.py)
+            self._search([sequences[row] for row in searching], logits[searching])
+            kept = [row for row in range(len(sequences)) if row not in searching]
+            if not kept:
+                return
+            sequences, logits = [sequences[row] for row in kept], logits[kept]
+        # structured outputs, logit_bias, penalties, banned words (llama_tp/structured): free rows pay nothing
         logits = adjust_rows([s.sampling.adjustment for s in sequences], logits,
                              parallel.model_parallel_rank() * logits.shape[-1] if plain_greedy else 0,
-                             self.model.args.vocab_size)
+                             self.model.args.vocab_size, [s.tokens for s in sequences])
+        if parallel.model_parallel_rank() == 0:  # Python's logits processors, on rank 0's choice path only
+            logits = apply_processors(logits, [(s.request.logits_processors, s.request.prompt_tokens,
+                                                s.tokens[s.prompt_length :]) for s in sequences])
         if plain_greedy:  # each rank offers the best of its slice: no logits gathered, and every
             # rank picks the winner from the same gathered pairs, so they agree without rank 0's word
             picks = [(token, None, ()) for token in parallel.vocab_argmax(logits).tolist()]
@@ -282,6 +304,19 @@ class Engine:
         now = time.monotonic()
         for sequence, (token, logprob, candidates) in zip(sequences, picks):
             self._advance(sequence, token, logprob, now, candidates)
+
+    def _search(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
+        """A step of the beam searches whose beams these are (beams.py); those that end, end."""
+        now = time.monotonic()
+        for sequence in sequences:
+            progress = sequence.sampling
+            if progress.last_token_at != now:  # once a search (its beams share their progress)
+                if self.observer is not None:
+                    self.observer.token(sequence, now)
+                progress.first_token_at = progress.first_token_at or now
+                progress.last_token_at = now
+        for sequence in self.beams.step(sequences, logits):
+            self._finish(sequence, "stop")
 
     def _keep_prompt_logprobs(self, chunk: Chunk, logits: torch.Tensor) -> None:
         """The log probability of each prompt token the chunk's logits [width, vocab] predict, read
@@ -314,7 +349,8 @@ class Engine:
         asks_logprobs = any(request.logprobs for request in requests)
         logprobs = F.log_softmax(logits.float(), dim=-1) if asks_logprobs else None
         candidates = candidate_columns(requests, logits, history, ban) if most else []
-        tokens, rows = agreed_tokens(draw, lambda chosen: [*logprob_columns(chosen, logprobs, top), *candidates])
+        tokens, rows = agreed_tokens(draw, lambda chosen: [*logprob_columns(chosen, logprobs, top), *candidates],
+                                     exchange=any(request.logits_processors for request in requests))
         if penalised:
             at = torch.tensor(penalised, device=self.device)
             self.history.append(slots[at], torch.tensor([len(sequences[row].tokens) for row in penalised],
@@ -386,6 +422,11 @@ class Engine:
     def _finish(self, sequence: Sequence, reason: str) -> None:
         """End a running sequence without a token. reason "error": the one way a running answer
         fails alone, its grammar's dead end."""
+        if sequence.request.beams is not None:  # every beam ends, in one last delta with the answers (beams.py)
+            last = self.beams.end(sequence, reason)
+            if last is not None:
+                self._ended(Update(sequence, last), reason)
+            return
         self._end(sequence, reason)
         self.made.append(Made(sequence, None, reason))
 
@@ -445,9 +486,12 @@ class Engine:
                      stop_string=progress.decoder.matched if progress.decoder is not None else None)
         if reason == "error":
             last = replace(last, error=DEAD_END, error_code="grammar_dead_end", error_status=400)
-        self.updates.append(Update(sequence, last))
+        self._ended(Update(sequence, last), reason)
+
+    def _ended(self, update: Update, reason: str) -> None:
+        self.updates.append(update)
         if self.observer is not None:
-            self.observer.finished(sequence, reason)
+            self.observer.finished(update.sequence, reason)
             self._report_load()
 
     def _take_updates(self) -> list[Update]:
@@ -456,7 +500,8 @@ class Engine:
 
     def _report_load(self) -> None:
         """The observer's gauges of the running requests: how many, and the cache blocks they hold."""
-        self.observer.load(len(self.scheduler.running), self.cache_use())
+        requests = {id(sequence.request) for sequence in self.scheduler.running}  # a beam search's beams: one request
+        self.observer.load(len(requests), self.cache_use())
 
     def cache_use(self) -> CacheUse:
         """The KV cache's blocks: held, cached, and the preemptions so far."""
@@ -475,7 +520,15 @@ def _penalises_repeats(request: GenerationRequest) -> bool:
 
 def _takes_best_logit(request: GenerationRequest) -> bool:
     """Whether a request's next token is the model's best logit, with nothing read beside it."""
-    return request.options.takes_best_logit and not request.logprobs and not request.top_candidates
+    return (request.options.takes_best_logit and not request.logprobs and not request.top_candidates
+            and request.beams is None and not request.logits_processors)
+
+
+def _speculates(sequence: Sequence) -> bool:
+    """Whether a generating sequence gains its tokens in speculation's rounds: not where each token
+    must pass its grammar, adjustments, beam search or Python's logits processors first."""
+    request = sequence.request
+    return sequence.sampling.adjustment is None and request.beams is None and not request.logits_processors
 
 
 def _with_text(delta: Delta, text: str) -> Delta:

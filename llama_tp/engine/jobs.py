@@ -51,13 +51,13 @@ def run_job(engine: Engine, requests: Iterable[tuple[GenerationRequest, int]]) -
     while waiting or engine.running:
         taken: set[int] = set()
         while waiting:
-            slot = engine.choose_slot(waiting[0][0].prompt_tokens, taken)
-            if slot is None:
+            slots = engine.choose_slots(waiting[0][0], taken)  # a beam search's: one a beam
+            if slots is None:
                 if not engine.running:  # nothing will free blocks: never wait for them forever
                     raise RuntimeError(f"a prompt of {len(waiting[0][0].prompt_tokens)} tokens does not fit the "
                                        f"KV cache's {engine.scheduler.pool.available} free blocks")
                 break
             request, seed = waiting.popleft()
-            taken.add(slot)
-            engine.admit(Admission(request, slot, seed))
+            taken.update(slots)
+            engine.admit(Admission(request, slots[0], seed, beam_slots=slots[1:]))
         yield engine.step()

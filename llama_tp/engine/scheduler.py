@@ -22,10 +22,16 @@ of its state, and resumes when its blocks are available again by prefilling its 
 what of them is still cached), so that it goes on as it would have.
 A request's `n` choices run in n slots: the first prefills the prompt, the others wait for it,
 then share the blocks it filled and feed only the rest.
+A beam search's beams (beams.py) run in slots of their own, reserved at its admission: the first
+prefills the prompt; at each step the beams that go on take over their parents' blocks by
+reference (fork), and a beam that writes a block its siblings share copies it first
+(copy-on-write: the step's copies, made before its pass). Its beams step together or not at all:
+they are preempted together, and a beam that resumes prefills all its tokens but its last, which
+it feeds with the others'.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from ..model.kv_cache import BLOCK_POSITIONS, blocks_for
 from ..model.prefix_cache import PrefixCache
@@ -87,6 +93,7 @@ class StepPlan:
     decode: list[Chunk]  # one token each: one batch
     prefill: list[Chunk]  # in passes of their own (prefill_passes)
     tables: dict[int, list[int]] = field(default_factory=dict)  # slots' new block tables, given first
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) blocks copied before the pass
 
 
 class Scheduler:
@@ -104,6 +111,8 @@ class Scheduler:
         self.preemptions = 0
         self.promised = 0  # blocks that slots chosen but not yet admitted will take
         self.tables: dict[int, list[int]] = {}  # slots whose block tables changed since the last plan
+        self.copies: list[tuple[int, int]] = []  # blocks to copy before the next pass (copy-on-write)
+        self.reserved: set[int] = set()  # free slots a beam search has taken for its beams to come
 
     @property
     def running(self) -> list[Sequence]:
@@ -111,20 +120,28 @@ class Scheduler:
         return [slot.sequence for slot in self.slots if slot.sequence is not None]
 
     def free_slots(self) -> list[int]:
-        return [slot.index for slot in self.slots if slot.sequence is None]
+        return [slot.index for slot in self.slots if slot.sequence is None and slot.index not in self.reserved]
 
     def choose_slot(self, prompt: tuple[int, ...], taken: set[int]) -> Optional[int]:
         """The free slot a new request should take, not one of those already taken this step
         (rank 0 decides; the others are told); None if there is none, or if its prompt's blocks
         are not available (nor are any while a preempted sequence waits for its own)."""
+        slots = self.choose_slots(prompt, 1, taken)
+        return None if slots is None else slots[0]
+
+    def choose_slots(self, prompt: tuple[int, ...], count: int, taken: set[int]) -> Optional[tuple[int, ...]]:
+        """choose_slot for a request that runs in count slots (a beam search's beams): its
+        prompt's blocks, and a block more for each beam's first token (the others' copies of the
+        prompt's last block, or every beam's first block where the prompt fills its blocks)."""
         free = [index for index in self.free_slots() if index not in taken]
-        if not free or any(sequence.preempted for sequence in self.running):
+        if len(free) < count or any(sequence.preempted for sequence in self.running):
             return None
-        needed = self._blocks_needed(list(prompt), self.prefix_cache.enabled)
+        forks = 0 if count == 1 else count - (1 if len(prompt) % BLOCK_POSITIONS else 0)
+        needed = self._blocks_needed(list(prompt), self.prefix_cache.enabled) + forks
         if needed > self.pool.available - self.promised:
             return None
         self.promised += needed
-        return free[0]
+        return tuple(free[:count])
 
     def _blocks_needed(self, tokens: list[int], reuse: bool) -> int:
         """The blocks that feeding tokens afresh takes from those available: new ones, and cached
@@ -172,6 +189,53 @@ class Scheduler:
         sequence.blocks, sequence.keys = [], []
         sequence.slot.sequence = None
 
+    def reserve(self, slots: Iterable[int]) -> None:
+        """Free slots kept for a beam search's beams (fork places them there): no request takes them."""
+        self.reserved.update(slots)
+
+    def unreserve(self, slots: Iterable[int]) -> None:
+        """A beam search has ended: the slots it kept and never filled are free again."""
+        self.reserved.difference_update(slots)
+
+    def fork(self, beams: list[Sequence], spare: list[int], parents: list[int], tokens: list[int]) -> list[Sequence]:
+        """Beam search's step: new beam i is beams[parents[i]] followed by tokens[i], in a slot of
+        the search (its parent's, where no sibling has taken it first; else one of the others, or
+        of spare, its reserved slots), holding its parent's blocks by reference (a shared block is
+        copied by the beam that writes it first: _grow). The beams that have no child end."""
+        held = [(list(beam.tokens), list(beam.blocks), list(beam.keys), list(beam.slot.cached), beam.generated)
+                for beam in beams]
+        places: list[Optional[int]] = [None] * len(parents)
+        stays = {}  # parent: its first child, which takes over its slot (no record to rewrite)
+        for index, parent in enumerate(parents):
+            if parent not in stays:
+                stays[parent] = index
+                places[index] = beams[parent].slot.index
+        free = [beam.slot.index for number, beam in enumerate(beams) if number not in stays] + list(spare)
+        for index, parent in enumerate(parents):
+            if places[index] is None:
+                places[index] = free.pop(0)
+        for parent in parents:
+            self.pool.share(held[parent][1])
+        for beam in beams:
+            self.pool.release(beam.blocks)
+            beam.blocks, beam.keys = [], []
+            beam.slot.sequence = None
+        forked = []
+        first = beams[0]
+        for index, (parent, token) in enumerate(zip(parents, tokens)):
+            parent_tokens, blocks, keys, cached, generated = held[parent]
+            slot = self.slots[places[index]]
+            beam = Sequence(first.request, slot, parent_tokens + [token], first.admitted, first.reused, generated + 1,
+                            first.sampling, blocks=blocks if stays[parent] == index else list(blocks), keys=list(keys))
+            if stays[parent] != index:  # the parent's record, in this slot
+                self.prefix_cache.keep(slot.index, 0)
+                self.prefix_cache.extend(slot.index, 0, cached)
+            slot.sequence = beam
+            self.reserved.discard(slot.index)
+            self.tables[slot.index] = beam.blocks
+            forked.append(beam)
+        return forked
+
     def plan(self) -> StepPlan:
         """What this step feeds: every generating sequence's one token, and prompt chunks up to
         max_prefill_tokens, oldest request first; preempted sequences resume where their blocks are
@@ -182,41 +246,84 @@ class Scheduler:
         waiting = {id(sequence) for sequence in self.running if sequence.preempted}  # not those preempted now
         for sequence in sorted(self.running, key=lambda s: s.admitted):
             if sequence.preempted:
-                # A prompt whose own log probabilities are asked for is computed whole again.
-                reuse = not (sequence.request.prompt_logprobs and sequence.generated == 0)
-                if id(sequence) not in waiting or not self._take_blocks(sequence, reuse):
+                if id(sequence) not in waiting or not self._resume(sequence):
                     continue  # still waiting
-                sequence.preempted = False
             if sequence.follows is not None:
                 if _prefilling(sequence.follows):
                     continue  # its prompt's keys and values are on their way
                 self._share_prefill(sequence)
             pending, start = sequence.pending, len(sequence.slot.cached)
             if len(pending) == 1:
-                if not self._grow(sequence):
-                    continue  # preempted itself
+                if not self._beams_ready(sequence) or not self._grow(sequence):
+                    continue  # its beams wait for a sibling's prefill, or it preempted itself
                 decode.append(Chunk(sequence, start, pending))
             elif pending and budget > 0:
-                prefill.append(Chunk(sequence, start, pending[:budget]))
+                # a beam resuming after its first step stops short of its last token, fed with its siblings'
+                room = len(pending) - 1 if sequence.request.beams is not None and sequence.generated else len(pending)
+                prefill.append(Chunk(sequence, start, pending[: min(budget, room)]))
                 budget -= len(prefill[-1].tokens)
+        # A beam search preempted whole by its own last beam's growth: its other beams were planned already.
+        decode = [chunk for chunk in decode if not chunk.sequence.preempted]
+        prefill = [chunk for chunk in prefill if not chunk.sequence.preempted]
         # In cache-row order: rows that fill a block of the cache are read in place, not gathered.
         decode.sort(key=lambda chunk: chunk.sequence.slot.index)
         tables, self.tables = self.tables, {}
-        return StepPlan(decode, prefill, tables)
+        copies, self.copies = self.copies, []
+        return StepPlan(decode, prefill, tables, copies)
+
+    def _resume(self, sequence: Sequence) -> bool:
+        """A preempted sequence takes the blocks of its tokens again (a beam search's beams all
+        together, or none of them); False if they are not available."""
+        group = self.group(sequence)
+        resumed = []
+        for member in group:
+            # A prompt whose own log probabilities are asked for is computed whole again.
+            reuse = not (member.request.prompt_logprobs and member.generated == 0)
+            if not self._take_blocks(member, reuse):
+                for taken in resumed:  # not all of them: those that took blocks give them back
+                    self.pool.release(taken.blocks)
+                    taken.blocks, taken.keys = [], []
+                    self.prefix_cache.keep(taken.slot.index, 0)
+                    self.tables[taken.slot.index] = []
+                return False
+            resumed.append(member)
+        for member in group:
+            member.preempted = False
+        return True
+
+    def group(self, sequence: Sequence) -> list[Sequence]:
+        """A beam search's running beams (in slot order), or the sequence alone."""
+        if sequence.request.beams is None:
+            return [sequence]
+        return [other for other in self.running if other.request is sequence.request]
+
+    def _beams_ready(self, sequence: Sequence) -> bool:
+        """Whether every beam of sequence's search (if it is one) has its one token to feed: they step together."""
+        return sequence.request.beams is None or all(
+            not beam.preempted and len(beam.pending) == 1 for beam in self.group(sequence))
 
     def _grow(self, sequence: Sequence) -> bool:
         """Blocks enough for a generating sequence to write its next token (and its lookahead
         where blocks are free), preempting the newest sequences holding blocks for them; False if
-        the newest was the sequence itself."""
+        the newest was the sequence itself. The block it writes is its own: where a sibling beam
+        holds it too, it writes a copy (copy-on-write)."""
         while len(sequence.blocks) < blocks_for(len(sequence.tokens)):
-            taken = self.pool.take(1)
+            taken = self._take_one(sequence)
             if taken is None:
-                newest = max((s for s in self.running if s.blocks), key=lambda s: s.admitted)
-                self.preempt(newest)
-                if newest is sequence:
-                    return False
-                continue
-            sequence.blocks += taken
+                return False
+            sequence.blocks.append(taken)
+            self.tables[sequence.slot.index] = sequence.blocks
+        index = (len(sequence.tokens) - 1) // BLOCK_POSITIONS  # the block its next token is written to
+        while self.pool.holders[sequence.blocks[index]] > 1:
+            taken = self._take_one(sequence)
+            if taken is None:
+                return False
+            if self.pool.holders[sequence.blocks[index]] == 1:  # the sibling that shared it was preempted
+                self.pool.release([taken])
+                break
+            self.copies.append((sequence.blocks[index], taken))
+            self.pool.release([sequence.blocks[index]])
+            sequence.blocks[index] = taken
             self.tables[sequence.slot.index] = sequence.blocks
         wanted = blocks_for(len(sequence.tokens) + self.lookahead) - len(sequence.blocks)
         if wanted > 0 and self.pool.free:
@@ -224,15 +331,28 @@ class Scheduler:
             self.tables[sequence.slot.index] = sequence.blocks
         return True
 
+    def _take_one(self, sequence: Sequence) -> Optional[int]:
+        """A block for sequence, preempting the newest sequences holding blocks until one is
+        available; None if the newest was the sequence itself (or one of its beam search's)."""
+        while True:
+            taken = self.pool.take(1)
+            if taken is not None:
+                return taken[0]
+            newest = max((s for s in self.running if s.blocks), key=lambda s: s.admitted)
+            self.preempt(newest)
+            if sequence.preempted:
+                return None
+
     def preempt(self, sequence: Sequence) -> None:
         """The sequence gives its blocks back (those it filled stay cached) and waits, in its slot,
-        to be fed its tokens again."""
-        self._name_blocks(sequence)
-        self.pool.release(sequence.blocks)
-        sequence.blocks, sequence.keys = [], []
-        sequence.follows = None  # resumes by prefilling its prompt, sharing what is still cached
-        sequence.preempted = True
-        self.prefix_cache.keep(sequence.slot.index, 0)
+        to be fed its tokens again; a beam search's beams all do."""
+        for member in self.group(sequence):
+            self._name_blocks(member)
+            self.pool.release(member.blocks)
+            member.blocks, member.keys = [], []
+            member.follows = None  # resumes by prefilling its prompt, sharing what is still cached
+            member.preempted = True
+            self.prefix_cache.keep(member.slot.index, 0)
         self.preemptions += 1
 
     def _name_blocks(self, sequence: Sequence) -> None:

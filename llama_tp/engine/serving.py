@@ -148,15 +148,15 @@ class Serving:
         admitted, taken = [], set()
         while self.waiting and not stop_wish:
             stream = self.waiting[0]
-            slot = self.engine.choose_slot(stream.request.prompt_tokens, taken)
-            if slot is None:
+            slots = self.engine.choose_slots(stream.request, taken)  # a beam search's: one a beam
+            if slots is None:
                 break
             self.waiting.popleft()
             self.inbox.left_waiting()
-            taken.add(slot)
+            taken.update(slots)
             seed = stream.request.options.seed
-            admitted.append(Admission(stream.request, slot, random.getrandbits(63) if seed is None else seed,
-                                      self.held.number(stream.request)))
+            admitted.append(Admission(stream.request, slots[0], random.getrandbits(63) if seed is None else seed,
+                                      self.held.number(stream.request), slots[1:]))
             self.streams[stream.request.id] = stream
         return News(tuple(admitted), tuple(cancelled), stop_wish, *self.held.news())
 

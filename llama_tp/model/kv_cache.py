@@ -120,6 +120,12 @@ class BlockTables:
         return None
 
 
+def block_positions(blocks: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Every pool position of these blocks, block after block: [len(blocks) * BLOCK_POSITIONS]."""
+    starts = torch.tensor(blocks, dtype=torch.long, device=device)[:, None] * BLOCK_POSITIONS
+    return (starts + torch.arange(BLOCK_POSITIONS, device=device)).flatten()
+
+
 def places(tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Where positions [1 or bsz, seqlen] of rows with these block tables [bsz, blocks a row] sit in
     a pool's positions: [bsz, seqlen]."""
@@ -161,6 +167,12 @@ class KVCache(nn.Module):
         where = (self.first, self.heads[:, None], places(rows.tables, rows.positions).flatten()[None, :])
         self.k.index_put_(where, k.transpose(0, 1).flatten(1, 2))  # heads, bsz * seqlen, head_dim
         self.v.index_put_(where, v.transpose(0, 1).flatten(1, 2))
+
+    def copy_positions(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """The keys and values at pool positions sources [n] written again at targets [n] (the
+        blocks a beam copies before writing a block its siblings share: block_positions)."""
+        for pool in (self.k, self.v):
+            pool[0].index_copy_(1, targets, pool[0].index_select(1, sources))
 
     def read(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values at positions [0, rows.end): [bsz, heads, end, head_dim]."""

@@ -20,7 +20,8 @@ from ..parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_li
 from .args import ModelArgs
 from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
 from .feed_forward import FeedForward, MixtureOfExperts
-from .kv_cache import BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, blocks_for, step_through_kernel
+from .kv_cache import (BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, block_positions, blocks_for,
+                       step_through_kernel)
 from .prefix_cache import PrefixCache
 from .step_graphs import StepGraphs
 
@@ -479,6 +480,17 @@ class Transformer(nn.Module):
             h = layer.forward_segments(h, segments)
         h = h[0, torch.tensor(last, device=h.device)][:, None]  # rows, 1, dim
         return run_head(self.norm, self.output, h, gather=not vocab_slice)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Each (source, target) block's keys and values copied in every layer's cache, before a
+        pass writes the target (copy-on-write: a beam's own copy of a block its siblings share)."""
+        if not copies:
+            return
+        sources, targets = zip(*copies)
+        device = self.positions.device
+        sources, targets = block_positions(sources, device), block_positions(targets, device)
+        for layer in self.layers:
+            layer.attention.cache.copy_positions(sources, targets)
 
     def _overwrite(self, slots: Sequence[int], starts: Sequence[int]) -> None:
         """Tell the prefix cache that each cache row in slots is written from its start on."""

@@ -55,7 +55,7 @@ def vocab_argmax(local_logits: torch.Tensor) -> torch.Tensor:
     return every_rank[..., 1].gather(-1, winner).view(torch.int32).flatten().long()
 
 
-def from_first_rank(x: torch.Tensor) -> torch.Tensor:
+def from_first_rank(x: torch.Tensor, always: bool = False) -> torch.Tensor:
     """Model-parallel rank 0's x on every rank: a step's choices (tokens, finish flags, log
     probabilities), so that ranks whose logits differ in the last bits (GPUs of different models
     or drivers, hosts with different CPUs) still take the same tokens and run the same steps
@@ -65,9 +65,10 @@ def from_first_rank(x: torch.Tensor) -> torch.Tensor:
     they are, as vocab_argmax's indices do). Not where every rank is a CPU process of one host
     (the shared-memory exchange): the same code on the same CPU and the same gathered logits
     choose the same bits, and the exchange, one more meeting of the ranks a step, cost 5% of a
-    sampled batch-1 step on the loaded 2-core machine (docs/gpu.md).
+    sampled batch-1 step on the loaded 2-core machine (docs/gpu.md). always: there too, where rank
+    0 alone computed x's inputs (a step that runs Python's logits processors, on rank 0 only).
     """
-    if model_parallel_size() == 1 or _ranks_compute_alike():
+    if model_parallel_size() == 1 or (_ranks_compute_alike() and not always):
         return x
     bits = x.contiguous().view(torch.float32)  # [..., n * itemsize / 4]
     width = bits.shape[-1]

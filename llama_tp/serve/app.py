@@ -371,6 +371,9 @@ async def whole(answer: Answer, reply: Reply, logprobs: bool, shape: Callable = 
     failed = next((final for final in finals.values() if final.finish_reason == "error"), None)
     if failed is not None:
         return error_response(failure(failed), shape)
+    if finals[0].beams:  # beam search: one request, whose best beams are the choices
+        return JSONResponse(reply.response([Answered(beam.text, list(beam.logprobs) if logprobs else None, beam)
+                                            for beam in finals[0].beams]))
     return JSONResponse(reply.response([Answered("".join(texts[index]), items[index] if logprobs else None,
                                                  finals[index]) for index in range(len(answer.streams))]))
 

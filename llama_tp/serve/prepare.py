@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 from typing import Any, Optional
 
+from ..structured.bad_words import word_sequences
 from ..structured.constraint import Constraint, GrammarLimits
 from ..structured.grammars import grammars_for
 from ..structured.tools import call_constraint, render_dialog, tool_format
@@ -18,7 +19,8 @@ from ..text.reasoning import Thinking
 from ..text.streaming import check_stop
 from .limits import text_beyond
 from .protocol import INT64, ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
-from ..engine.requests import GenerationRequest
+from ..engine.beams import search_blocks
+from ..engine.requests import BeamSearch, GenerationRequest
 
 # SamplingOptions.check names the option first in its message; the API's name for each.
 OPTION_PARAMS = {"min_gen_len": "min_tokens"}
@@ -62,12 +64,15 @@ def choices(body: SamplingRequest, request: GenerationRequest, generator) -> lis
     that share its prefill (the engine copies its prompt's keys and values), each with its own
     random stream: the request's seed plus the choice's index (as vLLM does), or without a seed
     one the engine draws for each."""
+    if request.beams is not None:  # beam search's n answers are its n best beams: one request (_beam_search)
+        return [request]
     n = body.n or 1
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != n:
         raise RequestError(400, f"`best_of` ({best_of}) differs from `n` ({n}), which is not supported by this "
-                           f"server: it returns every answer it generates; ask for n={best_of} and choose among "
-                           "them (their log probabilities with `logprobs`)", "best_of", "unsupported_parameter")
+                           f"server without `use_beam_search`: it returns every answer it samples; ask for "
+                           f"n={best_of} and choose among them (their log probabilities with `logprobs`), or search "
+                           f"{best_of} beams with `use_beam_search`", "best_of", "unsupported_parameter")
     rows = generator.model.max_batch_size
     if n > rows:
         raise RequestError(400, f"`n` is {n}, but the server generates at most {rows} answers at once "
@@ -241,13 +246,88 @@ def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: l
                                "decides where the answer ends", "min_tokens", "invalid_value")
         # a finished grammar allows only its stop tokens (a chat format's end of turn among them)
         stop_tokens = set(stop_tokens) | grammars_for(generator).stop_tokens
-    return GenerationRequest(
+    request = GenerationRequest(
         id=request_id, prompt_tokens=tuple(prompt_tokens), max_tokens=max_tokens, options=options,
         stop_tokens=frozenset(stop_tokens), stop=stop, logprobs=logprobs, top_logprobs=top_logprobs,
         constraint=constraint, thinking=thinking,
         logit_bias=_logit_bias(body.logit_bias, generator.model.args.vocab_size),
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        bad_words=_bad_words(body, generator), beams=_beam_search(body, generator, constraint, top_logprobs),
     )
+    _check_search_fits(request, generator, limit_param)
+    return request
+
+
+def _bad_words(body: SamplingRequest, generator) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as the token sequences the engine bans (structured/bad_words.py)."""
+    try:
+        return word_sequences(generator.tokenizer, body.bad_words or ())
+    except ValueError as error:
+        raise RequestError(400, f"`{str(error).split()[0]}` must be a word or phrase, not only spaces",
+                           str(error).split()[0], "invalid_value") from None
+
+
+# What beam search refuses beside it, and why: (the field, whether the body sets it, why not).
+BEAM_REFUSALS = (
+    ("stream", lambda body: body.stream, "the beams' answers are known only once the search ends"),
+    ("stop", lambda body: body.stop, "beams end at stop tokens and the token limit"),
+    ("logit_bias", lambda body: body.logit_bias, "beams are scored by the model's log probabilities"),
+    ("presence_penalty", lambda body: body.presence_penalty, "beams are scored by the model's log probabilities"),
+    ("frequency_penalty", lambda body: body.frequency_penalty, "beams are scored by the model's log probabilities"),
+)
+
+
+def _beam_search(body: SamplingRequest, generator, constraint: Optional[Constraint],
+                 top_logprobs: int) -> Optional[BeamSearch]:
+    """vLLM's use_beam_search: the width is beam_width, else best_of (the completions API's), else n;
+    the answers are the n best. None without it (length_penalty and early_stopping are then refused)."""
+    if not body.use_beam_search:
+        for name in ("beam_width", "length_penalty", "early_stopping"):
+            if getattr(body, name) is not None:
+                raise RequestError(400, f"`{name}` needs `use_beam_search: true`", name, "invalid_value")
+        return None
+    n, best_of = body.n or 1, getattr(body, "best_of", None)
+    width, param = next(((value, name) for value, name in ((body.beam_width, "beam_width"), (best_of, "best_of"))
+                         if value is not None), (n, "n"))
+    if width < 2:
+        raise RequestError(400, f"`use_beam_search` needs 2 or more beams, found {width} (`{param}`): send `n` (vLLM's "
+                           "beam width, every beam returned) or `beam_width`", param, "invalid_value")
+    rows = generator.model.max_batch_size
+    if width > rows:
+        raise RequestError(400, f"`{param}` is {width}, but a beam takes a row and the server runs at most {rows} "
+                           f"(--max_batch_size {rows}); search at most {rows} beams", param, "invalid_value")
+    if n > width:
+        raise RequestError(400, f"`n` ({n}) is more than the {width} beams searched (`{param}`): beam search returns "
+                           "at most one answer a beam", "n", "invalid_value")
+    refused = [(name, why) for name, sets, why in BEAM_REFUSALS if sets(body)]
+    if constraint is not None:  # a structured output's field, or tool_choice's forced call
+        asked = next((param for param, asked in _constraints_asked(body) if asked is not None), "tool_choice")
+        refused.append((asked, "beams are not checked against a grammar"))
+    if top_logprobs:
+        refused.append(("top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs",
+                        "a beam's alternatives are every beam's candidates"))
+    if refused:
+        name, why = refused[0]
+        raise RequestError(400, f"`{name}` cannot be combined with `use_beam_search`: {why}", name,
+                           "unsupported_parameter")
+    early_stopping = False if body.early_stopping is None else body.early_stopping
+    if early_stopping not in (True, False, "never"):
+        raise RequestError(400, f'`early_stopping` must be true, false or "never", found {early_stopping!r}',
+                           "early_stopping", "invalid_value")
+    length_penalty = 1.0 if body.length_penalty is None else body.length_penalty
+    return BeamSearch(width, length_penalty, early_stopping, n)
+
+
+def _check_search_fits(request: GenerationRequest, generator, limit_param: str) -> None:
+    """Refuse a beam search whose beams could outgrow the whole KV cache (they would preempt each other for good)."""
+    if request.beams is None:
+        return
+    blocks = search_blocks(len(request.prompt_tokens), request.max_tokens, request.beams.width)
+    held = generator.model.cache_blocks
+    if blocks > held:
+        raise RequestError(400, f"a search of {request.beams.width} beams over the prompt's {len(request.prompt_tokens)} "
+                           f"tokens and {request.max_tokens} more may hold {blocks} blocks of the KV cache, which has "
+                           f"{held}; search fewer beams or lower `{limit_param}`", limit_param, "invalid_value")
 
 
 def _logit_bias(logit_bias: Optional[dict[str, float]], vocab: int) -> tuple[tuple[int, float], ...]:

@@ -28,6 +28,8 @@ ERROR_TYPES = {
 }
 INT64 = 2**63  # seeds go to torch.Generator.manual_seed, which takes a 64-bit integer
 MAX_LOGIT_BIAS = 1024  # entries in a request's logit_bias
+# bad_words: each word's token sequences are matched against every row's last tokens each step
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
 
 
 class RequestError(Exception):
@@ -283,6 +285,14 @@ class SamplingRequest(Body):
     guided_choice: Optional[list[str]] = Field(None, min_length=1)
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None  # there is one here (xgrammar): ignored
+    # vLLM's: words the answer may not hold, each in every way it is tokenized (structured/bad_words.py)
+    bad_words: Optional[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]]] = Field(
+        None, max_length=MAX_BAD_WORDS)
+    # vLLM's beam search: `beam_width` beams (else best_of's, else n's), the n best returned (prepare.py)
+    use_beam_search: Optional[bool] = None
+    beam_width: Optional[int] = Field(None, ge=1)
+    length_penalty: Optional[float] = None  # transformers' and vLLM's: a finished beam's sum over its length ** this
+    early_stopping: Optional[Union[bool, str]] = None  # transformers': true, false or "never"
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -25,6 +25,11 @@ def bias_logits(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, 
     return logits.index_put((rows, tokens), bias.to(logits.dtype), accumulate=True)
 
 
+def ban_logits(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits with logits[rows[i], tokens[i]] at -inf (banned words' next tokens; two equal-length 1-d tensors)."""
+    return logits.index_put((rows, tokens), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
 def penalize_logits(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
                     frequency: torch.Tensor) -> torch.Tensor:
     """OpenAI's presence and frequency penalties: each token's logit less frequency times the

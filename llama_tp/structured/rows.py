@@ -1,5 +1,5 @@
-"""Each answer's adjustments (its grammar's state, logit_bias, penalties) and the one batched call
-that applies them all to a step's logits, wherever the engine samples.
+"""Each answer's adjustments (its grammar's state, logit_bias, penalties, banned words) and the one
+batched call that applies them all to a step's logits, wherever the engine samples.
 
 Every rank holds the same RowAdjustments and feeds them the same tokens, so every rank computes
 the same mask itself: filling a mask takes microseconds a row, while sending it from rank 0 would
@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 
 from ..text.reasoning import Thinking
+from .bad_words import banned_next
 from .constraint import Constraint
-from .logits import allowed_tokens, bias_logits, mask_logits, penalize_logits
+from .logits import allowed_tokens, ban_logits, bias_logits, mask_logits, penalize_logits
 
 if TYPE_CHECKING:
     import xgrammar
@@ -36,6 +37,7 @@ class RowAdjustment:
     # A reasoning model's answer: its grammar holds the text after the thinking, never inside it.
     thinking: Optional[Thinking] = None
     thinks: Optional[bool] = False  # inside the thinking (no mask); None: the first token may open it
+    bad_words: tuple[tuple[int, ...], ...] = ()  # banned words' token sequences (bad_words.py)
 
     @property
     def penalizes(self) -> bool:
@@ -71,12 +73,14 @@ class RowAdjustment:
 def make_adjustment(grammars: "Callable[[], Grammars]", constraint: Optional[Constraint] = None,
                     logit_bias: tuple = (), presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                     thinking: Optional[Thinking] = None,
-                    grammar: Optional["xgrammar.CompiledGrammar"] = None) -> Optional[RowAdjustment]:
+                    grammar: Optional["xgrammar.CompiledGrammar"] = None,
+                    bad_words: tuple[tuple[int, ...], ...] = ()) -> Optional[RowAdjustment]:
     """A new answer's adjustments, or None when it asks for none. grammars: the model's compiled
     grammars, made when asked for (the first constraint). thinking: a reasoning model's answer,
     whose constraint waits for the end of its thinking. grammar: the constraint's, compiled
-    already (else it is compiled, or taken from the cache, here)."""
-    if constraint is None and not logit_bias and not presence_penalty and not frequency_penalty:
+    already (else it is compiled, or taken from the cache, here). bad_words: the token sequences
+    of the words it may not hold."""
+    if constraint is None and not logit_bias and not presence_penalty and not frequency_penalty and not bad_words:
         return None
     matcher = None
     if constraint is not None:
@@ -87,16 +91,17 @@ def make_adjustment(grammars: "Callable[[], Grammars]", constraint: Optional[Con
         else:
             matcher = grammars().matcher(constraint)
     if matcher is None or thinking is None:
-        return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty)
+        return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty, bad_words=bad_words)
     return RowAdjustment(matcher, tuple(logit_bias), presence_penalty, frequency_penalty, thinking=thinking,
-                         thinks=True if thinking.opened else None)
+                         thinks=True if thinking.opened else None, bad_words=bad_words)
 
 
 def adjust_rows(rows: Sequence[Optional[RowAdjustment]], logits: torch.Tensor, vocab_start: int = 0,
-                vocab_size: Optional[int] = None) -> torch.Tensor:
+                vocab_size: Optional[int] = None, tokens: Sequence[Sequence[int]] = ()) -> torch.Tensor:
     """logits [rows, width] (the vocabulary from vocab_start on: a rank's slice, or all of it) with
     each row's adjustments applied; rows without any (None) are left as they are, and a batch
-    without any costs nothing. vocab_size: the whole vocabulary's (default: width)."""
+    without any costs nothing. vocab_size: the whole vocabulary's (default: width). tokens: each
+    row's tokens so far, where a row bans words."""
     if all(row is None for row in rows):
         return logits
     width = logits.shape[-1]
@@ -126,6 +131,11 @@ def adjust_rows(rows: Sequence[Optional[RowAdjustment]], logits: torch.Tensor, v
         indices, tokens, bias = zip(*biased)
         logits = bias_logits(logits, torch.tensor(indices, device=device), torch.tensor(tokens, device=device),
                              torch.tensor(bias, device=device))
+    banned = [(index, token - vocab_start) for index, row in enumerate(rows) if row is not None and row.bad_words
+              for token in banned_next(tokens[index], row.bad_words) if vocab_start <= token < vocab_start + width]
+    if banned:
+        indices, columns = zip(*banned)
+        logits = ban_logits(logits, torch.tensor(indices, device=device), torch.tensor(columns, device=device))
     penalized = [index for index, row in enumerate(rows) if row is not None and row.penalizes]
     if penalized:
         counts = torch.zeros(len(penalized), width, device=device)

@@ -11,14 +11,29 @@ from ..parallel import global_rank
 from ..text.chat_format import Dialog, check_dialog
 
 
-def batch_rows(max_batch_size: int, n_prompts: int, stream: bool) -> int:
+def batch_rows(max_batch_size: int, n_prompts: int, stream: bool, beams: int = 1) -> int:
     """The max_batch_size to build with: no more rows than the job decodes at once (one at a time
-    when streaming). Fewer rows hold a smaller KV cache, and few rows let the CPUs whose products
-    of few rows are fastest on plain weights, but which pack them for more, keep them plain
-    (matmul.packing_pays). A value that is not a positive integer is passed on for Llama.build to refuse."""
+    when streaming), a row a beam where it searches. Fewer rows hold a smaller KV cache, and few
+    rows let the CPUs whose products of few rows are fastest on plain weights, but which pack them
+    for more, keep them plain (matmul.packing_pays). A value that is not a positive integer is
+    passed on for Llama.build to refuse."""
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         return max_batch_size
-    return 1 if stream else min(max_batch_size, n_prompts)
+    return (1 if stream else min(max_batch_size, n_prompts)) * beams
+
+
+def beam_search(num_beams: int, length_penalty: float, early_stopping: str, stream: bool) -> dict:
+    """The scripts' --num_beams, --length_penalty and --early_stopping as Llama's arguments
+    (early_stopping's words true, false and never as transformers' True, False and "never");
+    ValueError naming the option that cannot be."""
+    stopping = {"true": True, "false": False, "never": "never"}.get(str(early_stopping).lower())
+    if stopping is None:
+        raise ValueError(f"--early_stopping must be true, false or never, found {early_stopping!r}")
+    if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
+        raise ValueError(f"--num_beams must be a positive integer (1: no beam search), found {num_beams!r}")
+    if num_beams > 1 and stream:
+        raise ValueError("--num_beams: beam search gives its answer once the search ends; run it without --stream")
+    return dict(num_beams=num_beams, length_penalty=length_penalty, early_stopping=stopping)
 
 
 def load_prompts(path: str, kind: Literal["text", "chat"]) -> list:

@@ -271,7 +271,7 @@ def check_line(line: str, generator: Llama, model_name: str) -> "Pending | tuple
         request = prepare(body, generator, reply.id)
         if request.thinking is not None:  # a reasoning model's: its thinking goes apart, as the server answers
             reply.thinking = request.thinking
-        if len(choices(body, request, generator)) > 1:  # after choices' own checks of n and best_of
+        if len(choices(body, request, generator)) > 1 or (body.n or 1) > 1:  # after choices' own checks of n and best_of
             raise RequestError(400, f"`n` ({body.n}) is not supported in a batch: a line gives one answer; write "
                                f"{body.n} lines", "n", "unsupported_parameter")
         return Pending(custom_id, reply, request)
