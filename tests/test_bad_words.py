@@ -148,3 +148,8 @@ def test_beam_search_bans_words_as_transformers_bad_words_ids(sharp):
     assert banned == theirs and banned != free
     assert not any(answer[index:index + len(word)] == list(word) for answer in banned for word in words
                    for index in range(len(answer)))
+
+
+def test_no_words_ask_nothing_of_the_tokenizer():
+    """generate() without bad_words on a model whose tokenizer only decodes (the benchmarks' stand-in)."""
+    assert word_sequences(object(), ()) == ()
