@@ -22,12 +22,17 @@ of its state, and resumes when its blocks are available again by prefilling its 
 what of them is still cached), so that it goes on as it would have.
 A request's `n` choices run in n slots: the first prefills the prompt, the others wait for it,
 then share the blocks it filled and feed only the rest.
+Under a sliding window (Mistral's), a sequence gives back the blocks wholly before the window of
+the next token it feeds, which no token of it will read again: a long answer holds about
+window / BLOCK_POSITIONS + 1 blocks, not its length's (a block another sequence holds too stays
+held by that one; a named one stays cached for prompts that start the same way). Its block table
+names them NO_BLOCK (the scratch block, which the window's mask hides).
 """
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..model.kv_cache import BLOCK_POSITIONS, blocks_for
+from ..model.kv_cache import BLOCK_POSITIONS, NO_BLOCK, blocks_for
 from ..model.prefix_cache import PrefixCache
 from .blocks import BlockKey, BlockPool, block_keys, next_key
 from .requests import GenerationRequest
@@ -46,6 +51,7 @@ class Sequence:
     sampling: Any = None  # the engine's per-request state (progress.py): random generator, text decoder
     follows: Optional["Sequence"] = None  # the choice whose prefill this one waits for, then shares
     blocks: list[int] = field(default_factory=list)  # its block table: the pool's blocks holding its positions
+    behind: int = 0  # its first blocks, given back behind a sliding window (NO_BLOCK in blocks)
     keys: list[BlockKey] = field(default_factory=list)  # the keys of its first blocks, filled and named
     preempted: bool = False  # gave its blocks back; waits to be fed its tokens again
 
@@ -57,6 +63,11 @@ class Sequence:
     @property
     def prompt_length(self) -> int:
         return len(self.request.prompt_tokens)
+
+    @property
+    def held(self) -> list[int]:
+        """The blocks it holds: its table but those given back behind a sliding window."""
+        return self.blocks[self.behind:]
 
 
 @dataclass
@@ -90,9 +101,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, prefix_cache: PrefixCache, max_prefill_tokens: int, pool: BlockPool, lookahead: int = 0):
+    def __init__(self, prefix_cache: PrefixCache, max_prefill_tokens: int, pool: BlockPool, lookahead: int = 0,
+                 window: Optional[int] = None):
         """pool: the KV cache's blocks. lookahead: positions a generating sequence may write past
-        its tokens in a step (a speculation round's guesses), held where blocks are free."""
+        its tokens in a step (a speculation round's guesses), held where blocks are free.
+        window: the model's sliding window, where it hides positions (Transformer.window): a
+        token sees itself and the window - 1 positions before it."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, found {max_prefill_tokens}")
         self.prefix_cache = prefix_cache
@@ -100,6 +114,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.pool = pool
         self.lookahead = lookahead
+        self.window = window
         self.admissions = 0
         self.preemptions = 0
         self.promised = 0  # blocks that slots chosen but not yet admitted will take
@@ -156,7 +171,7 @@ class Scheduler:
         shared = self.pool.cached_prefix(keys) if reuse else []
         fresh = self.pool.take(blocks_for(len(sequence.tokens)) - len(shared))
         assert fresh is not None
-        sequence.blocks, sequence.keys = shared + fresh, keys[: len(shared)]
+        sequence.blocks, sequence.keys, sequence.behind = shared + fresh, keys[: len(shared)], 0
         self.prefix_cache.keep(sequence.slot.index, 0)
         self.prefix_cache.extend(sequence.slot.index, 0, sequence.tokens[: len(shared) * BLOCK_POSITIONS])
         self.tables[sequence.slot.index] = sequence.blocks
@@ -168,8 +183,8 @@ class Scheduler:
     def release(self, sequence: Sequence) -> None:
         """The sequence has ended: its slot is free, its blocks given back (those it filled cached)."""
         self._name_blocks(sequence)
-        self.pool.release(sequence.blocks)
-        sequence.blocks, sequence.keys = [], []
+        self.pool.release(sequence.held)
+        sequence.blocks, sequence.keys, sequence.behind = [], [], 0
         sequence.slot.sequence = None
 
     def plan(self) -> StepPlan:
@@ -179,6 +194,7 @@ class Scheduler:
         decode, prefill, budget = [], [], self.max_prefill_tokens
         for sequence in self.running:
             self._name_blocks(sequence)
+            self._leave_behind(sequence)
         waiting = {id(sequence) for sequence in self.running if sequence.preempted}  # not those preempted now
         for sequence in sorted(self.running, key=lambda s: s.admitted):
             if sequence.preempted:
@@ -228,12 +244,28 @@ class Scheduler:
         """The sequence gives its blocks back (those it filled stay cached) and waits, in its slot,
         to be fed its tokens again."""
         self._name_blocks(sequence)
-        self.pool.release(sequence.blocks)
-        sequence.blocks, sequence.keys = [], []
+        self.pool.release(sequence.held)
+        sequence.blocks, sequence.keys, sequence.behind = [], [], 0
         sequence.follows = None  # resumes by prefilling its prompt, sharing what is still cached
         sequence.preempted = True
         self.prefix_cache.keep(sequence.slot.index, 0)
         self.preemptions += 1
+
+    def _leave_behind(self, sequence: Sequence) -> None:
+        """Under a sliding window, give back the sequence's blocks wholly before the first position
+        that the next token it feeds sees (none of its later tokens sees further back): to the pool,
+        cached where named (_name_blocks names every full block first), or still held by the other
+        sequences that share them."""
+        if self.window is None:
+            return
+        first_seen = len(sequence.slot.cached) - self.window + 1  # the next token's position is len(cached)
+        behind = min(max(first_seen, 0) // BLOCK_POSITIONS, len(sequence.blocks))
+        if behind <= sequence.behind:
+            return
+        self.pool.release(sequence.blocks[sequence.behind : behind])
+        sequence.blocks[sequence.behind : behind] = [NO_BLOCK] * (behind - sequence.behind)
+        sequence.behind = behind
+        self.tables[sequence.slot.index] = sequence.blocks
 
     def _name_blocks(self, sequence: Sequence) -> None:
         """Name the blocks the sequence has filled since (a later prompt can share them)."""
