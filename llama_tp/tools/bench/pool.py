@@ -213,6 +213,7 @@ async def shared(url: str, model: Optional[str] = None, clients: int = SHARED_CL
 
         async with watching(url) as gauges:
             outcomes = await asyncio.gather(*(chat(index) for index in range(clients)))
+        print(f"shared: {clients} chats ended", flush=True)
     requests = [{"ttft_s": None if o.first is None else o.first - o.start, "prompt_tokens": o.prompt_tokens,
                  "cached_tokens": o.cached_tokens, "completion_tokens": o.tokens, "own_blocks": own_blocks(o),
                  "error": o.error} for o in outcomes]
@@ -263,6 +264,7 @@ async def burst(url: str, model: Optional[str] = None, clients: int = BURST_CLIE
             start = time.perf_counter()
             outcomes = await asyncio.gather(*(send(client, url, body(prompt)) for prompt in prompts))
             seconds = time.perf_counter() - start
+        print(f"burst: {clients} requests ended in {seconds:.1f} s; now each prompt alone", flush=True)
         alone = {}
         for prompt in dict.fromkeys(prompts):  # one at a time, in the order they came
             outcome = await send(client, url, body(prompt))
