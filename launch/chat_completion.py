@@ -7,6 +7,7 @@
 from typing import Optional
 
 from llama_tp import Dialog, Llama
+from llama_tp.model.memory import KV_CACHE_FRACTION
 from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
@@ -43,6 +44,7 @@ def main(
     top_p: Optional[float] = None,
     max_seq_len: int = 512,
     kv_cache_memory: Optional[float] = None,
+    kv_cache_fraction: float = KV_CACHE_FRACTION,
     max_batch_size: int = 4,
     max_gen_len: Optional[int] = None,
     prompts_file: Optional[str] = None,
@@ -81,7 +83,10 @@ def main(
         max_seq_len: longest dialog plus reply, in tokens.
         max_batch_size: most dialogs decoded together (one with --stream).
         kv_cache_memory: GiB of KV cache a process holds, shared out by the block as dialogs grow
-            (default: the dialogs decoded together x max_seq_len positions' worth).
+            (default: the dialogs decoded together x max_seq_len positions' worth; on a GPU,
+            --kv_cache_fraction of the memory free after loading).
+        kv_cache_fraction: on a GPU without --kv_cache_memory, the share of the memory free after
+            loading the weights that the KV cache takes.
         max_gen_len: most tokens per reply; by default up to the end of the context.
         prompts_file: a JSON list of dialogs, each a list of {"role", "content"} messages, or
             one dialog a line (JSON Lines); without it, a few built-in examples. Dialogs beyond
@@ -134,7 +139,7 @@ def main(
                             dtype=dtype, quantize=quantize, compile=compile,
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
                             draft_quantize=draft_quantize, reasoning_parser=reasoning_parser,
-                            kv_cache_memory=kv_cache_memory)
+                            kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed,
                    bad_words=bad_words)

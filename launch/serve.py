@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from llama_tp import Llama, parallel
+from llama_tp.model.memory import KV_CACHE_FRACTION
 from llama_tp.optional import require_all
 from llama_tp.parallel import print0
 from llama_tp.serve.limits import ServerLimits  # core-only modules: the options' defaults
@@ -36,6 +37,7 @@ def main(
     max_batch_size: int = 8,
     max_seq_len: int = 2048,
     kv_cache_memory: Optional[float] = None,
+    kv_cache_fraction: float = KV_CACHE_FRACTION,
     max_waiting: int = 64,
     max_prefill_tokens: int = 256,
     no_prefix_cache: bool = False,
@@ -72,7 +74,11 @@ def main(
         kv_cache_memory: GiB of KV cache a process holds, shared out by the block (64 positions)
             as requests grow, a prompt's full blocks shared with every request that starts the
             same way (default: max_batch_size x max_seq_len positions' worth). Said at start as
-            "N tokens of KV cache: about M conversations of max_seq_len".
+            "N tokens of KV cache: about M conversations of max_seq_len". On a GPU the default
+            is --kv_cache_fraction of the memory free after loading.
+        kv_cache_fraction: on a GPU without --kv_cache_memory, the share of the memory free after
+            loading the weights that the KV cache takes, less a pass's activations (as vLLM's
+            --gpu-memory-utilization, but of what is free).
         max_waiting: requests that may wait for a row; beyond, requests are refused at once (429).
         max_prefill_tokens: prompt tokens fed in one step beside the generating requests: a long
             prompt is fed in chunks of this size, so that the others are not stalled for long.
@@ -132,6 +138,7 @@ def main(
                                 quantize=quantize, compile=compile,
                                 speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
                                 draft_quantize=draft_quantize, kv_cache_memory=kv_cache_memory,
+                                kv_cache_fraction=kv_cache_fraction,
                                 reasoning_parser=reasoning_parser)
         generator.model.prefix_cache.enabled = not no_prefix_cache
         generator.model.warm_up_decoding()  # before /health says ready, not in the first requests

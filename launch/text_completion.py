@@ -7,6 +7,7 @@
 from typing import Optional
 
 from llama_tp import Llama
+from llama_tp.model.memory import KV_CACHE_FRACTION
 from llama_tp.parallel import print0
 from llama_tp.tools import demo
 from llama_tp.tools.cli import run
@@ -39,6 +40,7 @@ def main(
     top_p: Optional[float] = None,
     max_seq_len: int = 128,
     kv_cache_memory: Optional[float] = None,
+    kv_cache_fraction: float = KV_CACHE_FRACTION,
     max_gen_len: int = 64,
     max_batch_size: int = 4,
     prompts_file: Optional[str] = None,
@@ -78,7 +80,10 @@ def main(
         max_gen_len: most tokens generated per prompt.
         max_batch_size: most prompts decoded together (one with --stream).
         kv_cache_memory: GiB of KV cache a process holds, shared out by the block as prompts grow
-            (default: the prompts decoded together x max_seq_len positions' worth).
+            (default: the prompts decoded together x max_seq_len positions' worth; on a GPU,
+            --kv_cache_fraction of the memory free after loading).
+        kv_cache_fraction: on a GPU without --kv_cache_memory, the share of the memory free after
+            loading the weights that the KV cache takes.
         prompts_file: a JSON list of prompt strings, or one a line (JSON Lines); without it, a
             few built-in examples. Prompts beyond --max_batch_size wait for a row to free up:
             a row whose answer ends takes the next prompt at the next step.
@@ -128,7 +133,8 @@ def main(
                             batch_rows(max_batch_size, len(prompts), stream, num_beams),
                             dtype=dtype, quantize=quantize, compile=compile,
                             speculate=speculate, speculate_k=speculate_k, draft_ckpt_dir=draft_ckpt_dir,
-                            draft_quantize=draft_quantize, kv_cache_memory=kv_cache_memory)
+                            draft_quantize=draft_quantize, kv_cache_memory=kv_cache_memory,
+                            kv_cache_fraction=kv_cache_fraction)
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, top_k=top_k,
                    repetition_penalty=repetition_penalty, stop=stop, min_gen_len=min_gen_len, seed=seed,
                    bad_words=bad_words)

@@ -22,7 +22,8 @@ from .engine.blocks import BlockPool
 from .engine.speculative import Speculator, check_speculation, guesses_a_round, make_speculator
 from .kernels import matmul
 from .logs import logger
-from .model.memory import check_fits, plan, report
+from .model.memory import (KV_CACHE_FRACTION, cache_in_free_memory, check_fits, check_fraction, free_memory, plan,
+                           report, sizes_cache_from_free_memory)
 from .model.transformer import Transformer
 from .model.quantize import check_quantize_on
 from .sampling import SamplingOptions
@@ -76,6 +77,7 @@ class Llama:
         draft_quantize: Optional[str] = None,
         reasoning_parser: Optional[str] = None,
         kv_cache_memory: Optional[float] = None,
+        kv_cache_fraction: float = KV_CACHE_FRACTION,
     ) -> "Llama":
         """Join the process group, load this rank's slice of the checkpoint, and return a generator.
 
@@ -108,8 +110,11 @@ class Llama:
             `<think>...</think>`), "none"; by default the one the chat template clearly calls for.
         kv_cache_memory: GiB of keys and values a process holds, handed out to sequences by the
             block as they grow (engine/blocks.py); by default max_batch_size x max_seq_len
-            positions' worth. max_batch_size is then the most sequences that run at once, and
-            max_seq_len each one's limit.
+            positions' worth on a CPU; on a GPU, kv_cache_fraction of the memory free after loading.
+            max_batch_size is then the most sequences that run at once, and max_seq_len each one's limit.
+        kv_cache_fraction: on a GPU without kv_cache_memory, the share of the memory free once the
+            weights (and a draft's) are loaded that the KV cache takes, less a pass's activations
+            (vLLM's --gpu-memory-utilization, but of what is free); the smallest GPU's on every rank.
         """
         # First, so that every later mistake is found with the process group up (see cli.run).
         placement = parallel.init(model_parallel_size)
@@ -121,6 +126,7 @@ class Llama:
         check_speculation(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile)
         check_quantize_on(draft_quantize, placement.device)
         check_parser_name(reasoning_parser)
+        check_fraction(kv_cache_fraction)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, found {value!r}")
@@ -144,20 +150,29 @@ class Llama:
             checkpoint = open_checkpoint(ckpt_dir, args)  # an int8 checkpoint loads as int8
             memory = plan(args, placement.world_size, max_batch_size, max_seq_len, dtype,
                           quantize or checkpoint.quantization)
+            sized_after_loading = kv_cache_memory is None and sizes_cache_from_free_memory(placement.device)
             if kv_cache_memory is not None:
                 memory = replace(memory, cache_positions=memory.positions_in(kv_cache_memory))
-            logger.info(report(memory))
-            logger.info(memory.describe_cache())
+            elif sized_after_loading:  # checked before loading with the least it may be: one sequence
+                memory = replace(memory, cache_positions=max_seq_len)
+            if not sized_after_loading:
+                logger.info(report(memory))
+                logger.info(memory.describe_cache())
             check_fits(memory, placement.device, placement.processes_here)
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
             if compile and speculate is None:
                 compile_decoding(model, placement.device)
-            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype, memory.kv_cache_positions)
             k = guesses_a_round(speculate, speculate_k) if speculate is not None else 0
             draft, description = (load_draft(draft_ckpt_dir, draft_quantize, compile, ckpt_dir, checkpoint.args,
                                              placement, dtype, max_batch_size, max_seq_len, k)
                                   if speculate == "draft" else (None, ""))
+            if sized_after_loading:  # every rank's cache as large as the fullest GPU's allows
+                free, where = min(parallel.gather_objects(free_memory(placement.device)))
+                memory = cache_in_free_memory(memory, free, where, kv_cache_fraction)
+                logger.info(report(memory))
+                logger.info(memory.describe_cache())
+            model.setup_caches(max_batch_size, max_seq_len, placement.device, dtype, memory.kv_cache_positions)
             speculator = make_speculator(speculate, k, draft, description)
         torch.manual_seed(seed)  # the same on every rank, so sampling agrees without talking
         logger.info(f"Loaded in {time.perf_counter() - start:.2f} seconds")

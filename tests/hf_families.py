@@ -77,9 +77,11 @@ def tokenizer_files(folder: Path, template: str, split: str = "") -> int:
     return tokenizer.get_vocab_size()
 
 
-def hf_model(folder: Path, family: str) -> torch.nn.Module:
-    """A random model of `family` saved in folder with its tokenizer; the model, in fp32."""
+def hf_model(folder: Path, family: str, **more_twists) -> torch.nn.Module:
+    """A random model of `family` (with more_twists to its config) saved in folder with its
+    tokenizer; the model, in fp32."""
     config_class, twists, template = FAMILIES[family]
+    twists = twists | more_twists
     folder.mkdir(parents=True)
     split = {"llama": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "qwen3": QWEN2_SPLIT, "qwen3_moe": QWEN2_SPLIT}.get(family, "")
     assert tokenizer_files(folder, template, split) <= VOCAB

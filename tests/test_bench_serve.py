@@ -9,7 +9,9 @@ import httpx
 import pytest
 
 from fake_engine import ANSWER, MODEL, served
-from llama_tp.tools.bench.serve import PROMPTS, main, percentile, print_table, summarize
+from llama_tp.tools.bench.clients import percentile, print_table, summarize
+from llama_tp.tools.bench.serve import main
+from llama_tp.tools.bench.workload import PROMPTS
 from llama_tp.tools.bench.stream_client import Outcome, send
 
 

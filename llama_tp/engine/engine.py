@@ -108,7 +108,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = model.rotary.device
         self.scheduler = Scheduler(model.prefix_cache, max_prefill_tokens, pool or BlockPool(model.cache_blocks),
-                                   lookahead=speculator.k if speculator is not None else 0)
+                                   lookahead=speculator.k if speculator is not None else 0, window=model.window)
         self.speculator = speculator  # None: one token a step
         self.grammars = grammars
         self.observer = observer

@@ -28,12 +28,17 @@ reference (fork), and a beam that writes a block its siblings share copies it fi
 (copy-on-write: the step's copies, made before its pass). Its beams step together or not at all:
 they are preempted together, and a beam that resumes prefills all its tokens but its last, which
 it feeds with the others'.
+Under a sliding window (Mistral's), a sequence gives back the blocks wholly before the window of
+the next token it feeds, which no token of it will read again: a long answer holds about
+window / BLOCK_POSITIONS + 1 blocks, not its length's (a block another sequence holds too stays
+held by that one; a named one stays cached for prompts that start the same way). Its block table
+names them NO_BLOCK (the scratch block, which the window's mask hides).
 """
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from ..model.kv_cache import BLOCK_POSITIONS, blocks_for
+from ..model.kv_cache import BLOCK_POSITIONS, NO_BLOCK, blocks_for
 from ..model.prefix_cache import PrefixCache
 from .blocks import BlockKey, BlockPool, block_keys, next_key
 from .requests import GenerationRequest
@@ -52,6 +57,7 @@ class Sequence:
     sampling: Any = None  # the engine's per-request state (progress.py): random generator, text decoder
     follows: Optional["Sequence"] = None  # the choice whose prefill this one waits for, then shares
     blocks: list[int] = field(default_factory=list)  # its block table: the pool's blocks holding its positions
+    behind: int = 0  # its first blocks, given back behind a sliding window (NO_BLOCK in blocks)
     keys: list[BlockKey] = field(default_factory=list)  # the keys of its first blocks, filled and named
     preempted: bool = False  # gave its blocks back; waits to be fed its tokens again
 
@@ -63,6 +69,11 @@ class Sequence:
     @property
     def prompt_length(self) -> int:
         return len(self.request.prompt_tokens)
+
+    @property
+    def held(self) -> list[int]:
+        """The blocks it holds: its table but those given back behind a sliding window."""
+        return self.blocks[self.behind:]
 
 
 @dataclass
@@ -97,9 +108,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, prefix_cache: PrefixCache, max_prefill_tokens: int, pool: BlockPool, lookahead: int = 0):
+    def __init__(self, prefix_cache: PrefixCache, max_prefill_tokens: int, pool: BlockPool, lookahead: int = 0,
+                 window: Optional[int] = None):
         """pool: the KV cache's blocks. lookahead: positions a generating sequence may write past
-        its tokens in a step (a speculation round's guesses), held where blocks are free."""
+        its tokens in a step (a speculation round's guesses), held where blocks are free.
+        window: the model's sliding window, where it hides positions (Transformer.window): a
+        token sees itself and the window - 1 positions before it."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, found {max_prefill_tokens}")
         self.prefix_cache = prefix_cache
@@ -107,6 +121,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.pool = pool
         self.lookahead = lookahead
+        self.window = window
         self.admissions = 0
         self.preemptions = 0
         self.promised = 0  # blocks that slots chosen but not yet admitted will take
@@ -173,7 +188,7 @@ class Scheduler:
         shared = self.pool.cached_prefix(keys) if reuse else []
         fresh = self.pool.take(blocks_for(len(sequence.tokens)) - len(shared))
         assert fresh is not None
-        sequence.blocks, sequence.keys = shared + fresh, keys[: len(shared)]
+        sequence.blocks, sequence.keys, sequence.behind = shared + fresh, keys[: len(shared)], 0
         self.prefix_cache.keep(sequence.slot.index, 0)
         self.prefix_cache.extend(sequence.slot.index, 0, sequence.tokens[: len(shared) * BLOCK_POSITIONS])
         self.tables[sequence.slot.index] = sequence.blocks
@@ -185,8 +200,8 @@ class Scheduler:
     def release(self, sequence: Sequence) -> None:
         """The sequence has ended: its slot is free, its blocks given back (those it filled cached)."""
         self._name_blocks(sequence)
-        self.pool.release(sequence.blocks)
-        sequence.blocks, sequence.keys = [], []
+        self.pool.release(sequence.held)
+        sequence.blocks, sequence.keys, sequence.behind = [], [], 0
         sequence.slot.sequence = None
 
     def reserve(self, slots: Iterable[int]) -> None:
@@ -202,8 +217,8 @@ class Scheduler:
         the search (its parent's, where no sibling has taken it first; else one of the others, or
         of spare, its reserved slots), holding its parent's blocks by reference (a shared block is
         copied by the beam that writes it first: _grow). The beams that have no child end."""
-        held = [(list(beam.tokens), list(beam.blocks), list(beam.keys), list(beam.slot.cached), beam.generated)
-                for beam in beams]
+        held = [(list(beam.tokens), list(beam.blocks), list(beam.keys), list(beam.slot.cached), beam.generated,
+                 beam.behind) for beam in beams]
         places: list[Optional[int]] = [None] * len(parents)
         stays = {}  # parent: its first child, which takes over its slot (no record to rewrite)
         for index, parent in enumerate(parents):
@@ -214,19 +229,20 @@ class Scheduler:
         for index, parent in enumerate(parents):
             if places[index] is None:
                 places[index] = free.pop(0)
-        for parent in parents:
-            self.pool.share(held[parent][1])
+        for parent in parents:  # the blocks it holds (not those left behind a sliding window)
+            self.pool.share(held[parent][1][held[parent][5]:])
         for beam in beams:
-            self.pool.release(beam.blocks)
-            beam.blocks, beam.keys = [], []
+            self.pool.release(beam.held)
+            beam.blocks, beam.keys, beam.behind = [], [], 0
             beam.slot.sequence = None
         forked = []
         first = beams[0]
         for index, (parent, token) in enumerate(zip(parents, tokens)):
-            parent_tokens, blocks, keys, cached, generated = held[parent]
+            parent_tokens, blocks, keys, cached, generated, behind = held[parent]
             slot = self.slots[places[index]]
             beam = Sequence(first.request, slot, parent_tokens + [token], first.admitted, first.reused, generated + 1,
-                            first.sampling, blocks=blocks if stays[parent] == index else list(blocks), keys=list(keys))
+                            first.sampling, blocks=blocks if stays[parent] == index else list(blocks), keys=list(keys),
+                            behind=behind)
             if stays[parent] != index:  # the parent's record, in this slot
                 self.prefix_cache.keep(slot.index, 0)
                 self.prefix_cache.extend(slot.index, 0, cached)
@@ -243,6 +259,7 @@ class Scheduler:
         decode, prefill, budget = [], [], self.max_prefill_tokens
         for sequence in self.running:
             self._name_blocks(sequence)
+            self._leave_behind(sequence)
         waiting = {id(sequence) for sequence in self.running if sequence.preempted}  # not those preempted now
         for sequence in sorted(self.running, key=lambda s: s.admitted):
             if sequence.preempted:
@@ -348,12 +365,28 @@ class Scheduler:
         to be fed its tokens again; a beam search's beams all do."""
         for member in self.group(sequence):
             self._name_blocks(member)
-            self.pool.release(member.blocks)
-            member.blocks, member.keys = [], []
+            self.pool.release(member.held)
+            member.blocks, member.keys, member.behind = [], [], 0
             member.follows = None  # resumes by prefilling its prompt, sharing what is still cached
             member.preempted = True
             self.prefix_cache.keep(member.slot.index, 0)
         self.preemptions += 1
+
+    def _leave_behind(self, sequence: Sequence) -> None:
+        """Under a sliding window, give back the sequence's blocks wholly before the first position
+        that the next token it feeds sees (none of its later tokens sees further back): to the pool,
+        cached where named (_name_blocks names every full block first), or still held by the other
+        sequences that share them."""
+        if self.window is None:
+            return
+        first_seen = len(sequence.slot.cached) - self.window + 1  # the next token's position is len(cached)
+        behind = min(max(first_seen, 0) // BLOCK_POSITIONS, len(sequence.blocks))
+        if behind <= sequence.behind:
+            return
+        self.pool.release(sequence.blocks[sequence.behind : behind])
+        sequence.blocks[sequence.behind : behind] = [NO_BLOCK] * (behind - sequence.behind)
+        sequence.behind = behind
+        self.tables[sequence.slot.index] = sequence.blocks
 
     def _name_blocks(self, sequence: Sequence) -> None:
         """Name the blocks the sequence has filled since (a later prompt can share them)."""

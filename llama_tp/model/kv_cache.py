@@ -29,6 +29,12 @@ BLOCK_POSITIONS = 64
 MAX_KERNEL_STEP_TOKENS = 16
 
 
+# A block table's entry for a block its sequence gave back, being wholly before the sliding window
+# of every token it has yet to feed (engine/scheduler.py): read as the scratch block, which the
+# window's mask hides.
+NO_BLOCK = -1
+
+
 def blocks_for(positions: int) -> int:
     """The blocks that hold this many positions."""
     return -(-positions // BLOCK_POSITIONS)
@@ -83,12 +89,14 @@ class BlockTables:
         self.give_all({row: blocks})
 
     def give_all(self, changes: Mapping[int, Sequence[int]]) -> None:
-        """give() for several rows at once: one copy to the device for all of them (a step's)."""
+        """give() for several rows at once: one copy to the device for all of them (a step's).
+        An entry NO_BLOCK (a block given back behind a sliding window) names the scratch block."""
         if not changes:
             return
         rows = list(changes)
         for row, blocks in changes.items():
-            table = list(blocks) + [self.scratch] * (self.blocks_per_row - len(blocks))
+            table = [self.scratch if block == NO_BLOCK else block for block in blocks]
+            table += [self.scratch] * (self.blocks_per_row - len(blocks))
             self.host[row] = table
             self.in_own_run[row] = self._fits(row) and table == self._own_run(row)
         tables = torch.tensor([self.host[row] for row in rows], dtype=torch.long)

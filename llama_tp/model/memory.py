@@ -8,7 +8,7 @@ whose weights and cache exceed the memory free on its machine is refused before 
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -21,6 +21,14 @@ from .quantize import check_quantize, layer_quantization
 from .transformer import local_kv_heads
 
 GIB = 1024**3
+# On a GPU, without --kv_cache_memory: the share of the memory free once the weights are loaded that
+# the KV cache takes (vLLM's --gpu-memory-utilization, but of what is free, not of the whole GPU),
+# less a pass's activations (MemoryPlan.activation_bytes); the rest is for CUDA graphs, the
+# compiled kernels' workspaces and the allocator's slack (--kv_cache_fraction).
+KV_CACHE_FRACTION = 0.9
+# The widest pass whose activations the margin counts: a batch job's prompt chunk (the engine's
+# JOB_PREFILL_TOKENS; the server's are half as wide).
+ACTIVATION_TOKENS = 512
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
@@ -68,6 +76,20 @@ class MemoryPlan:
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, found {gib!r}")
         return int(gib * GIB) // (self.position_bytes * BLOCK_POSITIONS) * BLOCK_POSITIONS
+
+    @property
+    def activation_bytes(self) -> int:
+        """The margin a pass needs beside the weights and the cache, left out of a KV cache sized
+        from free memory: a prompt chunk of ACTIVATION_TOKENS tokens' fp32 logits over the whole
+        vocabulary and their log-softmax (a prompt's own log probabilities), and the feed-forward's
+        three widest hidden states."""
+        return ACTIVATION_TOKENS * (2 * 4 * self.args.vocab_size + 3 * self.dtype_bytes * self.args.ffn_hidden_dim)
+
+    def positions_free(self, free: int, fraction: float) -> int:
+        """The KV cache positions, in whole blocks, that fraction of free bytes holds beside a
+        pass's activations (activation_bytes) and the pool's scratch block."""
+        usable = int(fraction * free) - self.activation_bytes
+        return max(0, usable // (self.position_bytes * BLOCK_POSITIONS) - 1) * BLOCK_POSITIONS
 
     def describe_cache(self) -> str:
         """The KV cache as a user weighs it: "N tokens of KV cache: about M conversations of max_seq_len"."""
@@ -202,9 +224,38 @@ def check_fits(memory: MemoryPlan, device: torch.device, processes_here: int) ->
     )
 
 
+def sizes_cache_from_free_memory(device: torch.device) -> bool:
+    """Whether a KV cache whose memory is not given takes a share of the memory free after the
+    weights (a GPU's, which the process has to itself), rather than max_batch_size x max_seq_len
+    positions (a CPU's: the machine's memory, shared with everything else on it)."""
+    return device.type == "cuda"
+
+
+def cache_in_free_memory(memory: MemoryPlan, free: int, where: str, fraction: float) -> MemoryPlan:
+    """The plan with a KV cache of fraction of the free bytes that where has after loading, less
+    a pass's activations; refused if that cannot hold one sequence of max_seq_len."""
+    positions = memory.positions_free(free, fraction)
+    if positions < memory.max_seq_len:
+        raise ValueError(
+            f"after loading the weights {where} has {free / GIB:.2f} GiB free, whose share for the KV cache "
+            f"(--kv_cache_fraction {fraction}, less {memory.activation_bytes / GIB:.2f} GiB for activations) "
+            f"holds {positions} tokens, fewer than one sequence of max_seq_len {memory.max_seq_len}; lower "
+            "--max_seq_len, quantize (--quantize int8 or int4), raise --kv_cache_fraction, or split the model "
+            "over more GPUs")
+    return replace(memory, cache_positions=positions)
+
+
+def check_fraction(fraction: float) -> None:
+    """A KV cache's share of free memory must be in (0, 1]."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"kv_cache_fraction must be a number in (0, 1], the share of the GPU memory free after "
+                         f"loading that the KV cache takes, found {fraction!r}")
+
+
 def free_memory(device: torch.device) -> tuple[int, str]:
     """Bytes free for new allocations on device, and what to call it in a message."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # what torch's allocator holds unused is free for the KV cache
         return torch.cuda.mem_get_info(device)[0], f"GPU {device.index}"
     try:  # Linux: what can be had without swapping, page cache included
         with open("/proc/meminfo") as meminfo:

@@ -26,6 +26,7 @@ from ..engine.engine import DEAD_END
 from ..engine.scheduler import Sequence
 from ..generation import Llama
 from ..logs import logger
+from ..model.memory import KV_CACHE_FRACTION
 from ..parallel import global_rank
 from ..serve.prepare import chat_request, choices, completion_request
 from ..serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
@@ -69,6 +70,7 @@ def main(
     max_batch_size: int = 8,
     max_seq_len: int = 2048,
     kv_cache_memory: Optional[float] = None,
+    kv_cache_fraction: float = KV_CACHE_FRACTION,
     no_prefix_cache: bool = False,
     dtype: Optional[str] = None,
     quantize: Optional[str] = None,
@@ -98,7 +100,10 @@ def main(
             the KV cache its tokens fill, growing as it does.
         max_seq_len: the longest prompt plus answer of one request, in tokens.
         kv_cache_memory: GiB of KV cache a process holds, handed out by the block as requests
-            grow (default: max_batch_size x max_seq_len positions; docs/serving.md).
+            grow (default: max_batch_size x max_seq_len positions; on a GPU, --kv_cache_fraction of
+            the memory free after loading; docs/serving.md).
+        kv_cache_fraction: on a GPU without --kv_cache_memory, the share of the memory free after
+            loading the weights that the KV cache takes.
         no_prefix_cache: prefill every prompt in full, never sharing blocks an earlier one filled.
         dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 or fp16 on GPU).
         quantize: int8 or int4 (weight-only; int4 on CPU) or int8_dynamic (CPU) linear layers.
@@ -118,7 +123,7 @@ def main(
     generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype, quantize=quantize,
                             compile=compile, speculate=speculate, speculate_k=speculate_k,
                             draft_ckpt_dir=draft_ckpt_dir, draft_quantize=draft_quantize,
-                            kv_cache_memory=kv_cache_memory,
+                            kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
                             reasoning_parser=reasoning_parser)
     generator.model.prefix_cache.enabled = not no_prefix_cache
     with Output(Path(output_file), resume) as output:

@@ -47,15 +47,21 @@ PASSAGES = (
 )
 QUESTIONS = ("What is the main point of this passage?", "Which detail in it surprised you most, and why?",
              "Summarise it in one sentence.", "What question would you ask its author?")
-SYSTEM_PROMPT = " ".join(
-    f"Rule {n}: {rule}" for n, rule in enumerate(itertools.islice(itertools.cycle((
-        "Answer politely and briefly, in plain words that a child could follow.",
-        "When a question is ambiguous, say which reading you answer before answering it.",
-        "Never invent facts, names, dates or numbers; say when you do not know something.",
-        "Prefer examples from everyday life to abstract explanations.",
-        "If asked for a list, give at most five items, most important first.",
-        "Keep the user's own words where they are precise, and explain any technical term you use.",
-    )), 60), start=1))  # about 1000 tokens of house rules, as a deployed assistant's system prompt has
+RULES = ("Answer politely and briefly, in plain words that a child could follow.",
+         "When a question is ambiguous, say which reading you answer before answering it.",
+         "Never invent facts, names, dates or numbers; say when you do not know something.",
+         "Prefer examples from everyday life to abstract explanations.",
+         "If asked for a list, give at most five items, most important first.",
+         "Keep the user's own words where they are precise, and explain any technical term you use.")
+
+
+def house_rules(count: int) -> str:
+    """A deployed assistant's system prompt of count numbered rules (about 16 tokens each)."""
+    return " ".join(f"Rule {n}: {rule}" for n, rule in enumerate(itertools.islice(itertools.cycle(RULES), count),
+                                                                   start=1))
+
+
+SYSTEM_PROMPT = house_rules(60)  # about 1000 tokens
 SHARED_QUESTIONS = ("How do I boil an egg?", "Why do cats purr?", "What is a good name for a goldfish?",
                     "How far away is the moon?")
 

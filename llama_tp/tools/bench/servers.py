@@ -10,7 +10,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import httpx
 
@@ -28,22 +28,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def ours_command(quantize: str, port: int, max_batch_size: int) -> list[str]:
-    """Our server on the demo model, one process; quantize "fp32" is none."""
+def ours_command(quantize: str, port: int, max_batch_size: int, options: Sequence[str] = ()) -> list[str]:
+    """Our server on the demo model, one process; quantize "fp32" is none; options: more of
+    launch/serve.py's."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-               str(LAUNCH_SERVE), "--port", str(port), "--max_batch_size", str(max_batch_size)]
+               str(LAUNCH_SERVE), "--port", str(port), "--max_batch_size", str(max_batch_size), *options]
     return command + ([] if quantize == "fp32" else ["--quantize", quantize])
 
 
-def llama_server_command(binary: str, gguf: str, port: int, slots: int) -> list[str]:
-    """llama.cpp's server with continuous batching over `slots` clients, as the issue ran it."""
+def llama_server_command(binary: str, gguf: str, port: int, slots: int, context: int = LLAMA_SERVER_CONTEXT) -> list[str]:
+    """llama.cpp's server with continuous batching over `slots` clients sharing a context of
+    `context` tokens (-c), as the issue ran it."""
     path = Path(binary)
     if path.is_dir():  # the folder build-llama-cpp.sh prints
         path = path / "llama-server"
     if not path.is_file():
         raise FileNotFoundError(f"--llama_server {binary} is not llama.cpp's llama-server binary; build it with "
                                 "../shared/tools/build-llama-cpp.sh and pass the path it prints")
-    return [str(path), "-m", gguf, "-t", str(THREADS), "-np", str(slots), "-c", str(LLAMA_SERVER_CONTEXT),
+    return [str(path), "-m", gguf, "-t", str(THREADS), "-np", str(slots), "-c", str(context),
             "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -83,11 +85,13 @@ def _wait_healthy(name: str, process: subprocess.Popen, url: str, log) -> None:
     raise TimeoutError(f"{name} did not answer {url}/health within {START_TIMEOUT_SECONDS} s")
 
 
-def server_for(name: str, port: int, slots: int, llama_server: Optional[str], gguf: str):
-    """The context manager that runs server `name` ("ours-fp32", "ours-int4", "llama-server")."""
+def server_for(name: str, port: int, slots: int, llama_server: Optional[str], gguf: str, options: Sequence[str] = (),
+               context: int = LLAMA_SERVER_CONTEXT):
+    """The context manager that runs server `name` ("ours-fp32", "ours-int4", "llama-server"):
+    ours with more options of launch/serve.py, llama-server with a context of `context` tokens."""
     if name == "llama-server":
         if llama_server is None:
             raise ValueError("--peer llama-server needs --llama_server PATH: the llama-server binary (or the folder "
                              "../shared/tools/build-llama-cpp.sh prints)")
-        return started(name, llama_server_command(llama_server, gguf, port, slots), port)
-    return started(name, ours_command(name.removeprefix("ours-"), port, slots), port)
+        return started(name, llama_server_command(llama_server, gguf, port, slots, context), port)
+    return started(name, ours_command(name.removeprefix("ours-"), port, slots, options), port)

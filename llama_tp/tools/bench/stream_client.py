@@ -3,7 +3,7 @@
 import json
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 
@@ -21,10 +21,12 @@ class Outcome:
     error: Optional[str] = None
     text: str = ""  # the answer
     cached_tokens: int = 0  # prompt tokens the server says it reused (usage.prompt_tokens_details)
+    prompt_tokens: int = 0  # as the usage says
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
-    """One streaming chat request, timed chunk by chunk."""
+async def send(client: httpx.AsyncClient, url: str, body: dict,
+               on_first: Optional[Callable[[], None]] = None) -> Outcome:
+    """One streaming chat request, timed chunk by chunk; on_first is called at its first text."""
     outcome = Outcome(start=time.perf_counter())
     content_chunks = 0
     try:
@@ -47,9 +49,12 @@ async def send(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
                 if chunk.get("usage"):
                     outcome.tokens, outcome.tokens_from_usage = chunk["usage"]["completion_tokens"], True
                     outcome.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    outcome.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                 for choice in chunk.get("choices") or []:
                     if (choice.get("delta") or {}).get("content"):
                         content_chunks += 1
+                        if outcome.first is None and on_first is not None:
+                            on_first()
                         outcome.first = outcome.first or now
                         outcome.last = now
                         outcome.text += choice["delta"]["content"]

@@ -1,0 +1,105 @@
+"""The serving benchmark's KV cache cases (tools/bench/pool.py) against our server with a tiny model
+behind it: what each case reads from /metrics and from the answers, and the checks it prints."""
+
+import asyncio
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+
+from llama_tp import Llama
+from llama_tp.model.kv_cache import BLOCK_POSITIONS
+from llama_tp.serve.metrics import ServerMetrics
+from llama_tp.tools.bench import pool
+from llama_tp.tools.bench.serve import main
+from serve_harness import HttpHarness
+from tiny_checkpoint import LLAMA2_TOKENIZER
+from torchrun import one_thread  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_SEQ_LEN = 256  # the load's longest prompt (about 180 tokens) and an answer
+ROWS = 4
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoints) -> Llama:
+    return Llama.build(str(checkpoints["llama2", 1]), str(LLAMA2_TOKENIZER), max_seq_len=MAX_SEQ_LEN,
+                       max_batch_size=ROWS)
+
+
+@contextmanager
+def served(llama: Llama, blocks: int) -> Iterator[str]:
+    """Our server with the tiny model and a KV cache of this many blocks; its URL."""
+    model = llama.model
+    model.setup_caches(ROWS, MAX_SEQ_LEN, model.rotary.device, model.layers[0].attention.cache.k.dtype,
+                       blocks * BLOCK_POSITIONS)
+    llama.forget_prefixes()
+    server = HttpHarness(llama, "tiny")
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+def test_the_gauges_are_read_from_our_metrics():
+    metrics = ServerMetrics("m")
+    metrics.requests_running.set(3)
+    metrics.kv_cache_blocks_used.set(17)
+    metrics.preemptions.inc(2)
+    assert pool.read_metrics(metrics.render().decode()) == {"running": 3.0, "blocks_used": 17.0, "blocks_cached": 0.0,
+                                                            "preemptions": 2.0}
+
+
+def test_many_sees_every_client_running_at_once(llama):
+    with served(llama, 16) as url:
+        model, results = asyncio.run(pool.many(url, levels=(2, ROWS), requests=8, max_tokens=8))
+    assert model == "tiny" and [r["concurrency"] for r in results] == [2, ROWS]
+    checks = pool.many_checks(results)
+    assert [c["passed"] for c in checks[:2]] == [True, True], checks  # answered; the running gauge reached 4
+    assert checks[1]["check"] == f"all {ROWS} clients ran at once: the running gauge reached {ROWS}"
+    assert checks[2]["check"].startswith(f"output tokens/s at {ROWS} clients")
+    # llama-server's figure at as many clients beside ours
+    peer = [dict(results[-1], output_tokens_per_s=results[-1]["output_tokens_per_s"] / 2)]
+    assert pool.many_checks(results, peer)[3] == {"check": f"at {ROWS} clients 2.00x llama-server's output tokens/s "
+                                                           f"({peer[0]['output_tokens_per_s']:.1f}; at least 1.5x)",
+                                                  "passed": True}
+
+
+def test_shared_holds_the_system_prompt_once(llama):
+    """Four chats behind a system prompt of 8 house rules (three blocks of the Llama 2 chat's
+    prompts), in 10 blocks: four copies would not fit."""
+    with served(llama, 10) as url:
+        _, figures = asyncio.run(pool.shared(url, clients=ROWS, rules=8, max_tokens=16))
+    requests = figures["requests"]
+    assert [r["error"] for r in requests] == [None] * ROWS
+    assert requests[0]["cached_tokens"] == 0 and all(r["cached_tokens"] == 3 * BLOCK_POSITIONS for r in requests[1:])
+    assert all(r["completion_tokens"] == 16 for r in requests)
+    checks = pool.shared_checks(figures)
+    assert [c["passed"] for c in checks[:3]] == [True, True, True], checks
+    assert figures["peak_blocks_used"] < sum(-(-(r["prompt_tokens"] + 16) // BLOCK_POSITIONS) for r in requests)
+    assert checks[3]["check"].startswith("time to first token after the first's: at most ")
+
+
+def test_burst_overflows_the_pool_and_every_answer_is_its_own(llama):
+    """Eight clients at once on four rows of 40-token answers in four blocks: some are preempted."""
+    with served(llama, 4) as url:
+        _, figures = asyncio.run(pool.burst(url, clients=8, max_tokens=40))
+    checks = pool.burst_checks(figures, 40)
+    assert all(c["passed"] for c in checks), checks
+    assert checks[1]["check"] == "every request completed: 8 of 8 answers of 40 tokens, 0 refused by the waiting " \
+                                "line, 0 failed"
+    failed = dict(figures, requests=[dict(figures["requests"][0], error="HTTP 429: full", same_as_alone=False)]
+                  + figures["requests"][1:])
+    assert [c["passed"] for c in pool.burst_checks(failed, 40)] == [True, False, False]
+    assert "1 refused by the waiting line" in pool.burst_checks(failed, 40)[1]["check"]
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"case": "shared", "peer": "llama-server"}, "--peer runs in case many only"),
+    ({"case": "many", "peer": "llama-server"}, "needs --ours too"),
+    ({"case": "many", "peer": "vllm"}, "--peer 'vllm'"),
+])
+def test_the_cases_refuse_what_they_cannot_measure(options, words):
+    with pytest.raises(ValueError, match=words):
+        main(url="http://127.0.0.1:1", **options)
