@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from distributed import rendezvous
 from llama_tp import parallel
 from llama_tp.kernels import cpu_kernels
-from llama_tp.parallel import collectives
+from llama_tp.parallel import collectives, shared_memory
 from llama_tp.parallel.shared_memory import SharedMemorySum
 
 
@@ -109,6 +109,25 @@ def test_a_rank_waiting_for_a_killed_one_says_so_at_once(tmp_path, native):
     assert time.monotonic() - start < 5
     assert parallel.is_peer_failure(lost.value)
     assert "lost contact with another process of this job" in parallel.describe_peer_failure(lost.value)
+
+
+def test_a_rank_that_published_the_call_and_ended_since_is_not_lost(tmp_path, monkeypatch):
+    """The job's last exchange on a busy machine: rank 0 reads rank 1's flag (not there yet), is
+    descheduled, and rank 1 meanwhile publishes, finishes the exchange, ends its job and exits.
+    Finding rank 1's process gone, rank 0 must read its flag again rather than call it lost (the
+    Python exchange, whose moment of looking is ours to choose; the C++ one reads it the same way)."""
+    alone = rank_0_of_2_alone(tmp_path, native=False, timeout_seconds=30)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alone.flags[8 * 1 + 1] = gone.pid
+
+    def published_then_gone(pid: int) -> bool:
+        alone.slots[1, 1, :4] = 2.0  # rank 1's tensor for call 1 (parity 1), then its flag
+        alone.flags[8 * 1] = 1
+        return True
+
+    monkeypatch.setattr(shared_memory, "process_gone", published_then_gone)
+    assert alone(torch.ones(4)).tolist() == [3.0] * 4
 
 
 def test_an_exchange_that_waited_too_long_is_reported_as_a_lost_rank():

@@ -79,9 +79,13 @@ const float* publish_and_wait(const at::Tensor& x, const at::Tensor& buffer, int
       if (waited.count() > signals_checked + kSignalCheckSeconds) {
         check_python_signals();
         signals_checked = waited.count();
-        // A rank killed mid-step never publishes: say so now rather than at the timeout.
+        // A rank killed mid-step never publishes: say so now rather than at the timeout. Its flag
+        // is read again once it is gone: it may have published this call and ended its job
+        // since the read above (the job's last exchange, on a machine busy enough).
         const int64_t pid = __atomic_load_n(&flags[kFlagStride * other + 1], __ATOMIC_RELAXED);
-        TORCH_CHECK(pid <= 0 || !process_gone(pid), "rank ", rank, " lost rank ", other, " (process ", pid,
+        TORCH_CHECK(pid <= 0 || !process_gone(pid) ||
+                        __atomic_load_n(&flags[kFlagStride * other], __ATOMIC_ACQUIRE) >= call,
+                    "rank ", rank, " lost rank ", other, " (process ", pid,
                     " is gone) while waiting for the other ranks' tensors");
       }
       TORCH_CHECK(waited.count() < timeout_seconds, "rank ", rank, " timed out after ", timeout_seconds,

@@ -87,7 +87,8 @@ class SharedMemorySum:
                         f"rank {self.rank} timed out after {self.timeout_seconds:g} s waiting for the other ranks' tensors"
                     )
                 polls += 1
-                if polls % 1000 == 0 and process_gone(self.flags[8 * rank + 1]):
+                # gone, and still not published (it may have published and ended since the loop's read)
+                if polls % 1000 == 0 and process_gone(self.flags[8 * rank + 1]) and self.flags[8 * rank] < call:
                     raise RuntimeError(f"rank {self.rank} lost rank {rank} (process {self.flags[8 * rank + 1]} is "
                                        "gone) while waiting for the other ranks' tensors")
         return slots
