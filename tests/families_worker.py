@@ -8,9 +8,11 @@ and greedy tokens of the first row's prompt. The ranks of each world size are fo
 process (gloo, a fresh rendezvous each), as tests/reshard_worker.py does.
 """
 
+import faulthandler
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -21,6 +23,17 @@ from llama_tp import Llama
 
 
 def rank_main(rank: int, world_size: int, environment: dict[str, str], manifest: dict) -> None:
+    """run_cases, saying on stderr which rank of which world failed and where: torch's spawn
+    reports one failed rank only, and a crash (a signal) with no Python stack at all."""
+    faulthandler.enable()
+    try:
+        run_cases(rank, world_size, environment, manifest)
+    except BaseException:
+        sys.stderr.write(f"RANK {rank} OF WORLD {world_size} FAILED:\n{traceback.format_exc()}")
+        raise
+
+
+def run_cases(rank: int, world_size: int, environment: dict[str, str], manifest: dict) -> None:
     os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # two cores shared by several ranks
     tokens = torch.tensor(manifest["tokens"])

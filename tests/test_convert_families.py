@@ -216,6 +216,14 @@ def test_quantized_cousins_equal_transformers_on_the_same_rounded_weights(famili
     torch.testing.assert_close(build(ckpt, quantize=quantize).model.forward(tokens, 0), expected, atol=1e-4, rtol=0)
 
 
+def failed_ranks(stderr: str) -> str:
+    """What each failed rank said (families_worker.rank_main's reports, faulthandler's stacks of a
+    crash), else the end of stderr."""
+    reports = [stderr[match.start() : match.start() + 2000]
+               for match in re.finditer(r"RANK \d+ OF WORLD \d+ FAILED|Fatal Python error", stderr)]
+    return "\n".join(reports) or stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def worlds(families, tmp_path_factory) -> dict[int, dict]:
     """{world size: {case: logits and greedy tokens}} from one worker process forking each world."""
@@ -243,7 +251,7 @@ def worlds(families, tmp_path_factory) -> dict[int, dict]:
     # (world sizes 1 and 2 took 5 and 7 minutes at load 10 on 2026-11-27).
     job = subprocess.run([sys.executable, str(TESTS / "families_worker.py"), str(manifest)], cwd=TESTS.parent,
                          env=env, capture_output=True, text=True, timeout=1800)
-    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.returncode == 0, failed_ranks(job.stderr)
     return {w: torch.load(root / f"world{w}.pt", weights_only=True) for w in (1, 2, 4)}
 
 
