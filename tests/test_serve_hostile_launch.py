@@ -92,7 +92,10 @@ def test_grammars_that_match_nothing_or_run_into_a_dead_end_fail_alone_at_world_
                        ("/v1/chat/completions", GOOD_CHAT | {"response_format": {
                            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}})):
         response = httpx.post(f"{url}{path}", json=body, timeout=60)
-        assert response.status_code == 400 and "matches no text at all" in response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        # xgrammar 0.2.9 and later refuse a schema that is nothing but a circular $ref as they compile it
+        assert response.status_code == 400 and ("matches no text at all" in message or (
+            "cannot be compiled into a grammar" in message and "$ref" in message))
     dead_end = GOOD_CHAT | {"max_tokens": 8, "guided_regex": "a[^\\s\\S]"}
     heartbeat = Heartbeat(url)  # an answer beside them, in the same batches
     for temperature in (0, 0.7):
