@@ -115,7 +115,10 @@ class Int8Linear(nn.Module):
         if x.shape[:-1].numel() <= int8.summed_max_rows(x.device):  # bound by reading the weight: read it as int8
             return self.communicate(_run(grouped_product, x, self.weight, self.scales, self.zeros))
         # Bound by arithmetic: the device's product (oneDNN, cuBLAS) on the weight converted back.
-        weight = _run(dequantize, self.weight, self.scales, self.zeros, x.dtype)
+        # On CPUs eagerly: inductor's code for this conversion (torch 2.13, an AVX-512 Intel Xeon
+        # without AMX) writes outside its buffers and glibc aborts the process at a later free.
+        eager = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        weight = (dequantize if eager else functools.partial(_run, dequantize))(self.weight, self.scales, self.zeros, x.dtype)
         return self.communicate(matmul.linear(x, weight))
 
 
