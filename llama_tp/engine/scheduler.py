@@ -230,7 +230,7 @@ class Scheduler:
             if places[index] is None:
                 places[index] = free.pop(0)
         for parent in parents:  # the blocks it holds (not those left behind a sliding window)
-            self.pool.share(held[parent][1][held[parent][5]:])
+            self.pool.share(beams[parent].held)
         for beam in beams:
             self.pool.release(beam.held)
             beam.blocks, beam.keys, beam.behind = [], [], 0

@@ -117,8 +117,10 @@ class Int8Linear(nn.Module):
         # Bound by arithmetic: the device's product (oneDNN, cuBLAS) on the weight converted back.
         # On CPUs eagerly: inductor's code for this conversion (torch 2.13, an AVX-512 Intel Xeon
         # without AMX) writes outside its buffers and glibc aborts the process at a later free.
-        eager = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        weight = (dequantize if eager else functools.partial(_run, dequantize))(self.weight, self.scales, self.zeros, x.dtype)
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            weight = dequantize(self.weight, self.scales, self.zeros, x.dtype)
+        else:
+            weight = _run(dequantize, self.weight, self.scales, self.zeros, x.dtype)
         return self.communicate(matmul.linear(x, weight))
 
 
