@@ -20,6 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_SEQ_LEN = 256  # the load's longest prompt (about 180 tokens) and an answer
 ROWS = 4
+ANSWER = 56  # tokens: past the first block of every prompt of the load (15 to 177 tokens, BLOCK_POSITIONS 64)
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +83,19 @@ def test_shared_holds_the_system_prompt_once(llama):
 
 
 def test_burst_overflows_the_pool_and_every_answer_is_its_own(llama):
-    """Eight clients at once on four rows of 40-token answers in four blocks: some are preempted."""
+    """Eight clients at once on four rows of 56-token answers in four blocks: every answer outgrows
+    its prompt's first block (the longest prompt, 177 tokens, its third), so any three running at
+    once (or the longest and one more) overflow the pool, whatever the order they came in."""
     with served(llama, 4) as url:
-        _, figures = asyncio.run(pool.burst(url, clients=8, max_tokens=40))
-    checks = pool.burst_checks(figures, 40)
+        _, figures = asyncio.run(pool.burst(url, clients=8, max_tokens=ANSWER))
+    checks = pool.burst_checks(figures, ANSWER)
     assert all(c["passed"] for c in checks), checks
-    assert checks[1]["check"] == "every request completed: 8 of 8 answers of 40 tokens, 0 refused by the waiting " \
+    assert checks[1]["check"] == f"every request completed: 8 of 8 answers of {ANSWER} tokens, 0 refused by the waiting " \
                                 "line, 0 failed"
     failed = dict(figures, requests=[dict(figures["requests"][0], error="HTTP 429: full", same_as_alone=False)]
                   + figures["requests"][1:])
-    assert [c["passed"] for c in pool.burst_checks(failed, 40)] == [True, False, False]
-    assert "1 refused by the waiting line" in pool.burst_checks(failed, 40)[1]["check"]
+    assert [c["passed"] for c in pool.burst_checks(failed, ANSWER)] == [True, False, False]
+    assert "1 refused by the waiting line" in pool.burst_checks(failed, ANSWER)[1]["check"]
 
 
 @pytest.mark.parametrize("options, words", [
