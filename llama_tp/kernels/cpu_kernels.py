@@ -44,7 +44,7 @@ ON_THIS_CPU = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX512"
 # attend through a gathered copy of their caches.
 AVX2_KERNELS = _ALLOWED and torch.backends.cpu.get_cpu_capability() == "AVX2"
 # The kernels both builds have: norm, attention and sampling written once for either register width.
-DECODING_SOURCES = ("norm_kernel.cpp", "attention_kernel.cpp", "sampler_kernel.cpp")
+DECODING_SOURCES = ("norm_kernel.cpp", "attention_kernel.cpp", "sampler_kernel.cpp", "layer_step.cpp")
 # Floats in one of the attention kernel's registers: a head's width must be a multiple of it.
 ATTENTION_LANES = 16 if ON_THIS_CPU else 8
 
