@@ -1,6 +1,7 @@
 """Plain int4 layers' eager decoding step in one C++ call (model/layer_step.py): the same logits
 and caches, bit for bit, as the layers stepping module by module, for one row, rows at different
-positions and several tokens a row; layers it cannot take step module by module."""
+positions and several tokens a row, on one rank and on two; layers it cannot take step module by
+module."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from llama_tp import Llama
 from llama_tp.kernels import cpu_kernels
 from llama_tp.model import layer_step, transformer
+from distributed import run_world
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_WIDE_HEADS, full_weights, write_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
@@ -20,6 +22,13 @@ VOCAB = 32000
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny")
     write_checkpoint(directory, TINY_WIDE_HEADS, full_weights(TINY_WIDE_HEADS, VOCAB), 1, "vocab")  # grouped KV heads of 16 channels
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def two_shards(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny2")
+    write_checkpoint(directory, TINY_WIDE_HEADS, full_weights(TINY_WIDE_HEADS, VOCAB), 2, "vocab")
     return str(directory)
 
 
@@ -38,29 +47,46 @@ def restore(model, saved: list[torch.Tensor]) -> None:
         pool.copy_(tensor)
 
 
-@pytest.mark.parametrize("starts, tokens", [([5], 1), ([5, 40, 17], 1), ([9, 2], 3)],
-                         ids=["one row", "rows at their own positions", "three tokens a row"])
-def test_one_call_gives_the_bits_of_the_layers_one_by_one(int4_llama, monkeypatch, starts, tokens):
-    model = int4_llama.model
+def step_both_ways(model, starts: list[int], tokens: int, patch) -> tuple[int, bool, bool]:
+    """Rows with prompts at starts, then a step of `tokens` tokens a row through the one call and
+    again (the caches as before it) module by module: the one call's calls, and whether the
+    logits and the caches are the same bits."""
     generator = torch.Generator().manual_seed(len(starts) + tokens)
     for slot, start in enumerate(starts):  # each row's prompt, through the prompt's path
         model.forward(torch.randint(3, VOCAB, (1, start), generator=generator), 0, slots=[slot])
     step = torch.randint(3, VOCAB, (len(starts), tokens), generator=generator)
     before = caches(model)
-
     calls = []
-    monkeypatch.setattr(layer_step.Int4LayersStep, "__call__",
-                        lambda self, h, rows, call=layer_step.Int4LayersStep.__call__: calls.append(h.shape) or call(self, h, rows))
+    patch(layer_step.Int4LayersStep, "__call__",
+          lambda self, h, rows, call=layer_step.Int4LayersStep.__call__: calls.append(h.shape) or call(self, h, rows))
     in_one_call = model.forward(step, starts)
     after_one_call = caches(model)
-    assert calls == [(len(starts), tokens, TINY_WIDE_HEADS["dim"])]  # the whole step went through the one call
-
     restore(model, before)
-    monkeypatch.setattr(transformer, "int4_layers_step", lambda layers: None)
+    patch(transformer, "int4_layers_step", lambda layers: None)
     one_by_one = model.forward(step, starts)
-    assert torch.equal(in_one_call, one_by_one)
-    for pool, expected in zip(after_one_call, caches(model)):
-        assert torch.equal(pool, expected)
+    same_caches = all(torch.equal(pool, expected) for pool, expected in zip(after_one_call, caches(model)))
+    return calls, torch.equal(in_one_call, one_by_one), same_caches
+
+
+@pytest.mark.parametrize("starts, tokens", [([5], 1), ([5, 40, 17], 1), ([9, 2], 3)],
+                         ids=["one row", "rows at their own positions", "three tokens a row"])
+def test_one_call_gives_the_bits_of_the_layers_one_by_one(int4_llama, monkeypatch, starts, tokens):
+    calls, same_logits, same_caches = step_both_ways(int4_llama.model, starts, tokens, monkeypatch.setattr)
+    assert calls == [(len(starts), tokens, TINY_WIDE_HEADS["dim"])]  # the whole step went through the one call
+    assert same_logits and same_caches
+
+
+def _on_a_rank_of_two(folder: str) -> tuple:
+    llama = Llama.build(folder, str(LLAMA2_TOKENIZER), max_seq_len=96, max_batch_size=4, quantize="int4")
+    return step_both_ways(llama.model, [5, 40, 17], 2, setattr)
+
+
+@pytest.mark.slow  # two spawned processes
+@pytest.mark.skipif(not cpu_kernels.ON_THIS_CPU, reason="the C++ exchange between ranks is built with the AVX-512 kernels")
+def test_two_ranks_sum_through_the_exchange_in_the_one_call(two_shards):
+    for calls, same_logits, same_caches in run_world(2, _on_a_rank_of_two, two_shards):
+        assert calls == [(3, 2, TINY_WIDE_HEADS["dim"])]
+        assert same_logits and same_caches
 
 
 def test_greedy_answers_are_those_of_the_layers_one_by_one(int4_llama, monkeypatch):

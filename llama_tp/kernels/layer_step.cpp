@@ -5,8 +5,9 @@
 // norms, the attention and the small operators themselves (docs/int4.md).
 //
 // Each layer: norm, wqkv's product, the attention (rotation and cache write included), wo's
-// product, the residual; norm, w13's product, silu(gate) * up, w2's product, the residual. One
-// model-parallel rank: the products' outputs are the layer's (no exchange between ranks).
+// product summed over the ranks, the residual; norm, w13's product, silu(gate) * up, w2's product
+// summed over the ranks, the residual. Several model-parallel ranks sum through the C++ exchange
+// in shared memory (parallel/shared_memory.cpp), as all_reduce does between them.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -43,6 +44,21 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& turns, at::Tensor&
   return op.call(qkv, turns, k_pool, v_pool, tables, positions, heads, block);
 }
 
+// The sum of every rank's x through the shared buffer; x itself where there is none (one rank).
+struct Exchange {
+  c10::optional<at::Tensor> buffer;
+  int64_t rank, world_size, capacity;
+  double timeout_seconds;
+
+  at::Tensor sum(const at::Tensor& x) const {
+    if (!buffer) return x;
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("llama_tp::shared_sum", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, double)>();
+    return op.call(x, *buffer, rank, world_size, capacity, timeout_seconds);
+  }
+};
+
 // A layer's operands, in this order: attention_norm, ffn_norm, then codes, scales and mins of
 // wqkv, wo, w13 and w2.
 constexpr size_t kOperandsPerLayer = 14;
@@ -50,11 +66,14 @@ constexpr size_t kWqkv = 2, kWo = 5, kW13 = 8, kW2 = 11;
 
 // x [batch, tokens, dim] fp32 through the layers whose operands are `operands` (kOperandsPerLayer
 // each) and whose caches are k_pools[i], v_pools[i]; turns, tables, positions, heads and block as
-// decode_step_attention takes them, hidden: the width of w13's gate (and of its up).
+// decode_step_attention takes them, hidden: the width of w13's gate (and of its up); buffer,
+// rank, world_size, capacity and timeout_seconds: shared_sum's, or no buffer on one rank.
 at::Tensor int4_layers_step(const at::Tensor& x, const std::vector<at::Tensor>& operands,
                             std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools, const at::Tensor& turns,
                             const at::Tensor& tables, const at::Tensor& positions, int64_t heads, int64_t block,
-                            int64_t hidden, double eps) {
+                            int64_t hidden, double eps, const c10::optional<at::Tensor>& buffer, int64_t rank,
+                            int64_t world_size, int64_t capacity, double timeout_seconds) {
+  const Exchange exchange{buffer, rank, world_size, capacity, timeout_seconds};
   const size_t layers = k_pools.size();
   TORCH_CHECK(operands.size() == layers * kOperandsPerLayer && v_pools.size() == layers,
               "int4_layers_step takes ", kOperandsPerLayer, " operands and two pools a layer");
@@ -65,10 +84,10 @@ at::Tensor int4_layers_step(const at::Tensor& x, const std::vector<at::Tensor>& 
     const at::Tensor qkv = int4_product(rms_norm(h, operands[first], eps), operands, first + kWqkv);
     const at::Tensor attended =
         attention(qkv, turns, k_pools[layer], v_pools[layer], tables, positions, heads, block);
-    h = h + int4_product(attended, operands, first + kWo);
+    h = h + exchange.sum(int4_product(attended, operands, first + kWo));
     const at::Tensor gate_and_up = int4_product(rms_norm(h, operands[first + 1], eps), operands, first + kW13);
     const at::Tensor gate = gate_and_up.narrow(-1, 0, hidden), up = gate_and_up.narrow(-1, hidden, hidden);
-    h = h + int4_product((at::silu(gate) * up).contiguous(), operands, first + kW2);
+    h = h + exchange.sum(int4_product((at::silu(gate) * up).contiguous(), operands, first + kW2));
   }
   return h;
 }
@@ -77,7 +96,8 @@ at::Tensor int4_layers_step(const at::Tensor& x, const std::vector<at::Tensor>& 
 
 TORCH_LIBRARY_FRAGMENT(llama_tp, m) {
   m.def("int4_layers_step(Tensor x, Tensor[] operands, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor turns, "
-        "Tensor tables, Tensor positions, int heads, int block, int hidden, float eps) -> Tensor");
+        "Tensor tables, Tensor positions, int heads, int block, int hidden, float eps, Tensor? buffer, int rank, "
+        "int world_size, int capacity, float timeout_seconds) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_tp, CPU, m) { m.impl("int4_layers_step", int4_layers_step); }

@@ -11,7 +11,7 @@ fairscale's parallel layers; `collectives`: their sums and gathers, through `sha
 between the ranks of one host.
 """
 
-from .collectives import all_gather_last_dim, all_reduce, from_first_rank, vocab_argmax
+from .collectives import all_gather_last_dim, all_reduce, from_first_rank, native_sum_arguments, vocab_argmax
 from .failures import (
     agreement,
     check_same_on_every_rank,
@@ -68,6 +68,7 @@ __all__ = [
     "leave",
     "model_parallel_rank",
     "model_parallel_size",
+    "native_sum_arguments",
     "parallel_embedding",
     "print0",
     "report_failure",

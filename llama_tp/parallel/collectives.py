@@ -114,6 +114,13 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] * model_parallel_size())
 
 
+def native_sum_arguments(x: torch.Tensor) -> Optional[tuple]:
+    """The C++ exchange's arguments after x (buffer, rank, world size, capacity, timeout) for
+    torch.ops.llama_tp.shared_sum, where all_reduce(x) goes through it; else None."""
+    shared = _shared_memory_for(x)
+    return shared.native_args() if shared is not None and shared.native else None
+
+
 def _native_exchange_for(x: torch.Tensor) -> bool:
     """Whether x goes through the C++ exchange, an operator that compiled steps call as it is."""
     shared = _shared_memory_for(x)

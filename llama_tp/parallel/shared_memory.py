@@ -57,17 +57,18 @@ class SharedMemorySum:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x."""
         if self.native:
-            return torch.ops.llama_tp.shared_sum(x, *self._native_args())
+            return torch.ops.llama_tp.shared_sum(x, *self.native_args())
         return self._exchange(x).sum(dim=0).view_as(x)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x [..., n] side by side in rank order: [..., world_size * n]."""
         if self.native:
-            return torch.ops.llama_tp.shared_gather(x, *self._native_args())
+            return torch.ops.llama_tp.shared_gather(x, *self.native_args())
         slots = self._exchange(x)  # world_size, numel
         return torch.cat([slot.view_as(x) for slot in slots], dim=-1)
 
-    def _native_args(self) -> tuple:
+    def native_args(self) -> tuple:
+        """What shared_sum and shared_gather take after x."""
         return self.buffer, self.rank, self.world_size, self.CAPACITY, self.timeout_seconds
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
