@@ -3,13 +3,14 @@ rows by an fp32 weight (float_product) or by grouped int8 weights (int8.py); pro
 4-bit weights and their conversion back for prompts (int4_kernel.cpp, int4.py); an RMS norm in one
 pass (norm_kernel.cpp, rms_norm); one new token's attention to the cache (attention_kernel.cpp,
 decode_attention), and eagerly the whole step of a few tokens, rotation and cache write included
-(decode_step_attention); every row's next token (sampler_kernel.cpp, sample_rows).
+(decode_step_attention); every row's next token (sampler_kernel.cpp, sample_rows); and a step of
+plain int4 or int8 layers in one call of those kernels (layer_step.cpp, model/layer_step.py).
 torch.utils.cpp_extension compiles them on first use (a minute or more on a few cores, then cached in
 ~/.cache/torch_extensions), together with the ranks' exchange through shared memory
 (parallel/shared_memory.cpp). CPUs with AVX2 but not AVX-512 build the decoding kernels alone:
 the fp32 and quantized products (avx2_float_product.cpp, avx2_kernels.cpp: the same operators on
 the same layouts), the norm, the attention and the sampler (built for 8-float registers,
-float_lanes.h); load_decoding_kernels.
+float_lanes.h) and the layers' step; load_decoding_kernels.
 
 All are torch operators (torch.ops.llama_tp.*) with their output shapes registered, so that
 torch.compile calls them as they are. LLAMA_TP_CPU_KERNELS=0 in the environment leaves them out
@@ -185,6 +186,11 @@ def _register_decoding_shapes() -> None:
     @torch.library.register_fake("llama_tp::sample_rows")
     def _(logits, history, settings, top_k, uniform, candidates):
         return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+    @torch.library.register_fake("llama_tp::quantized_layers_step")
+    def _(x, operands, bits, out_features, k_pools, v_pools, turns, tables, positions, heads, block, hidden, eps,
+          buffer, rank, world_size, capacity, timeout_seconds):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("llama_tp::int4_weight")
     def _(codes, scales, mins):

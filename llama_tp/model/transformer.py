@@ -22,7 +22,7 @@ from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
 from .feed_forward import FeedForward, MixtureOfExperts
 from .kv_cache import (BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, block_positions, blocks_for,
                        step_through_kernel)
-from .layer_step import int4_layers_step
+from .layer_step import quantized_layers_step
 from .prefix_cache import PrefixCache
 from .step_graphs import StepGraphs
 
@@ -640,9 +640,9 @@ def layers_per_call(n_layers: int) -> int:
 
 def run_layers(layers: nn.ModuleList, h: torch.Tensor, rows: CacheRows) -> torch.Tensor:
     """Consecutive layers' step, as a function of the layers: what compile_decoding compiles.
-    Eagerly through our kernels, plain int4 layers step in one C++ call (layer_step.py)."""
+    Eagerly through our kernels, plain int4 or int8 layers step in one C++ call (layer_step.py)."""
     if rows.kernel_starts is not None and not torch.compiler.is_compiling():
-        step = int4_layers_step(layers)
+        step = quantized_layers_step(layers)
         if step is not None and step.takes(h):
             return step(h, rows)
     for layer in layers:
