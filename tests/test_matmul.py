@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from llama_tp import Llama
 from llama_tp.kernels import cpu_kernels, matmul
-from llama_tp.model.transformer import LINEAR_LAYERS
+from llama_tp.model.quantize import LINEAR_LAYERS
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
 needs_kernel = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),

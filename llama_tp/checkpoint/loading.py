@@ -20,9 +20,9 @@ from ..kernels import cpu_kernels, matmul
 from ..logs import logger
 from ..model.args import ModelArgs
 from ..model.meta_llama4 import EXTRA_STATE_GLOBALS, llama_tp_names
-from ..model.transformer import LINEAR_LAYERS, Transformer
-from ..model.quantize import (QUANTIZED_AT_LOAD, Int4Linear, Int8Linear, check_quantize_on, layer_quantization,
-                              quantize_model, replace_linear_layers, use_kernels)
+from ..model.transformer import Transformer
+from ..model.quantize import (LINEAR_LAYERS, QUANTIZED_AT_LOAD, Int4Linear, Int8Linear, check_quantize_on,
+                              layer_quantization, quantize_model, replace_linear_layers, use_kernels)
 from ..parallel import EmbeddingLayout, Placement
 from . import mapped_pages
 from .quantized import check_quantized_load, stored_quantization, unfilled_layers

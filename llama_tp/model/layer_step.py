@@ -18,6 +18,10 @@ from ..kernels import cpu_kernels, int4, int8
 from ..parallel import all_gather_last_dim, all_reduce, model_parallel_size, native_sum_arguments
 from .feed_forward import FeedForward
 from .kv_cache import BLOCK_POSITIONS, CacheRows
+from .quantize import Int4Linear, Int8Linear
+
+# The exchange's arguments (buffer, rank, world size, capacity, timeout) of a single rank: no sums.
+ONE_RANK = (None, 0, 1, 0, 0.0)
 
 
 class QuantizedLayersStep:
@@ -32,20 +36,21 @@ class QuantizedLayersStep:
             linears = _linears(layer)
             self.operands += [layer.attention_norm.weight, layer.ffn_norm.weight]
             self.operands += [operand for linear in linears for operand in _operands(linear)]
-            self.out_features += [getattr(linear, "out_features", 0) for linear in linears]  # int8's alone
+            self.out_features += [linear.out_features if bits == 8 else 0 for linear in linears]  # int8's alone
         self.attentions = [layer.attention for layer in layers]
         self.heads, self.eps = layers[0].attention.n_local_heads, layers[0].attention_norm.eps
         self.hidden = layers[0].feed_forward.local_widths[0]
 
-    def takes(self, h: torch.Tensor) -> bool:
-        """Whether a step of h [bsz, tokens, dim] goes through our kernel's products (their
-        MAX_ROWS) and, on several ranks, its sums through the C++ exchange."""
-        fits = h.dtype == torch.float32 and h.shape[0] * h.shape[1] <= self.max_rows
-        return fits and (model_parallel_size() == 1 or native_sum_arguments(h) is not None)
-
-    def __call__(self, h: torch.Tensor, rows: CacheRows) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, rows: CacheRows) -> Optional[torch.Tensor]:
+        """The layers' step of h [bsz, tokens, dim], or None where its products are not our
+        kernel's (more rows than its MAX_ROWS) or, on several ranks, its sums do not go through
+        the C++ exchange: every rank decides alike from the same shapes."""
+        if h.dtype != torch.float32 or h.shape[0] * h.shape[1] > self.max_rows:
+            return None
+        exchange = ONE_RANK if model_parallel_size() == 1 else native_sum_arguments(h)
+        if exchange is None:
+            return None
         caches = [attention.cache for attention in self.attentions]
-        exchange = (None, 0, 1, 0, 0.0) if model_parallel_size() == 1 else native_sum_arguments(h)
         return torch.ops.llama_tp.quantized_layers_step(
             h, self.operands, self.bits, self.out_features, [cache.k for cache in caches],
             [cache.v for cache in caches], rows.rotary, rows.tables, rows.kernel_starts, self.heads,
@@ -56,18 +61,17 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     return layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2
 
 
-def _operands(linear: nn.Module) -> tuple[torch.Tensor, ...]:
-    """The three tensors our kernel multiplies by: quantize.Int4Linear's operands, or a blocked
-    quantize.Int8Linear's q, scales and zeros."""
-    operands = getattr(linear, "operands", None)
-    return operands if operands is not None else (linear.weight, linear.scales, linear.zeros)
+def _operands(linear: Int4Linear | Int8Linear) -> tuple[torch.Tensor, ...]:
+    """The three tensors our kernel multiplies by: an Int4Linear's codes, scales and mins, or a
+    blocked Int8Linear's q, scales and zeros."""
+    return linear.operands if isinstance(linear, Int4Linear) else (linear.weight, linear.scales, linear.zeros)
 
 
 def _bits(linear: nn.Module) -> Optional[int]:
     """4 or 8 where our kernel takes this layer's products (quantize.use_kernels), else None."""
-    if getattr(linear, "operands", None) is not None:  # quantize.Int4Linear's
+    if isinstance(linear, Int4Linear) and linear.operands is not None:
         return 4
-    return 8 if getattr(linear, "blocked", False) else None  # quantize.Int8Linear's
+    return 8 if isinstance(linear, Int8Linear) and linear.blocked else None
 
 
 def _plain_bits(layer: nn.Module) -> Optional[int]:

@@ -38,7 +38,9 @@ from torch import nn
 from .. import parallel
 from ..kernels import cpu_kernels, int4, int8, matmul, tinygemm
 from ..kernels.int8 import dequantize, grouped_product, quantize_int8
-from .transformer import LINEAR_LAYERS
+
+# The model's linear layers, by attribute name: what quantization replaces and packing lays out.
+LINEAR_LAYERS = ("wqkv", "wo", "w13", "w2", "output")
 
 QUANTIZATIONS = ("int8", "int4", "int8_dynamic")
 # The layer int4 keeps in int8: the output head, whose rounding moves every logit.

@@ -29,9 +29,6 @@ from .step_graphs import StepGraphs
 __all__ = ["FeedForward", "MixtureOfExperts", "Transformer"]
 
 
-# The model's linear layers, by attribute name: what quantization replaces and packing lays out.
-LINEAR_LAYERS = ("wqkv", "wo", "w13", "w2", "output")
-
 # The most layers one compiled decoding call runs (see Transformer.compile_decoding).
 MAX_LAYERS_PER_CALL = 10
 # The most versions of a compiled decoding function kept (rungs of the ladder x heads, with room).
@@ -643,8 +640,9 @@ def run_layers(layers: nn.ModuleList, h: torch.Tensor, rows: CacheRows) -> torch
     Eagerly through our kernels, plain int4 or int8 layers step in one C++ call (layer_step.py)."""
     if rows.kernel_starts is not None and not torch.compiler.is_compiling():
         step = quantized_layers_step(layers)
-        if step is not None and step.takes(h):
-            return step(h, rows)
+        stepped = step(h, rows) if step is not None else None
+        if stepped is not None:
+            return stepped
     for layer in layers:
         h = layer(h, rows)
     return h
