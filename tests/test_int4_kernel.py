@@ -77,7 +77,7 @@ def test_product_equals_the_converted_back_weights_product_for_every_row_count_i
 def test_avx512_product_of_a_row_is_the_same_alone_and_among_many_rows_and_threads():
     """The direct passes (up to 4 rows) and those through the buffer (more rows) sum each output
     in the same order: a row's result does not depend on the rows beside it or on the threads."""
-    codes, scales, mins = _weight(70, 1600, seed=5)  # 50 groups: chunks of 16 and a last of 2
+    codes, scales, mins = _weight(70, 1600, seed=5)  # 50 groups: chunks of 24 and a last of 2
     cpu_kernels.load_decoding_kernels()
     x = torch.randn(int4.MAX_ROWS, 1600, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([int4.product(row[None], codes, scales, mins) for row in x])
