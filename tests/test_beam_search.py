@@ -108,7 +108,8 @@ def test_log_probabilities_and_echo_are_the_best_beams(llama):
     (tokens,), (logprobs,) = llama.generate([prompt], MAX_GEN_LEN, num_beams=4, logprobs=True)
     (echoed,), (echoed_logprobs,) = llama.generate([prompt], MAX_GEN_LEN, num_beams=4, logprobs=True, echo=True)
     (greedy_prompt,), (prompt_logprobs,) = llama.generate([prompt], 1, temperature=0, logprobs=True, echo=True)
-    assert echoed == prompt + tokens and echoed_logprobs[len(prompt):] == pytest.approx(logprobs)
+    # within fp32 rounding: one of the two may start from keys and values an earlier request left
+    assert echoed == prompt + tokens and echoed_logprobs[len(prompt):] == pytest.approx(logprobs, abs=1e-5)
     assert echoed_logprobs[: len(prompt)] == pytest.approx(prompt_logprobs[: len(prompt)], abs=1e-5)
     # each token's log probability under the model after the beam's tokens before it
     _, (scored,) = llama.generate([prompt + tokens], 1, temperature=0, logprobs=True, echo=True)

@@ -23,7 +23,10 @@ OPTIONS = {"greedy": dict(temperature=0), "sampled": dict(temperature=1.0, top_p
 
 def answers(llama: Llama, prompts: list[list[int]], options: dict, first_seed: int = 100) -> tuple[list, int]:
     """Each prompt's answer, with seed first_seed + its index, through one engine (min_gen_len keeps
-    stop tokens off, so that every answer runs to ANSWER); and how many preemptions it made."""
+    stop tokens off, so that every answer runs to ANSWER), from a cache that holds no earlier
+    prompt (a start computed in another pass differs by fp32's rounding, which a sampled token may
+    not survive); and how many preemptions it made."""
+    llama.forget_prefixes()
     engine = llama.engine()
     requests = [(request(llama, prompt, ANSWER, min_gen_len=ANSWER, **options), first_seed + index)
                 for index, prompt in enumerate(prompts)]

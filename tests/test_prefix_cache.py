@@ -88,9 +88,8 @@ def test_a_conversation_reuses_its_history_with_the_same_results(llama):
 
 def followed_on(starts: list[int], lengths: list[int]) -> bool:
     """Whether each turn fed no more than what follows the full blocks of the turn before's prompt
-    (the answer's tokens may be re-encoded apart), starting at a block's first position."""
-    return all(start % BLOCK_POSITIONS == 0 and start >= length // BLOCK_POSITIONS * BLOCK_POSITIONS
-               for start, length in zip(starts[1:], lengths))
+    (the answer's tokens may be re-encoded apart; a block filled since may hold more of the start)."""
+    return all(start >= length // BLOCK_POSITIONS * BLOCK_POSITIONS for start, length in zip(starts[1:], lengths))
 
 
 def test_a_batch_reuses_what_every_row_shares(llama):
@@ -130,6 +129,20 @@ def test_serving_reuses_a_shared_system_prompt_with_the_same_tokens(llama):
         shared = 2 * BLOCK_POSITIONS
         assert [deltas[-1].cached_tokens for deltas in answers[reuse]] == ([0] + [shared] * 4 if reuse else [0] * 5)
         assert cached == (4 * shared if reuse else 0)
+    assert [tokens_of(d) for d in answers[True]] == [tokens_of(d) for d in answers[False]]
+
+
+def test_serving_copies_a_system_turn_shorter_than_a_block_with_the_same_tokens(llama):
+    """The first answer fills the first block; each later request copies the system turn from the
+    block before it, and feeds only its own question."""
+    system = [1] + list(range(2000, 2059))  # 60 tokens: no full block
+    prompts = [system + [450 + i, 4996, 17354 + i] for i in range(4)]
+    answers = {}
+    for reuse in (True, False):
+        with serving(llama, reuse) as harness:
+            answers[reuse] = [harness.ask(request(llama, prompt, 8, temperature=0)) for prompt in prompts]
+        assert all(len(tokens_of(deltas)) == 8 for deltas in answers[reuse])  # the first fills its block
+        assert [deltas[-1].cached_tokens for deltas in answers[reuse]] == ([0] + [len(system)] * 3 if reuse else [0] * 4)
     assert [tokens_of(d) for d in answers[True]] == [tokens_of(d) for d in answers[False]]
 
 

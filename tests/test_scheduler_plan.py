@@ -68,9 +68,31 @@ def test_a_prompt_whose_whole_blocks_are_cached_still_feeds_its_last_token_in_a_
     first = scheduler.admit(request("a", SYSTEM), 0)
     run_step(scheduler)
     again = scheduler.admit(request("b", SYSTEM), 1)
-    # the first block is shared; the second, where the last token is written again, is its own
-    assert again.reused == BLOCK_POSITIONS and again.blocks[0] == first.blocks[0]
-    assert again.blocks[1] != first.blocks[1]
+    # the first block is shared; the second, where the last token is written again, is its own: a
+    # copy of the first's but for that token
+    assert again.reused == len(SYSTEM) - 1 and again.blocks[0] == first.blocks[0]
+    assert again.blocks[1] != first.blocks[1] and again.pending == SYSTEM[-1:]
+    assert run_step(scheduler).copies == [(first.blocks[1], again.blocks[1])]
+
+
+def test_a_prompt_copies_the_start_it_shares_with_a_filled_block_where_a_block_is_too_long_to_share():
+    """A system turn shorter than a block, then another question: the next request copies the
+    first positions of the block an ended request filled, before the pass that writes the rest of
+    it, and feeds only what follows; with the prefix cache off it feeds everything."""
+    system = list(range(500, 520))
+    for enabled in (True, False):
+        scheduler = Scheduler(PrefixCache(2, enabled), max_prefill_tokens=1024, pool=BlockPool(8))
+        first = scheduler.admit(request("a", system + list(range(600, 700))), 0)  # fills its first block
+        run_step(scheduler)
+        filled = first.blocks[0]
+        scheduler.release(first)
+        second = scheduler.admit(request("b", system + [9, 9, 9]), 1)
+        plan = run_step(scheduler)
+        if enabled:
+            assert second.reused == len(system) and plan.copies == [(filled, second.blocks[0])]
+            assert [(chunk.start, chunk.tokens) for chunk in plan.prefill] == [(len(system), [9, 9, 9])]
+        else:
+            assert second.reused == 0 and plan.copies == []
 
 
 def test_cached_blocks_go_least_recently_used_first_when_the_pool_needs_them():

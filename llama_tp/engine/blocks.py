@@ -7,20 +7,30 @@ cached: held by none, but full, so that its keys and values are a known run of t
 known start. A full block is named by a key made of its tokens and its parent's key (the key of
 the block before it in its sequence), so one key names one whole prefix: a prompt whose first
 blocks' keys are known starts from those blocks, shared by reference, not copied. Cached blocks
-are handed out again, least recently used first, when no free block is left.
+are handed out again, least recently used first, when no free block is left. A prompt that goes
+on past its shared blocks as a named block after the same parent starts (a chat template's system
+turn, shorter than a block, before a new question) starts from a copy of that block's first
+positions, as llama.cpp's server and SGLang reuse a prefix by the token.
 
 Every rank keeps the same pool (the same calls reach every rank) and gives out the same blocks.
 """
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from typing import Optional, Sequence
+
+from ..model.prefix_cache import common_length
 
 # A full block's name: a digest of its parent's key and its tokens (16 bytes, the same on every
 # rank, as Python's own hash of None is not before 3.12, and far from colliding: two prefixes with
 # one key would share keys and values that belong to one of them only).
 BlockKey = bytes
+
+# The named blocks after one parent that a prompt's next block is compared with, most recently
+# named first: enough for the starts a server's clients share, few enough to cost microseconds.
+COMPARED_STARTS = 16
 
 
 def block_keys(tokens: Sequence[int], block_positions: int) -> list[BlockKey]:
@@ -44,6 +54,8 @@ class BlockPool:
         self.key_of: dict[int, BlockKey] = {}  # full blocks' keys
         self.block_of: dict[BlockKey, int] = {}
         self.cached: OrderedDict[int, None] = OrderedDict()  # held by none, full: least recently used first
+        self.parent_of: dict[int, BlockKey] = {}  # named blocks' parents' keys
+        self.runs: dict[BlockKey, dict[int, tuple[int, ...]]] = {}  # by parent: named blocks' tokens, oldest first
 
     @property
     def available(self) -> int:
@@ -78,7 +90,7 @@ class BlockPool:
                 block = self.free.pop()
             else:  # the least recently used cached prefix goes
                 block, _ = self.cached.popitem(last=False)
-                del self.block_of[self.key_of.pop(block)]
+                self._unname(block)
             self.holders[block] = 1
             taken.append(block)
         return taken
@@ -99,13 +111,35 @@ class BlockPool:
             assert self.holders[block], f"block {block} is not held"
             self.holders[block] += 1
 
-    def name(self, block: int, key: BlockKey) -> None:
-        """A held block has just been filled with the run of tokens key names: a later prompt that
-        starts the same way can share it. Where another block holds that run already, this one stays
-        unnamed (both hold the same keys and values; the first keeps the name)."""
+    def name(self, block: int, parent: BlockKey, tokens: Sequence[int]) -> BlockKey:
+        """A held block has just been filled with tokens after the block keyed parent: a later
+        prompt that starts the same way can share it, or copy its start. Where another block holds
+        that run already, this one stays unnamed (both hold the same keys and values; the first
+        keeps the name). Its key, either way."""
+        key = next_key(parent, tokens)
         if key not in self.block_of and block not in self.key_of:
             self.key_of[block] = key
             self.block_of[key] = block
+            self.parent_of[block] = parent
+            self.runs.setdefault(parent, {})[block] = tuple(tokens)
+        return key
+
+    def longest_start(self, parent: BlockKey, tokens: Sequence[int], shortest: int = 1) -> tuple[Optional[int], int]:
+        """The named block after parent whose first tokens are the longest start of tokens (of the
+        COMPARED_STARTS named last), and how many it shares; (None, 0) where none shares shortest
+        or more. A cached block found is used: the last to be handed out again."""
+        runs = self.runs.get(parent, {})
+        tokens = tuple(tokens)
+        best, longest = None, shortest - 1
+        for block in itertools.islice(reversed(runs), COMPARED_STARTS):
+            shared = common_length(runs[block], tokens)
+            if shared > longest:
+                best, longest = block, shared
+        if best is None:
+            return None, 0
+        if best in self.cached:
+            self.cached.move_to_end(best)
+        return best, longest
 
     def release(self, blocks: Sequence[int]) -> None:
         """A sequence gives up its blocks (it ended, or was preempted): those no other sequence holds
@@ -126,6 +160,16 @@ class BlockPool:
         self.cached.clear()
         self.key_of.clear()
         self.block_of.clear()
+        self.parent_of.clear()
+        self.runs.clear()
+
+    def _unname(self, block: int) -> None:
+        """A cached block is handed out again: the prefix it held is forgotten."""
+        del self.block_of[self.key_of.pop(block)]
+        parent = self.parent_of.pop(block)
+        del self.runs[parent][block]
+        if not self.runs[parent]:
+            del self.runs[parent]
 
     def release_all(self) -> None:
         """Every held block given back, as its sequences' release would (the engine that ran them

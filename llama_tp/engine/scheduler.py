@@ -9,7 +9,8 @@ pool's blocks (blocks.py), which a sequence holds as it grows (its block table).
 admitted to a free slot when the blocks of its prompt are available, taking at once the full
 blocks that an earlier sequence filled with the same start (running or ended: a system prompt, a
 conversation's turn before, the same question again), shared by reference, and fresh blocks for
-the rest. Each step feeds the model the tokens of each sequence that its slot does not hold yet
+the rest, the first of them a copy of a filled block that holds the next part of its start (a
+system turn shorter than a block) where one does. Each step feeds the model the tokens of each sequence that its slot does not hold yet
 (the model's PrefixCache record): one for a request that is generating (these rows make one
 batch), a chunk of its prompt for a request being prefilled (within a per-step budget, so that a
 long prompt never stalls the generating rows for long; several prompts' chunks share a pass where
@@ -40,7 +41,7 @@ from typing import Any, Iterable, Optional
 
 from ..model.kv_cache import BLOCK_POSITIONS, NO_BLOCK, blocks_for
 from ..model.prefix_cache import PrefixCache
-from .blocks import BlockKey, BlockPool, block_keys, next_key
+from .blocks import BlockKey, BlockPool, block_keys
 from .requests import GenerationRequest
 
 
@@ -180,17 +181,26 @@ class Scheduler:
 
     def _take_blocks(self, sequence: Sequence, reuse: bool) -> bool:
         """Give a sequence that holds none the blocks of its tokens: shared ones for the start that
-        cached blocks hold (if reuse), fresh ones for the rest; False (nothing taken) if they are
-        not available."""
+        cached blocks hold (if reuse), fresh ones for the rest, the first of them a copy of the
+        named block that holds the longest start of what follows (if reuse); False (nothing taken)
+        if they are not available."""
         if self._blocks_needed(sequence.tokens, reuse) > self.pool.available:
             return False
         keys = _shareable_keys(sequence.tokens)
         shared = self.pool.cached_prefix(keys) if reuse else []
+        held = len(shared) * BLOCK_POSITIONS
+        source, copied = None, 0
+        if reuse:  # short of the last token, which is fed to give the logits of the next
+            parent = keys[len(shared) - 1] if shared else b""
+            next_tokens = sequence.tokens[held : len(sequence.tokens) - 1]
+            source, copied = self.pool.longest_start(parent, next_tokens, MIN_COPIED_START)
         fresh = self.pool.take(blocks_for(len(sequence.tokens)) - len(shared))
         assert fresh is not None
+        if copied:  # copied before the next pass, which writes the rest of the block
+            self.copies.append((source, fresh[0]))
         sequence.blocks, sequence.keys, sequence.behind = shared + fresh, keys[: len(shared)], 0
         self.prefix_cache.keep(sequence.slot.index, 0)
-        self.prefix_cache.extend(sequence.slot.index, 0, sequence.tokens[: len(shared) * BLOCK_POSITIONS])
+        self.prefix_cache.extend(sequence.slot.index, 0, sequence.tokens[: held + copied])
         self.tables[sequence.slot.index] = sequence.blocks
         return True
 
@@ -393,8 +403,8 @@ class Scheduler:
         held = self.slots[sequence.slot.index].cached
         for index in range(len(sequence.keys), min(len(held) // BLOCK_POSITIONS, len(sequence.blocks))):
             parent = sequence.keys[-1] if sequence.keys else b""
-            sequence.keys.append(next_key(parent, held[index * BLOCK_POSITIONS : (index + 1) * BLOCK_POSITIONS]))
-            self.pool.name(sequence.blocks[index], sequence.keys[-1])
+            tokens = held[index * BLOCK_POSITIONS : (index + 1) * BLOCK_POSITIONS]
+            sequence.keys.append(self.pool.name(sequence.blocks[index], parent, tokens))
 
     def _share_prefill(self, sequence: Sequence) -> None:
         """The followed sequence has filled the blocks of the prompt: share the full ones, giving
@@ -417,6 +427,12 @@ class Scheduler:
         """The chunk's keys and values are in its slot now: the blocks it filled can be shared."""
         self.prefix_cache.extend(chunk.sequence.slot.index, chunk.start, chunk.tokens)
         self._name_blocks(chunk.sequence)
+
+
+# The fewest tokens a prompt copies from the start of a filled block: a shorter start (a BOS, a
+# role's header) is not worth copying a block in every layer, and would tie a request's numbers to
+# the requests before it for nothing.
+MIN_COPIED_START = BLOCK_POSITIONS // 4
 
 
 def _shareable_keys(tokens: list[int]) -> list[BlockKey]:

@@ -481,7 +481,8 @@ class Transformer(nn.Module):
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Each (source, target) block's keys and values copied in every layer's cache, before a
-        pass writes the target (copy-on-write: a beam's own copy of a block its siblings share)."""
+        pass writes the target (a prompt's start shorter than a block; copy-on-write: a beam's own
+        copy of a block its siblings share)."""
         if not copies:
             return
         sources, targets = zip(*copies)
