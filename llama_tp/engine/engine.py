@@ -200,7 +200,8 @@ class Engine:
         self.launched = False
         plan = self.scheduler.plan()
         self.model.block_tables.give_all(plan.tables)  # blocks handed out, shared, given back: one copy
-        self.model.copy_blocks(plan.copies)  # starts shorter than a block; blocks beams shared, before one writes its own
+        # starts shorter than a block, and blocks that beams shared, copied before one writes its own
+        self.model.copy_blocks(plan.copies)
         # A prompt whose own log probabilities are asked for needs every position's logits: a pass
         # of its own (not again for one preempted after its first token, fed its tokens anew).
         scored = [chunk for chunk in plan.prefill if _scores_prompt(chunk.sequence)]

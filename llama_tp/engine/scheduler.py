@@ -10,13 +10,14 @@ admitted to a free slot when the blocks of its prompt are available, taking at o
 blocks that an earlier sequence filled with the same start (running or ended: a system prompt, a
 conversation's turn before, the same question again), shared by reference, and fresh blocks for
 the rest, the first of them a copy of a filled block that holds the next part of its start (a
-system turn shorter than a block) where one does. Each step feeds the model the tokens of each sequence that its slot does not hold yet
-(the model's PrefixCache record): one for a request that is generating (these rows make one
-batch), a chunk of its prompt for a request being prefilled (within a per-step budget, so that a
-long prompt never stalls the generating rows for long; several prompts' chunks share a pass where
-padding them to one length costs little: prefill_passes). A block that a sequence has filled is
-named (its key chains its tokens on its parent's) so that later prompts can share it; a sequence
-that ends releases its blocks, the named ones staying cached until the pool needs them back.
+system turn shorter than a block) where one does. Each step feeds the model the tokens of each
+sequence that its slot does not hold yet (the model's PrefixCache record): one for a request
+that is generating (these rows make one batch), a chunk of its prompt for a request being
+prefilled (within a per-step budget, so that a long prompt never stalls the generating rows for
+long; several prompts' chunks share a pass where padding them to one length costs little:
+prefill_passes). A block that a sequence has filled is named (its key chains its tokens on its
+parent's) so that later prompts can share it; a sequence that ends releases its blocks, the named
+ones staying cached until the pool needs them back.
 A generating sequence that needs a block when none is available preempts the newest sequence:
 that one gives its blocks back and keeps its slot, its tokens, its random generator and the rest
 of its state, and resumes when its blocks are available again by prefilling its tokens anew (from
