@@ -38,6 +38,10 @@ def engine_of(llama: Llama, overlap: bool) -> Engine:
 
 
 def run(engine: Engine, requests: list) -> list[list[Delta]]:
+    """Each request's deltas, from a cache that holds no earlier run's prompts: a start copied from
+    another run's blocks was computed in another pass, which without our kernels (torch's products
+    depend on the rows beside) differs by fp32's rounding, which a sampled token may not survive."""
+    engine.scheduler.pool.forget()
     found: dict[str, list[Delta]] = {each.id: [] for each, _ in requests}
     for updates in run_job(engine, requests):
         for update in updates:
