@@ -33,9 +33,12 @@ using llama_tp::kLanes;
 constexpr int64_t kChunkGroups = 64;  // groups whose scales and mins are turned into fp32 at a time
 constexpr int64_t kAheadBytes = 4096;
 
-// Up to kDirectRows rows, a pass converts each group of kDirectOutputs outputs into registers
-// (4 x 2 make 16 sums of two registers each, which with the tables and weights fit the 32
-// registers) and multiplies it by every row. From 5 rows on, converting again for every 4 rows
+// Up to kDirectRows rows, a pass converts each group of a few outputs into registers and
+// multiplies it by every row: as many outputs as keep 16 sums of two registers each (with the
+// tables and weights, the 32 registers), 8 outputs for one row, 4 for two, 2 for three or four.
+// The more outputs a pass takes, the more independent work hides each group's conversion: one
+// row took 0.75-0.82x the time of passes of 2 outputs from cache, 0.89x streamed from memory
+// (docs/int4.md). From 5 rows on, converting again for every 4 rows
 // cost as many instructions as the products, so a pass of kBlockOutputs outputs converts
 // kBufferGroups groups of them at a time once into an fp32 buffer in L1, and all its rows (up to
 // kMaxPassRows) read it kStepRows rows x kBlockOutputs outputs at a time. Each output still sums
@@ -43,7 +46,6 @@ constexpr int64_t kAheadBytes = 4096;
 // operations in the same order as the direct pass, so a row's result does not depend on how many
 // rows share its product.
 constexpr int kDirectRows = 4;
-constexpr int64_t kDirectOutputs = 2;
 constexpr int64_t kBlockOutputs = 4;
 constexpr int64_t kBufferGroups = 24;  // kBlockOutputs x 768 inputs: 12 KB of fp32 weights (see docs/int4.md)
 constexpr int kStepRows = 3;           // 3 rows x kBlockOutputs x 2 halves of sums, their inputs and a weight: 31 registers
@@ -96,8 +98,8 @@ template <int Outputs>
 void store_sums(const __m512 (&halves)[Outputs][2], float* y) {
   __m512 sums[Outputs];
   for (int o = 0; o < Outputs; ++o) sums[o] = _mm512_add_ps(halves[o][0], halves[o][1]);
-  if constexpr (Outputs == 4)
-    _mm_storeu_ps(y, four_sums(sums[0], sums[1], sums[2], sums[3]));
+  if constexpr (Outputs % 4 == 0)
+    for (int o = 0; o < Outputs; o += 4) _mm_storeu_ps(y + o, four_sums(sums[o], sums[o + 1], sums[o + 2], sums[o + 3]));
   else if constexpr (Outputs == 2)
     _mm_storel_pi(reinterpret_cast<__m64*>(y), four_sums(sums[0], sums[1], sums[0], sums[1]));
   else
@@ -138,9 +140,12 @@ void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* min
   for (int r = 0; r < Rows; ++r) store_sums<Outputs>(sum[r], y + r * y_stride);
 }
 
-template <int Outputs>
-constexpr llama_tp::Int4Pass kInt4Direct[kDirectRows] = {int4_rows<1, Outputs>, int4_rows<2, Outputs>,
-                                                          int4_rows<3, Outputs>, int4_rows<4, Outputs>};
+// The outputs of a direct pass of `rows` rows (kInt4Direct[rows - 1]): 16 sums at most.
+constexpr int64_t direct_outputs(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : 2; }
+constexpr llama_tp::Int4Pass kInt4Direct[kDirectRows] = {int4_rows<1, direct_outputs(1)>, int4_rows<2, direct_outputs(2)>,
+                                                          int4_rows<3, direct_outputs(3)>, int4_rows<4, direct_outputs(4)>};
+constexpr llama_tp::Int4Pass kInt4DirectOne[kDirectRows] = {int4_rows<1, 1>, int4_rows<2, 1>, int4_rows<3, 1>,
+                                                            int4_rows<4, 1>};
 
 // sums[r][o][half] += the products of `groups` groups' low and high halves: w[o] (stride
 // kBufferGroups groups) and x[r] (stride width) both start at the first group.
@@ -203,19 +208,19 @@ void int4_buffered(int rows, const uint8_t* codes, const at::Half* scales, const
   for (int r = 0; r < rows; ++r) store_sums<Outputs>(sums[r], y + r * y_stride);
 }
 
-// A pass of `outputs` outputs and `rows` rows: kDirectOutputs converted in registers for up to
-// kDirectRows rows, kBlockOutputs through the buffer, and a task's last outputs one at a time.
+// A pass of `outputs` outputs and `rows` rows: direct_outputs(rows) converted in registers for up
+// to kDirectRows rows, kBlockOutputs through the buffer, and a task's last outputs one at a time.
 struct Int4Pass {
   int64_t outputs;
   int rows;
   void operator()(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t width,
                   const float* x, float* y, int64_t y_stride) const {
-    if (outputs == kBlockOutputs)
+    if (rows <= kDirectRows && outputs == direct_outputs(rows))
+      kInt4Direct[rows - 1](codes, scales, mins, width, x, y, y_stride);
+    else if (rows <= kDirectRows && outputs == 1)
+      kInt4DirectOne[rows - 1](codes, scales, mins, width, x, y, y_stride);
+    else if (outputs == kBlockOutputs)  // also a product's last few rows after passes of kMaxPassRows
       int4_buffered<kBlockOutputs>(rows, codes, scales, mins, width, x, y, y_stride);
-    else if (outputs == kDirectOutputs)
-      kInt4Direct<kDirectOutputs>[rows - 1](codes, scales, mins, width, x, y, y_stride);
-    else if (rows <= kDirectRows)
-      kInt4Direct<1>[rows - 1](codes, scales, mins, width, x, y, y_stride);
     else
       int4_buffered<1>(rows, codes, scales, mins, width, x, y, y_stride);
   }
@@ -223,8 +228,9 @@ struct Int4Pass {
 
 // x [..., width] fp32 times the int4 weight, transposed: y [..., out_features] fp32.
 at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
-  const bool direct = x.numel() <= kDirectRows * x.size(-1);
-  return llama_tp::int4_product_in_passes(x, codes, scales, mins, direct ? kDirectOutputs : kBlockOutputs,
+  const int64_t rows = x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
+  const bool direct = rows <= kDirectRows;
+  return llama_tp::int4_product_in_passes(x, codes, scales, mins, direct ? direct_outputs(rows) : kBlockOutputs,
                                           direct ? kDirectRows : kMaxPassRows, kAheadBytes,
                                           [](int64_t outputs, int rows) { return Int4Pass{outputs, rows}; });
 }
