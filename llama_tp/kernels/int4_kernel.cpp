@@ -115,8 +115,14 @@ void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* min
   for (int r = 0; r < Rows; ++r)
     for (int o = 0; o < Outputs; ++o) sum[r][o][0] = sum[r][o][1] = _mm512_setzero_ps();
   Grid grid[Outputs];
-  // The codes of as many outputs further on, asked for into L1 now (they are read a pass later or so).
-  for (int64_t line = 0; line < Outputs * row_bytes; line += 64) { _mm_prefetch(reinterpret_cast<const char*>(codes) + line + kAheadBytes, _MM_HINT_T0); }
+  // The codes of as many outputs further on, asked for into L1 (they are read a pass later or so):
+  // with one row, which waits on memory more than on its multiply-adds, a few lines a group
+  // (0.85-0.90x the time of asking all at once, streamed from memory); with more rows, all at once.
+  const char* ahead = reinterpret_cast<const char*>(codes) + kAheadBytes;
+  const int64_t lines = Outputs * row_bytes / 64, lines_per_group = (lines + groups - 1) / groups;
+  int64_t line = 0;
+  if constexpr (Rows > 1)
+    for (; line < lines; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
   for (int64_t first = 0; first < groups; first += kChunkGroups) {
     const int64_t chunk = std::min(kChunkGroups, groups - first);
     for (int o = 0; o < Outputs; ++o) {
@@ -125,6 +131,8 @@ void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* min
     }
     for (int64_t g = 0; g < chunk; ++g) {
       const int64_t input = (first + g) * kInt4Group;
+      if constexpr (Rows == 1)
+        for (int64_t i = 0; i < lines_per_group && line < lines; ++i, ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
       for (int o = 0; o < Outputs; ++o) {
         const uint8_t* bytes = codes + o * row_bytes + input / 2;
         __m512 low, high;
