@@ -38,13 +38,12 @@ constexpr int64_t kAheadBytes = 4096;
 // tables and weights, the 32 registers), 8 outputs for one row, 4 for two, 2 for three or four.
 // The more outputs a pass takes, the more independent work hides each group's conversion: one
 // row took 0.75-0.82x the time of passes of 2 outputs from cache, 0.89x streamed from memory
-// (docs/int4.md). From 5 rows on, converting again for every 4 rows
-// cost as many instructions as the products, so a pass of kBlockOutputs outputs converts
-// kBufferGroups groups of them at a time once into an fp32 buffer in L1, and all its rows (up to
-// kMaxPassRows) read it kStepRows rows x kBlockOutputs outputs at a time. Each output still sums
-// its groups' low and high halves in two sums, group after group, added at the end: the same
-// operations in the same order as the direct pass, so a row's result does not depend on how many
-// rows share its product.
+// (docs/history.md). From 5 rows on, converting again for every 4 rows cost as many
+// instructions as the products, so a pass of kBlockOutputs outputs converts kBufferGroups groups
+// of them at a time once into an fp32 buffer in L1, and all its rows (up to kMaxPassRows) read it
+// kStepRows rows x kBlockOutputs outputs at a time. Each output still sums its groups' low and
+// high halves in two sums, group after group, added at the end: the same operations in the same
+// order as the direct pass, so a row's result does not depend on how many rows share its product.
 constexpr int kDirectRows = 4;
 constexpr int64_t kBlockOutputs = 4;
 constexpr int64_t kBufferGroups = 24;  // kBlockOutputs x 768 inputs: 12 KB of fp32 weights (see docs/int4.md)
@@ -117,7 +116,7 @@ void int4_rows(const uint8_t* codes, const at::Half* scales, const at::Half* min
   Grid grid[Outputs];
   // The codes of as many outputs further on, asked for into L1 (they are read a pass later or so):
   // with one row, which waits on memory more than on its multiply-adds, a few lines a group
-  // (0.85-0.90x the time of asking all at once, streamed from memory); with more rows, all at once.
+  // (0.82-0.91x the time of asking all at once, streamed from memory); with more rows, all at once.
   const char* ahead = reinterpret_cast<const char*>(codes) + kAheadBytes;
   const int64_t lines = Outputs * row_bytes / 64, lines_per_group = (lines + groups - 1) / groups;
   int64_t line = 0;
