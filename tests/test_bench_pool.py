@@ -58,8 +58,23 @@ def test_the_gauges_are_read_from_our_metrics():
     metrics.requests_running.set(3)
     metrics.kv_cache_blocks_used.set(17)
     metrics.preemptions.inc(2)
-    assert pool.read_metrics(metrics.render().decode()) == {"running": 3.0, "blocks_used": 17.0, "blocks_cached": 0.0,
+    metrics.requests_running_max.set(5)
+    assert pool.read_metrics(metrics.render().decode()) == {"running": 3.0, "blocks_used": 17.0, "running_max": 5.0,
+                                                            "blocks_used_max": 0.0, "blocks_cached": 0.0,
                                                             "preemptions": 2.0}
+
+
+def test_a_peak_is_the_servers_record_where_it_rose_while_the_clients_ran():
+    """The server's record (every step's value) beats the reads, which can fall between steps; a
+    record that did not rise was set before the clients ran, so the reads' highest stands."""
+    watch = pool.Watch()
+    for running, record in ((1, 2), (3, 5), (0, 5)):  # a step of 5 fell between the reads
+        watch.record({"running": running, "running_max": record})
+    assert watch.highest("running") == 5
+    watch = pool.Watch()
+    for running in (1, 3, 0):  # an earlier load of 8 set the record
+        watch.record({"running": running, "running_max": 8})
+    assert watch.highest("running") == 3
 
 
 def test_many_sees_every_client_running_at_once(llama):

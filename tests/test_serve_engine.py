@@ -48,6 +48,8 @@ def test_greedy_answers_equal_each_prompt_alone_whatever_else_runs(llama, harnes
     metrics = harness.mailbox.metrics
     assert metrics.requests_ended.labels("finished")._value.get() == len(PROMPTS)
     assert metrics.requests_running._value.get() == metrics.requests_waiting._value.get() == 0
+    assert metrics.requests_running_max._value.get() == 3  # all 3 rows at once, the others waiting
+    assert metrics.kv_cache_blocks_used_max._value.get() >= 3  # a block at least each
     assert metrics.prompt_tokens._value.get() == sum(map(len, PROMPTS))
     assert metrics.generation_tokens._value.get() == 10 * len(PROMPTS)
 

@@ -48,6 +48,8 @@ class ServerMetrics:
         registry = self.registry
         self.requests_waiting = Gauge("llama_tp_requests_waiting", "Requests waiting for a slot", registry=registry)
         self.requests_running = Gauge("llama_tp_requests_running", "Requests generating", registry=registry)
+        self.requests_running_max = Gauge("llama_tp_requests_running_max", "The most requests generating at once "
+                                          "since the server started", registry=registry)
         self.requests_ended = Counter("llama_tp_requests", "Requests that ended, by how", ["state"], registry=registry)
         self.requests_refused = Counter("llama_tp_requests_refused", "Requests refused before reaching the engine, "
                                         "by HTTP status", ["status"], registry=registry)
@@ -55,6 +57,9 @@ class ServerMetrics:
                                     "running requests hold (their prompts and answers so far)", registry=registry)
         self.kv_cache_blocks_used = Gauge("llama_tp_kv_cache_blocks_used", "Blocks of the KV cache that running "
                                           "requests hold (a shared prefix's once)", registry=registry)
+        self.kv_cache_blocks_used_max = Gauge("llama_tp_kv_cache_blocks_used_max", "The most blocks of the KV cache "
+                                              "that running requests held at once since the server started",
+                                              registry=registry)
         self.kv_cache_blocks_cached = Gauge("llama_tp_kv_cache_blocks_cached", "Blocks of the KV cache that no "
                                             "request holds, keeping a prefix for later prompts", registry=registry)
         self.preemptions = Counter("llama_tp_preemptions", "Running requests that gave their blocks back for an "
@@ -106,6 +111,7 @@ class EngineMetrics(Observer):
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
         self.preemptions = 0  # the engine's count so far
+        self.most_running = self.most_blocks_used = 0  # the gauges' highest values so far
 
     def admitted(self, sequence: Sequence) -> None:
         self.metrics.prompt_tokens.inc(sequence.prompt_length)
@@ -135,6 +141,10 @@ class EngineMetrics(Observer):
         self.metrics.requests_running.set(running)
         self.metrics.kv_cache_usage.set(cache.usage)
         self.metrics.kv_cache_blocks_used.set(cache.used)
+        self.most_running = max(self.most_running, running)
+        self.most_blocks_used = max(self.most_blocks_used, cache.used)
+        self.metrics.requests_running_max.set(self.most_running)
+        self.metrics.kv_cache_blocks_used_max.set(self.most_blocks_used)
         self.metrics.kv_cache_blocks_cached.set(cache.cached)
         self.metrics.preemptions.inc(cache.preemptions - self.preemptions)
         self.preemptions = cache.preemptions

@@ -59,6 +59,7 @@ BURST_CLIENTS, BURST_TOKENS = 128, 256
 ROWS_AND_LINE = {"many": (64, 64), "shared": (16, 64), "burst": (64, BURST_CLIENTS)}
 # A series of our /metrics: what the cases read from it.
 WATCHED = {"llama_tp_requests_running": "running", "llama_tp_kv_cache_blocks_used": "blocks_used",
+           "llama_tp_requests_running_max": "running_max", "llama_tp_kv_cache_blocks_used_max": "blocks_used_max",
            "llama_tp_kv_cache_blocks_cached": "blocks_cached", "llama_tp_preemptions_total": "preemptions"}
 TIMEOUT = httpx.Timeout(1800.0, connect=10.0)
 
@@ -91,6 +92,15 @@ class Watch:
     def grew(self, name: str) -> float:
         """How much a counter grew while the clients ran."""
         return self.last.get(name, 0.0) - self.first.get(name, 0.0)
+
+    def highest(self, name: str) -> float:
+        """A gauge's highest value while the clients ran: the server's own record of it (NAME_max,
+        every step's value) where the record rose meanwhile, so it was set then; else the highest
+        of the reads, which can miss a step's."""
+        record = f"{name}_max"
+        if self.last.get(record, 0.0) > self.first.get(record, 0.0):
+            return self.last[record]
+        return self.peak[name]
 
 
 @asynccontextmanager
@@ -157,7 +167,7 @@ async def many(url: str, model: Optional[str] = None, levels: tuple[int, ...] = 
             if watch:
                 async with watching(url) as gauges:
                     result = await run_level(client, url, clients, bodies)
-                result |= {"peak_running": gauges.peak["running"], "peak_blocks_used": gauges.peak["blocks_used"],
+                result |= {"peak_running": gauges.highest("running"), "peak_blocks_used": gauges.highest("blocks_used"),
                            "preemptions": gauges.grew("preemptions")}
             else:
                 result = await run_level(client, url, clients, bodies)
@@ -217,8 +227,8 @@ async def shared(url: str, model: Optional[str] = None, clients: int = SHARED_CL
     requests = [{"ttft_s": None if o.first is None else o.first - o.start, "prompt_tokens": o.prompt_tokens,
                  "cached_tokens": o.cached_tokens, "completion_tokens": o.tokens, "own_blocks": own_blocks(o),
                  "error": o.error} for o in outcomes]
-    return model, {"requests": requests, "peak_running": gauges.peak["running"],
-                   "peak_blocks_used": gauges.peak["blocks_used"]}
+    return model, {"requests": requests, "peak_running": gauges.highest("running"),
+                   "peak_blocks_used": gauges.highest("blocks_used")}
 
 
 def shared_checks(figures: dict) -> list[dict]:
@@ -272,8 +282,8 @@ async def burst(url: str, model: Optional[str] = None, clients: int = BURST_CLIE
     requests = [{"prompt": prompt, "completion_tokens": o.tokens, "error": o.error, "same_as_alone": o.text == alone[prompt]}
                 for prompt, o in zip(prompts, outcomes)]
     return model, {"requests": requests, "seconds": seconds, "output_tokens": sum(o.tokens for o in outcomes),
-                   "preemptions": gauges.grew("preemptions"), "peak_running": gauges.peak["running"],
-                   "peak_blocks_used": gauges.peak["blocks_used"]}
+                   "preemptions": gauges.grew("preemptions"), "peak_running": gauges.highest("running"),
+                   "peak_blocks_used": gauges.highest("blocks_used")}
 
 
 def burst_checks(figures: dict, max_tokens: int) -> list[dict]:
