@@ -61,13 +61,12 @@ MKL_MAX_ROWS = 3 if _INTEL else 0
 # Whether fp32 products of few rows go to our kernel here: wherever it runs. With AVX-512 on the
 # Intel machine it took 24.3 ms for 8 rows (oneDNN on packed weights 33.1, MKL 49), 36 for 16
 # (MKL 51, oneDNN packed 41) and 55 for 32 (MKL 60); on the AMD one 20.9 for 8 (oneDNN packed
-# 31.8), 31.2 for 16 (35.4) and 55.8 for 32 (56.9). Since its passes of several rows ask for a
-# later group of weight rows (2026-11-29, an Intel Xeon without AMX), a layer of the demo model
-# takes 0.83-0.84x MKL's time at 48 rows, 0.91-0.93x at 56 and 1.26-1.35x at 64. With AVX2 alone (avx2_float_product.cpp; AMD EPYC, 2 threads) 26 ms for one row (oneDNN
+# 31.8), 31.2 for 16 (35.4) and 55.8 for 32 (56.9). At 48 rows MKL is faster (69 against 76 on
+# Intel). With AVX2 alone (avx2_float_product.cpp; AMD EPYC, 2 threads) 26 ms for one row (oneDNN
 # packed 34-38), 44-50 for 16 (65-69), 116 for 48 (122), 157 for 64 and 192 for 80 (oneDNN on the
 # plain weight, which prompts then take, 180 and 200; at 96 rows it is faster, 207 against 240).
 FLOAT_KERNEL = cpu_kernels.decoding_kernels_run_on(torch.device("cpu"))
-KERNEL_MAX_ROWS = 48 if cpu_kernels.ON_THIS_CPU else 80
+KERNEL_MAX_ROWS = 32 if cpu_kernels.ON_THIS_CPU else 80
 
 
 def kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
