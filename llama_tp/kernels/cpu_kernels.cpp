@@ -114,8 +114,10 @@ at::Tensor float_product(const at::Tensor& x, const at::Tensor& w) {
   const float *w_data = w.data_ptr<float>(), *x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   const int64_t per_pass = rows == 1 ? kOutputsPerPassOfOneRow : kOutputsPerPass;
-  const int64_t passes = (rows + kFloatRowsPerPass - 1) / kFloatRowsPerPass, steps = std::max<int64_t>(width / kLanes, 1);
-  // a group's lines over all its passes' steps, whole lines each step
+  const int64_t passes = (rows + kFloatRowsPerPass - 1) / kFloatRowsPerPass;
+  const int64_t steps = std::max<int64_t>(width / kLanes, 1);
+  // a group's lines over all its passes' steps, whole lines each step (past the weight's end the
+  // requests ask for nothing: a prefetch never faults)
   const int64_t group_bytes = per_pass * width * static_cast<int64_t>(sizeof(float));
   const int64_t ahead_bytes = rows == 1 ? 0 : ((group_bytes + passes * steps - 1) / (passes * steps) + 63) / 64 * 64;
   llama_tp::parallel_over_outputs(out_features, kOutputsPerTask, [&](int64_t first, int64_t last) {
