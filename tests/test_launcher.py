@@ -57,6 +57,36 @@ def test_a_mistake_is_one_line_per_rank_in_rank_order(checkpoint):
                                     "--temperature?\n" for rank in range(3))
 
 
+# A job's own program that fails with a user mistake once its process group exists; at exit, each
+# rank says whether it had left the group by then.
+LEAVES_ON_A_MISTAKE = """
+import atexit, os
+import torch.distributed as dist
+from llama_tp import parallel
+from llama_tp.tools.cli import run
+
+def main():
+    parallel.init()
+    atexit.register(lambda: os.write(1, f"rank {os.environ['RANK']} left its process group: "
+                                        f"{not dist.is_initialized()}\\n".encode()))  # one write: lines stay whole
+    raise ValueError("a mistake")
+
+run(main)
+"""
+
+
+def test_a_rank_that_reports_a_mistake_leaves_its_process_group_before_exiting(tmp_path):
+    """Left to interpreter exit, gloo's threads can abort the rank ("terminate called without an
+    active exception", printed beside the job's one line per rank): the error path leaves the group
+    as a finished job does."""
+    program = tmp_path / "mistake.py"
+    program.write_text(LEAVES_ON_A_MISTAKE)
+    result = launch("--nproc_per_node", "2", str(program))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"llama_tp error on rank {rank}: a mistake" for rank in range(2)]
+    assert sorted(result.stdout.splitlines()) == [f"rank {rank} left its process group: True" for rank in range(2)]
+
+
 @pytest.mark.slow
 def test_the_demo_at_a_world_size_it_cannot_split_into_is_refused_in_two_lines(tmp_path):
     result = launch("--nproc_per_node", "2", str(LAUNCH / "chat_completion.py"), LLAMA_TP_HOME=str(tmp_path))

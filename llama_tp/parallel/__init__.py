@@ -18,7 +18,6 @@ from .failures import (
     describe_peer_failure,
     is_peer_failure,
     leave,
-    wait_for_every_rank,
 )
 from .group import (
     DTYPES,
@@ -76,5 +75,4 @@ __all__ = [
     "resolve_dtype",
     "row_parallel_linear",
     "vocab_argmax",
-    "wait_for_every_rank",
 ]

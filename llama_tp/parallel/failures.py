@@ -135,14 +135,15 @@ def _wait_in_launcher_store(timeout_seconds: float) -> None:
 
 
 def leave() -> None:
-    """Leave the process group together with the other ranks, at the end of a job.
+    """Leave the process group together with the other ranks, at the end of a job or after an
+    error this rank has reported (once they have met, or wait_for_every_rank's wait is over).
 
     Left to interpreter exit, a rank's gloo threads can be torn down while another rank still
     talks to it, and the rank dies with SIGABRT ("terminate called without an active exception"),
-    failing a job that had finished.
+    failing a job that had finished, or adding that line to an error's own.
     """
+    wait_for_every_rank()
     if dist.is_initialized():
-        wait_for_every_rank()
         stop_watching()
         fairscale_mp.destroy_model_parallel()
         forget_shared_sum()

@@ -79,6 +79,6 @@ def _exit_if_extra_missing(error: ModuleNotFoundError, command: str) -> None:
 def _exit(message: str, code: int, kind: str = "error", wait_for_others: bool = False) -> NoReturn:
     parallel.report_failure(f"llama_tp {kind} on rank {parallel.global_rank()}: {message}")
     if wait_for_others:  # so that torchrun cuts no rank off before it has printed its message
-        parallel.wait_for_every_rank()
+        parallel.leave()
     sys.exit(code)
 
