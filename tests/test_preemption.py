@@ -1,7 +1,7 @@
 """A KV cache too small for every running request (engine/scheduler.py): a request waits until its
 prompt's blocks are free, and a request that cannot grow preempts the newest, whose blocks are
 freed and whose tokens are fed again later; every request then has the answer it has alone, greedy
-and seeded sampled, on one rank and on two in lockstep."""
+and (where our kernels take every product) seeded sampled, on one rank and on two in lockstep."""
 
 import pytest
 
@@ -46,6 +46,16 @@ def with_pool(llama: Llama, blocks: int) -> Llama:
     return llama
 
 
+def bit_for_bit(name: str, exact_steps: bool) -> bool:
+    """Whether the answers are checked against the answers alone: greedy on every path, seeded
+    sampled where a step's tokens get the bits of steps of their own (our CPU kernels,
+    Transformer.exact_steps). Elsewhere (torch's products: on an AMD EPYC with the kernels off, one
+    answer of four) the tokens a resumed request feeds again round differently from the one-token
+    steps that first made them, which a sampled token may not survive (docs/serving.md, "When the
+    pool runs out")."""
+    return name == "greedy" or exact_steps
+
+
 def build(checkpoint: str) -> Llama:
     return Llama.build(checkpoint, str(LLAMA2_TOKENIZER), max_seq_len=MAX_SEQ_LEN, max_batch_size=4)
 
@@ -70,22 +80,25 @@ def alone(checkpoints) -> dict[str, list[list[int]]]:
 @pytest.mark.parametrize("name", OPTIONS)
 def test_preempted_requests_answer_as_they_do_alone(checkpoints, alone, name):
     llama = with_pool(build(str(checkpoints / "mp1")), 3)
+    if not bit_for_bit(name, llama.model.exact_steps):
+        pytest.skip("seeded sampled answers equal their answers alone only where our kernels take every product")
     together, preemptions = answers(llama, PROMPTS, OPTIONS[name])
     assert preemptions > 0
     assert together == alone[name]
 
 
-def _two_ranks_preempting(checkpoint: str) -> dict[str, tuple[list[list[int]], int, list[list[int]]]]:
+def _two_ranks_preempting(checkpoint: str) -> dict[str, tuple[list[list[int]], int, list[list[int]], bool]]:
     llama = build(checkpoint)
     alone = {name: [answers(llama, [prompt], options, 100 + index)[0][0] for index, prompt in enumerate(PROMPTS)]
              for name, options in OPTIONS.items()}
     with_pool(llama, 3)
-    return {name: (*answers(llama, PROMPTS, options), alone[name]) for name, options in OPTIONS.items()}
+    return {name: (*answers(llama, PROMPTS, options), alone[name], bit_for_bit(name, llama.model.exact_steps))
+            for name, options in OPTIONS.items()}
 
 
 @pytest.mark.slow  # two processes, each answering alone and together twice: 7 minutes on 2 busy cores
 def test_two_ranks_preempt_in_lockstep_with_the_answers_alone(checkpoints):
     ranks = run_world(2, _two_ranks_preempting, str(checkpoints / "mp2"))
     assert ranks[0] == ranks[1]  # the same decisions and tokens on both ranks
-    for together, preemptions, alone in ranks[0].values():
-        assert preemptions > 0 and together == alone
+    for together, preemptions, alone, checked in ranks[0].values():
+        assert preemptions > 0 and (together == alone or not checked)
