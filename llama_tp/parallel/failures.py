@@ -96,8 +96,9 @@ def describe_peer_failure(error: BaseException) -> str:
     )
 
 
-def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
-    """Wait briefly until every rank gets here, e.g. before exiting on an error.
+def wait_for_every_rank(timeout_seconds: float = 5.0) -> bool:
+    """Wait briefly until every rank gets here, e.g. before exiting on an error; False where a
+    rank of the process group is gone or stuck.
 
     torchrun stops the other ranks as soon as one exits, so without this a rank that is a
     moment late can be killed before it has printed its message. A rank that is gone or stuck
@@ -106,13 +107,14 @@ def wait_for_every_rank(timeout_seconds: float = 5.0) -> None:
     """
     if not dist.is_initialized():
         _wait_in_launcher_store(timeout_seconds)
-        return
+        return True
     if dist.get_world_size() == 1:
-        return
+        return True
     try:
         dist.monitored_barrier(host_group(), timeout=timedelta(seconds=timeout_seconds))
     except RuntimeError:  # a rank is gone or stuck: there is nobody to wait for
-        pass
+        return False
+    return True
 
 
 def _wait_in_launcher_store(timeout_seconds: float) -> None:
@@ -136,14 +138,15 @@ def _wait_in_launcher_store(timeout_seconds: float) -> None:
 
 def leave() -> None:
     """Leave the process group together with the other ranks, at the end of a job or after an
-    error this rank has reported (once they have met, or wait_for_every_rank's wait is over).
+    error this rank has reported, once they have all met.
 
     Left to interpreter exit, a rank's gloo threads can be torn down while another rank still
     talks to it, and the rank dies with SIGABRT ("terminate called without an active exception"),
-    failing a job that had finished, or adding that line to an error's own.
+    failing a job that had finished, or adding that line to an error's own. Where a rank did not
+    come (gone or stuck), the teardown could wait for it until the timeout (the peer watchdog's
+    meeting, gloo's work with it): this rank then leaves the group to exit rather than hang.
     """
-    wait_for_every_rank()
-    if dist.is_initialized():
+    if wait_for_every_rank() and dist.is_initialized():
         stop_watching()
         fairscale_mp.destroy_model_parallel()
         forget_shared_sum()
