@@ -12,7 +12,7 @@ from fake_engine import ANSWER, MODEL, served
 from llama_tp.tools.bench.clients import percentile, print_table, summarize
 from llama_tp.tools.bench.serve import main
 from llama_tp.tools.bench.workload import PROMPTS
-from llama_tp.tools.bench.stream_client import Outcome, send
+from llama_tp.tools.bench.stream_client import Outcome, event_lines, send
 
 
 def test_percentile_interpolates_between_ranks():
@@ -153,3 +153,18 @@ def test_the_sampled_load_sends_temperature_and_leaves_the_rest_to_the_server(ll
 def test_refuses_unknown_loads_and_servers(options, words):
     with pytest.raises(ValueError, match=words):
         main(url="http://127.0.0.1:1", **options)
+
+
+def test_event_lines_split_only_where_server_sent_events_do():
+    """A JSON string may hold U+2028 or U+0085 as they are (httpx's aiter_lines split there, and a
+    random model's answer broke the pool benchmark's parsing); CRLF split across reads is one end."""
+
+    class Stream:
+        async def aiter_text(self):
+            for part in ('data: {"a": "x\u2028y\x85z"}\r', '\ndata: [DONE]\n', "tail"):
+                yield part
+
+    async def lines():
+        return [line async for line in event_lines(Stream())]
+
+    assert [line for line in asyncio.run(lines()) if line] == ['data: {"a": "x\u2028y\x85z"}', "data: [DONE]", "tail"]

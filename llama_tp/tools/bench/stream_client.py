@@ -1,6 +1,7 @@
 """A streaming chat request timed chunk by chunk, as the serving benchmarks send it."""
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -24,6 +25,18 @@ class Outcome:
     prompt_tokens: int = 0  # as the usage says
 
 
+async def event_lines(response: httpx.Response):
+    """The stream's lines as server-sent events split them: at CR, LF or CRLF only. httpx's
+    aiter_lines also splits at U+2028, U+0085 and the like, which a JSON string may hold as they are."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = re.split(r"\r\n|\r|\n", pending + text)
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
+
+
 async def send(client: httpx.AsyncClient, url: str, body: dict,
                on_first: Optional[Callable[[], None]] = None) -> Outcome:
     """One streaming chat request, timed chunk by chunk; on_first is called at its first text."""
@@ -35,7 +48,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict,
                 text = (await response.aread()).decode(errors="replace")
                 outcome.error = f"HTTP {response.status_code}: {text[:200]}"
                 return outcome
-            async for line in response.aiter_lines():
+            async for line in event_lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()
