@@ -141,7 +141,7 @@ def main(
                                 kv_cache_fraction=kv_cache_fraction,
                                 reasoning_parser=reasoning_parser)
         generator.model.prefix_cache.enabled = not no_prefix_cache
-        generator.model.warm_up_decoding()  # before /health says ready, not in the first requests
+        generator.warm_up()  # before /health says ready, not in the first requests
         serving = engine_loop(generator, max_prefill_tokens, mailbox)
         stopping = threading.Event()
         _stop_on_signals(stopping, mailbox)

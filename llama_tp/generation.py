@@ -87,15 +87,16 @@ class Llama:
         dtype: "bf16", "fp16" or "fp32"; by default bf16 (or fp16) on GPU and fp32 on CPU.
         quantize: "int8" (weight-only) or "int8_dynamic" (fbgemm, CPU fp32) linear layers; see model/quantize.py.
         compile: run decoding steps through torch.compile (CUDA graphs on GPUs). By default on GPUs,
-            where eager steps are bound by launching some 25 kernels a layer (not with
-            speculate="lookup", which has no draft to compile); a failure to compile is one warning
-            and eager decoding. Off by default on CPUs: on this project's CPUs
+            where eager steps are bound by launching some 25 kernels a layer; a failure to compile
+            is one warning and eager decoding. Off by default on CPUs: on this project's CPUs
             with AVX-512 eager steps call our kernels for the products and for each layer's
             attention step, and compiled ones (the rest fused) ran 1.07x as fast at batch 1 and
             level at batch 8 on the AMD Zen 4 machine, after 7-26 s of compiling. With
-            speculate="draft", the draft's steps are compiled instead (1.24x faster for the demo's
-            int8 copy): the target's passes stay eager, through our kernels, whose several-token
-            passes give each token exactly a one-token step's logits.
+            speculation, a draft's steps are compiled (1.24x faster for the demo's int8 copy on a
+            CPU); the target's verifying passes are compiled where its steps run whole (CUDA
+            graphs), and elsewhere stay eager, through our kernels, whose several-token passes
+            give each token exactly a one-token step's logits (with speculate="lookup", which has
+            no draft, compile=True then compiles nothing and is refused).
         speculate: guess a few tokens a step and verify them in one pass (docs/speculative.md):
             "draft" (a draft model guesses: draft_quantize and/or draft_ckpt_dir) or "lookup"
             (guesses copied from where the last tokens appeared before in the prompt or output).
@@ -120,10 +121,11 @@ class Llama:
         placement = parallel.init(model_parallel_size)
         check_quantize_on(quantize, placement.device)  # int4 without a kernel there: refused before loading
         if compile is None:
-            compile = placement.device.type == "cuda" and speculate != "lookup"
+            compile = placement.device.type == "cuda" and (speculate != "lookup" or whole_steps(placement.device))
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, found {compile!r}")
-        check_speculation(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile)
+        check_speculation(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile,
+                          compile and whole_steps(placement.device))
         check_quantize_on(draft_quantize, placement.device)
         check_parser_name(reasoning_parser)
         check_fraction(kv_cache_fraction)
@@ -161,9 +163,9 @@ class Llama:
             check_fits(memory, placement.device, placement.processes_here)
             model = load_model(ckpt_dir, args, placement, dtype, quantize,
                                pack=matmul.packing_pays(max_batch_size, compile, dtype), opened=checkpoint)
-            if compile and speculate is None:
-                compile_decoding(model, placement.device)
             k = guesses_a_round(speculate, speculate_k) if speculate is not None else 0
+            if compile:
+                compile_decoding(model, placement.device, verify_width=k + 1 if speculate is not None else None)
             draft, description = (load_draft(draft_ckpt_dir, draft_quantize, compile, ckpt_dir, checkpoint.args,
                                              placement, dtype, max_batch_size, max_seq_len, k)
                                   if speculate == "draft" else (None, ""))
@@ -190,6 +192,13 @@ class Llama:
         # The KV cache's blocks, and the prefixes they hold for later prompts: every engine's in turn.
         self.block_pool: Optional[BlockPool] = None
         self.reasoning = reasoning  # None: the model does not think, or its thinking is left in its answers
+
+    def warm_up(self) -> None:
+        """Compile the model's decoding steps now (and a draft's), recording their CUDA graphs,
+        rather than in the first requests' steps (Transformer.warm_up_decoding). Every rank calls it together."""
+        self.model.warm_up_decoding()
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.model.warm_up_decoding()
 
     def engine(self, max_prefill_tokens: int = JOB_PREFILL_TOKENS, observer: Optional[Observer] = None,
                text: bool = False) -> Engine:
@@ -595,10 +604,19 @@ class Llama:
                 raise ValueError(f"prompt {row} holds a token id outside [0, {vocab})")
 
 
-def compile_decoding(model: Transformer, device: torch.device) -> None:
-    """Compile the model's one-token steps the way that suits the device."""
+def compile_decoding(model: Transformer, device: torch.device, verify_width: Optional[int] = None) -> None:
+    """Compile the model's one-token steps the way that suits the device. verify_width: the model
+    verifies speculation's guesses in passes of up to this many tokens a row, compiled with its
+    one-token steps where they run whole; elsewhere the model stays eager (see Llama.build)."""
     compilation = parallel.decode_compilation(device)
-    model.compile_decoding(compilation.graphs, **compilation.options)
+    if verify_width is not None and not compilation.graphs:
+        return
+    model.compile_decoding(compilation.graphs, verify_width, **compilation.options)
+
+
+def whole_steps(device: torch.device) -> bool:
+    """Whether compiled steps run whole on device, as CUDA graphs (decode_compilation)."""
+    return device.type == "cuda" and parallel.graphs_hold_collectives()
 
 
 def _refusal(stream: TextStream) -> Iterator[str]:

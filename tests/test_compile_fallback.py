@@ -38,7 +38,7 @@ def test_a_failure_to_compile_warns_once_and_decodes_eagerly(checkpoints, tokeni
     assert got[0] == expected[0]
     for row, expected_row in zip(got[1], expected[1]):
         assert row == pytest.approx(expected_row, abs=1e-5)
-    assert llama.model.graphs is None and len(llama.model.decode_layer_groups) == 1
+    assert not llama.model.graphs and len(llama.model.decode_layer_groups) == 1
 
 
 def test_compile_defaults_to_off_on_cpu(checkpoints, tokenizer_path):
@@ -62,7 +62,7 @@ def whole_steps_failing_on_rank_1(folder: str, tokenizer_path: str) -> tuple:
     logging.getLogger("llama_tp").addHandler(kept)
     llama.model.warm_up_decoding()
     answers = llama.generate(PROMPTS, max_gen_len=8, temperature=0)[0]
-    return llama.model.graphs is None, kept.messages, answers
+    return not llama.model.graphs, kept.messages, answers
 
 
 PROMPTS = [[1, 306, 763], [1, 450, 4996, 17354], [1, 18637]]

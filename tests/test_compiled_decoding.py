@@ -7,16 +7,17 @@ import torch
 
 from distributed import run_world
 from kv_rows import by_row
-from llama_tp import Llama
+from llama_tp import Llama, generation, parallel
 from llama_tp.model import transformer
+from llama_tp.parallel.group import DecodeCompilation
 
 PROMPTS = [[1, 450, 4996, 17354, 1701], [1, 306, 4658], [1, 18637, 29892, 3186, 29991, 910, 338]]
 
 
 def build(folder: str, tokenizer_path: str, compile: bool, quantize: Optional[str] = None,
-          max_batch_size: int = 3) -> Llama:
-    return Llama.build(folder, tokenizer_path, max_seq_len=32, max_batch_size=max_batch_size, compile=compile,
-                       quantize=quantize)
+          max_batch_size: int = 3, max_seq_len: int = 32) -> Llama:
+    return Llama.build(folder, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                       compile=compile, quantize=quantize)
 
 
 def step_logits(llama: Llama) -> dict[int, list[torch.Tensor]]:
@@ -153,7 +154,7 @@ def test_whole_steps_serve_staggered_rows_without_recompiling(wide_heads_checkpo
     folder = str(wide_heads_checkpoint)
     eager_model = build(folder, tokenizer_path, compile=False, max_batch_size=5).model
     compiled = whole_steps(folder, tokenizer_path, max_batch_size=5, dynamic=False, backend=CPU_BACKEND).model
-    assert compiled.graphs.rungs == [1, 2, 4, 5]
+    assert compiled.graphs[1].rungs == [1, 2, 4, 5]
     tokens = torch.randint(0, 32000, (5, 20), generator=torch.Generator().manual_seed(5))
     prompts = [(0, 0, 6), (1, 0, 3), (2, 0, 9), (3, 0, 4), (4, 0, 2)]  # cache row, start, length
     for model_ in (eager_model, compiled):
@@ -173,11 +174,45 @@ def test_whole_steps_serve_staggered_rows_without_recompiling(wide_heads_checkpo
                                    by_row(eager_layer.attention.cache.k, eager_model)[:, :, :14])
 
 
+@pytest.mark.slow
+def test_whole_verifying_steps_give_eager_logits_without_recompiling(wide_heads_checkpoint, tokenizer_path):
+    """Speculation's verifying passes (a row's last token and its guesses, padded to verify_width)
+    run whole as one-token steps do, at the ladder's sizes, each token reading its row's blocks up
+    to its own position: after the warm-up nothing compiles again, each pass's logits are eager
+    decoding's at every position, and rows outside a pass keep their caches."""
+    torch._dynamo.reset()
+    folder = str(wide_heads_checkpoint)
+    eager_model = build(folder, tokenizer_path, compile=False, max_batch_size=5, max_seq_len=128).model
+    compiled = build(folder, tokenizer_path, compile=False, max_batch_size=5, max_seq_len=128).model
+    compiled.compile_decoding(graphs=True, verify_width=4, dynamic=False, backend=CPU_BACKEND)
+    assert sorted(compiled.graphs) == [1, 4] and compiled.graphs[4].rungs == [1, 2, 4, 5]
+    tokens = torch.randint(0, 32000, (5, 96), generator=torch.Generator().manual_seed(6))
+    prompts = [(0, 70), (1, 3), (2, 9), (3, 63), (4, 2)]  # cache row, length: rows 0 and 3 cross a block's end
+    for model_ in (eager_model, compiled):
+        for slot, length in prompts:
+            model_.forward(tokens[slot : slot + 1, :length], 0, slots=[slot])
+    compiled.warm_up_decoding()
+    passes = [([0, 3], [69, 62]), ([1], [2]), ([2, 4, 1], [8, 1, 5]), ([3, 0, 2, 4, 1], [65, 72, 11, 4, 8])]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for slots, starts in passes:
+            feed = torch.stack([tokens[slot, start : start + 4] for slot, start in zip(slots, starts)])
+            got = compiled.forward(feed, starts, slots=slots)
+            want = eager_model.forward(feed, starts, slots=slots)
+            assert got.shape == (len(slots), 4, 32000)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer, eager_layer in zip(compiled.layers, eager_model.layers):
+        torch.testing.assert_close(by_row(layer.attention.cache.k, compiled)[:5, :, :76],
+                                   by_row(eager_layer.attention.cache.k, eager_model)[:, :, :76])
+    assert compiled.padded_width(3, [10, 20]) == 4  # guesses fewer than the width: padded to it
+    assert compiled.padded_width(3, [compiled.max_seq_len - 3]) == 3  # no room for the width's padding
+    assert compiled.padded_width(6, [0]) == 6  # more than the width: eagerly
+
+
 def test_a_step_runs_at_the_next_rung_with_spare_rows_padding(wide_heads_checkpoint, tokenizer_path):
     """A step of b rows runs at the ladder's next size: the step function sees that many rows, the
     spare ones in the spare cache row at position 0, and the caller gets its b rows' logits."""
     llama = whole_steps(str(wide_heads_checkpoint), tokenizer_path, max_batch_size=6, backend="eager")
-    graphs = llama.model.graphs
+    graphs = llama.model.graphs[1]
     assert graphs.rungs == [1, 2, 4, 6] and graphs.rung(3) == 4 and graphs.rung(5) == 6
     seen = []
     step = graphs.step
@@ -213,8 +248,8 @@ def test_layers_per_call_splits_the_layers_into_equal_groups(n_layers, size):
 
 @pytest.mark.slow
 def test_a_compiled_draft_speculates_with_the_eager_targets_greedy_tokens(checkpoints, tokenizer_path, eager):
-    """With speculation, compile=True compiles the int8 draft's steps; the target's passes stay
-    eager (our kernels), so greedy tokens are eager decoding's exactly."""
+    """With speculation on a CPU, compile=True compiles the int8 draft's steps; the target's passes
+    stay eager (our kernels), so greedy tokens are eager decoding's exactly."""
     torch._dynamo.reset()
     llama = Llama.build(str(checkpoints["llama2", 1]), tokenizer_path, max_seq_len=32, max_batch_size=3,
                         compile=True, speculate="draft", draft_quantize="int8")
@@ -224,3 +259,37 @@ def test_a_compiled_draft_speculates_with_the_eager_targets_greedy_tokens(checkp
     expected = plain.generate(PROMPTS, max_gen_len=16, temperature=0)[0]
     assert llama.generate(PROMPTS, max_gen_len=16, temperature=0)[0] == expected
     assert llama.speculator.stats.accepted > 0
+
+
+@pytest.mark.slow
+def test_where_steps_run_whole_speculation_verifies_through_a_compiled_step(wide_heads_checkpoint, tokenizer_path,
+                                                                            monkeypatch):
+    """Where compiled steps run whole (a GPU's CUDA graphs; here the same steps, without graphs),
+    compile=True with speculation compiles the target's one-token step and its verifying step of
+    k + 1 tokens a row (and the draft's steps): every round verifies through the latter, and greedy
+    tokens are those of eager decoding without guesses; the warm-up compiles them all. The draft
+    is the target itself, so that its guesses are accepted and rounds run to the end."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(generation, "whole_steps", lambda device: True)
+    monkeypatch.setattr(parallel, "decode_compilation",
+                        lambda device: DecodeCompilation({"dynamic": False, "backend": CPU_BACKEND}, graphs=True))
+    folder = str(wide_heads_checkpoint)
+    llama = Llama.build(folder, tokenizer_path, max_seq_len=64, max_batch_size=3, compile=True, speculate="draft",
+                        draft_ckpt_dir=folder, speculate_k=3)
+    assert sorted(llama.model.graphs) == [1, 4] and sorted(llama.speculator.draft.model.graphs) == [1]
+    widths = []
+    for width, graphs in llama.model.graphs.items():
+        graphs.run = lambda *args, width=width, run=graphs.run: widths.append(width) or run(*args)
+    plain = Llama.build(folder, tokenizer_path, max_seq_len=64, max_batch_size=3)
+    expected = plain.generate(PROMPTS, max_gen_len=16, temperature=0)[0]
+    prepared = []
+    for model in (llama.model, llama.speculator.draft.model):
+        for width, graphs in model.graphs.items():
+            graphs.prepare = lambda keys, at=(model is llama.model, width), prepare=graphs.prepare: (
+                prepared.append(at) or prepare(keys))
+    llama.warm_up()  # as launch/serve.py does
+    assert sorted(prepared) == [(False, 1), (True, 1), (True, 4)]  # the draft's step, the target's two
+    torch._dynamo.utils.counters.clear()
+    assert llama.generate(PROMPTS, max_gen_len=16, temperature=0)[0] == expected
+    assert widths.count(4) >= 4 and llama.speculator.stats.accepted > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # all compiled in the warm-up

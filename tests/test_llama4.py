@@ -159,26 +159,27 @@ def test_a_converted_llama4_chats_in_its_format(converted):
 
 
 @pytest.mark.slow  # FlexAttention's reference computation, eagerly: 25 s
-def test_steps_through_block_masks_see_only_their_chunk(converted):
-    """The GPU's decoding step (decode_step at the ladder's sizes, each row through block masks):
-    chunked layers read their own chunk only, as the eager step's masks say, rows in blocks that
-    their tables scatter over the cache, at their own positions, before and after a chunk's and a
-    block's end."""
+@pytest.mark.parametrize("width", [1, 4])
+def test_steps_through_block_masks_see_only_their_chunk(converted, width):
+    """The GPU's decoding step (decode_step at the ladder's sizes, each row through block masks),
+    and its verifying step of 4 tokens a row: chunked layers read their own chunk only, as the
+    eager step's masks say, rows in blocks that their tables scatter over the cache, at their own
+    positions, before and after a chunk's and a block's end, a row's tokens in one chunk or two."""
     _, _, ckpt = converted
     models = [Llama.build(str(ckpt), str(ckpt / "tokenizer.json"), max_seq_len=128, max_batch_size=2,
                           dtype="fp32").model for _ in range(2)]
     eager, stepped = models
-    stepped.compile_decoding(graphs=True, backend="eager")
-    assert stepped.whole_steps and stepped.chunk == CHUNK
+    stepped.compile_decoding(graphs=True, verify_width=4, backend="eager")
+    assert stepped.whole_steps and stepped.chunk == CHUNK and sorted(stepped.graphs) == [1, 4]
     tokens = torch.randint(0, 300, (2, 80), generator=torch.Generator().manual_seed(5))
     for model in models:
         model.block_tables.give(0, [3, 0])  # two blocks a row, neither row's in order
         model.block_tables.give(1, [1, 2])
         model.forward(tokens[:1, :58], 0, slots=[0])
         model.forward(tokens[1:, :61], 0, slots=[1])
-    for step in range(12):
+    for step in range(0, 12, width):
         starts = [58 + step, 61 + step]
-        step_tokens = torch.stack([tokens[row, start : start + 1] for row, start in enumerate(starts)])
+        step_tokens = torch.stack([tokens[row, start : start + width] for row, start in enumerate(starts)])
         torch.testing.assert_close(stepped.forward(step_tokens, starts), eager.forward(step_tokens, starts),
                                    atol=1e-5, rtol=0)
 

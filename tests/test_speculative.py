@@ -9,6 +9,7 @@ import torch
 
 from distributed import run_world
 from llama_tp import Llama
+from llama_tp.engine.speculative import check_speculation
 from llama_tp.sampling import SamplingOptions, distribution
 from serve_harness import Harness, request, tokens_of
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, successor_weights, write_checkpoint
@@ -263,6 +264,14 @@ def test_the_serving_engine_speculates_with_the_same_greedy_tokens(plain, specul
 def test_mistakes_are_refused_by_name(folders, options, words):
     with pytest.raises((ValueError, FileNotFoundError), match=words):
         build(folders, "llama2", **options)
+
+
+def test_prompt_lookup_compiles_where_the_targets_steps_compile_whole():
+    """compile=True with prompt lookup compiles nothing on a CPU (refused above); where the target's
+    steps run whole (CUDA graphs), it compiles the target's verifying step, and is taken."""
+    check_speculation("lookup", 4, None, None, compile=True, compiles_target=True)
+    with pytest.raises(ValueError, match=r"here \(no CUDA graphs\) the target's passes run eagerly"):
+        check_speculation("lookup", 4, None, None, compile=True, compiles_target=False)
 
 
 def test_a_draft_with_another_vocabulary_is_refused(folders, tmp_path):

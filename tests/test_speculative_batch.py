@@ -46,6 +46,11 @@ class TableModel:
         logits = torch.stack(logits)  # rows, fed, VOCAB
         return logits[:, -1:] if last_only else logits
 
+    def padded_width(self, seqlen: int, starts: list[int]) -> int:
+        """As a target whose verifying step runs whole (Transformer.padded_width): K + 1 tokens a
+        row where they fit, so that rounds verify padded rows."""
+        return K + 1 if seqlen <= K + 1 and max(starts) + K + 1 <= self.max_seq_len else seqlen
+
 
 def models(rows: int, stop_boost: float = 3.0) -> tuple[TableModel, Speculator]:
     """The target, and a speculator whose draft agrees with it in part; stop_boost makes the stop

@@ -1,11 +1,13 @@
-"""One-token attention that reads each row's own blocks of the cache, up to the row's own position.
+"""Attention of a few tokens a row that reads each row's own blocks of the cache, up to each token's position.
 
 A decoding step of several rows (a server's batch) attends each row to the blocks its block table
-names (kv_cache.py), each row at its own position. PyTorch's FlexAttention reads them through a
-block mask made on the device from the rows' tables and positions: every block before the one
-holding a row's position whole, that one up to the position, nothing else. So a step reads what
-the rows hold, not max_seq_len positions a row, and has fixed shapes whatever the rows' lengths,
-with no host sync, as a step replayed as one CUDA graph needs (step_graphs.py).
+names (kv_cache.py), each row at its own position; a verifying pass of speculation feeds each row
+a few tokens, at the positions after it. PyTorch's FlexAttention reads them through a block mask
+made on the device from the rows' tables and positions: every block before the one holding a
+row's last token whole, that one up to the token, nothing else; each token sees the positions up
+to its own. So a step reads what the rows hold, not max_seq_len positions a row, and has fixed
+shapes whatever the rows' lengths, with no host sync, as a step replayed as one CUDA graph needs
+(step_graphs.py).
 """
 
 from typing import Callable, Optional
@@ -20,12 +22,13 @@ MIN_HEAD_DIM = 16
 
 
 class StepMasks:
-    """The block masks of one-token steps of up to max_rows rows, over pools of pool_positions.
+    """The block masks of steps of up to max_rows rows (a few tokens each), over pools of pool_positions.
 
     The compiled kernels read only the blocks a mask lists for each row; the rule it applies
     within them (FlexAttention's mask_mod, which FlexAttention applies everywhere when it runs
-    eagerly, so it says all) sees a place where the row's table holds its block, up to the row's
-    position. It reads each row's position and each pool block's place in the row's table from
+    eagerly, so it says all) sees a place where the row's table holds its block, up to the query's
+    position (the row's first token's, plus the query's place among the row's tokens). It reads each
+    row's first position and each pool block's place in the row's table from
     tensors kept for the life of the caches: a rule that closes over the same tensors every step
     is the same function to the compiler (no recompiles). (Listing a row's blocks before its
     position's as whole ones, to which no rule applies, fails in FlexAttention's CPU code.)
@@ -43,10 +46,10 @@ class StepMasks:
         self.chunk = chunk
         self.chunk_rule = _within_own_chunk(self.positions, self.block_places, chunk) if chunk is not None else None
 
-    def block_mask(self, tables: torch.Tensor, positions: torch.Tensor) -> BlockMask:
-        """The mask of a step whose rows [bsz] have these block tables [bsz, blocks a row] and sit at
-        these positions: each row reads its blocks up to its position's, and sees them up to the
-        position."""
+    def block_mask(self, tables: torch.Tensor, positions: torch.Tensor, width: int = 1) -> BlockMask:
+        """The mask of a step whose rows [bsz] have these block tables [bsz, blocks a row] and feed
+        width tokens from these positions: each row reads its blocks up to its last token's, and
+        each token sees them up to its own position."""
         bsz, row_blocks = tables.shape
         self.positions[:bsz].copy_(positions)
         places = torch.arange(row_blocks, device=tables.device).expand(bsz, -1)
@@ -54,49 +57,51 @@ class StepMasks:
         self.block_places[:bsz].fill_(self.pool_blocks).scatter_reduce_(1, tables, places, "amin")
         # A mask's lists of blocks span the pool (FlexAttention sizes the keys it reads by them):
         # each row's blocks up to its position's, the rest never read.
-        seen = (positions // BLOCK_POSITIONS + 1).to(torch.int32)
-        return self._mask(tables, seen, self.rule)
+        seen = ((positions + width - 1) // BLOCK_POSITIONS + 1).to(torch.int32)
+        return self._mask(tables, seen, width, self.rule)
 
-    def chunk_block_mask(self, tables: torch.Tensor, positions: torch.Tensor) -> BlockMask:
+    def chunk_block_mask(self, tables: torch.Tensor, positions: torch.Tensor, width: int = 1) -> BlockMask:
         """After block_mask with the same rows, their mask in chunked layers: each row reads its
-        blocks from the one that holds its chunk's first position up to its position's, and sees
-        its chunk's positions up to its own."""
+        blocks from the one that holds its first token's chunk's first position up to its last
+        token's, and each token sees its own chunk's positions up to its own."""
         row_blocks = tables.shape[1]
         first = positions // self.chunk * self.chunk // BLOCK_POSITIONS  # bsz: the chunk's first block's place
         places = (torch.arange(row_blocks, device=tables.device) + first[:, None]).clamp(max=row_blocks - 1)
-        seen = (positions // BLOCK_POSITIONS + 1 - first).to(torch.int32)
-        return self._mask(tables.gather(1, places), seen, self.chunk_rule)  # tables from the chunk's block on
+        seen = ((positions + width - 1) // BLOCK_POSITIONS + 1 - first).to(torch.int32)
+        return self._mask(tables.gather(1, places), seen, width, self.chunk_rule)  # tables from the chunk's block on
 
-    def _mask(self, tables: torch.Tensor, seen: torch.Tensor, rule: Callable) -> BlockMask:
-        """The block mask of rows reading the first seen [bsz] blocks of tables [bsz, blocks], under rule."""
+    def _mask(self, tables: torch.Tensor, seen: torch.Tensor, width: int, rule: Callable) -> BlockMask:
+        """The block mask of rows of width queries reading the first seen [bsz] blocks of tables
+        [bsz, blocks], under rule (the queries, fewer than a block, are one block of queries)."""
         bsz, row_blocks = tables.shape
         blocks = tables.new_zeros(bsz, self.pool_blocks, dtype=torch.int32)
         blocks[:, :row_blocks] = tables
         return BlockMask.from_kv_blocks(seen[:, None, None], blocks[:, None, None], BLOCK_SIZE=BLOCK_POSITIONS,
-                                        mask_mod=rule, seq_lengths=(1, self.pool_positions), compute_q_blocks=False)
+                                        mask_mod=rule, seq_lengths=(width, self.pool_positions), compute_q_blocks=False)
 
 
 def _up_to_own_position(positions: torch.Tensor, block_places: torch.Tensor) -> Callable:
-    def sees(row, head, query, place):  # place: a position of the pool
+    def sees(row, head, query, place):  # query: the token's place among its row's; place: a position of the pool
         in_row = block_places[row, place // BLOCK_POSITIONS] * BLOCK_POSITIONS + place % BLOCK_POSITIONS
-        return in_row <= positions[row]
+        return in_row <= positions[row] + query
 
     return sees
 
 
 def _within_own_chunk(positions: torch.Tensor, block_places: torch.Tensor, chunk: int) -> Callable:
-    def sees(row, head, query, place):  # place: a position of the pool
+    def sees(row, head, query, place):  # query: the token's place among its row's; place: a position of the pool
         in_row = block_places[row, place // BLOCK_POSITIONS] * BLOCK_POSITIONS + place % BLOCK_POSITIONS
-        return (in_row <= positions[row]) & (in_row // chunk == positions[row] // chunk)
+        position = positions[row] + query
+        return (in_row <= position) & (in_row // chunk == position // chunk)
 
     return sees
 
 
 def attend_own_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-    """The attention of one query a row, q [bsz, heads, 1, head_dim], to its own positions in the
-    pools of keys and values [1, kv heads, positions, head_dim], as block_mask says:
-    [bsz, heads, 1, head_dim]. Every row reads the one pool (FlexAttention's batch of one
-    key-value sequence for all queries) through its own blocks."""
+    """The attention of a few queries a row, q [bsz, heads, width, head_dim], to their own
+    positions in the pools of keys and values [1, kv heads, positions, head_dim], as block_mask
+    says: [bsz, heads, width, head_dim]. Every row reads the one pool (FlexAttention's batch of
+    one key-value sequence for all queries) through its own blocks."""
     # q is a view of the rotated queries and keys, which FlexAttention's CPU code cannot read: a copy
     # (contiguous() is no copy where every other dimension is 1)
     return flex_attention(q.clone(), keys, values, block_mask=block_mask, enable_gqa=q.shape[1] != keys.shape[1])

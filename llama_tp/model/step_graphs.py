@@ -1,12 +1,14 @@
-"""One-token decoding steps replayed as CUDA graphs, one graph for each rung of a ladder of batch sizes.
+"""Decoding steps replayed as CUDA graphs, one graph for each rung of a ladder of batch sizes.
 
 A graph replays a whole step, embedding to logits, as one launch: no Python, no compiled
 function's guards and no kernel launched one by one between the large products (on an H200 a
 7B step's five compiled calls and their ~15 eager launches cost about a fifth of its 5.5 ms). A
 graph replays only the shapes it was recorded with, so a step of b rows runs the graph of the
 next rung up, its spare rows padding: they sit in a cache row of their own that nothing reads
-(Transformer.spare_slot), at position 0. Off CUDA (CPU tests) the same steps run without graphs,
-padded alike, so that the rungs, the padding and what compiles are checked there.
+(Transformer.spare_slot), from position 0. A step feeds each row the same number of tokens: one
+(decoding), or a few (the verifying pass of speculation: a row's last token and its guesses), each
+width its own StepGraphs. Off CUDA (CPU tests) the same steps run without graphs, padded alike, so
+that the rungs, the padding and what compiles are checked there.
 """
 
 from contextlib import contextmanager
@@ -26,18 +28,20 @@ def ladder(max_rows: int) -> list[int]:
 
 
 class StepGraphs:
-    """A step function of (tokens, cache rows, positions) [rows] each and a key (which head the
-    step ends in), run at the next rung's size; with record=True, as a CUDA graph per rung and key."""
+    """A step function of (tokens [rows, width], cache rows [rows], first positions [rows]) and a
+    key (which head the step ends in), run at the next rung's size; with record=True, as a CUDA
+    graph per rung and key."""
 
     def __init__(self, step: StepFunction, max_rows: int, spare_slot: int, device: torch.device, record: bool,
-                 after_compiling: Callable[[], bool]):
+                 after_compiling: Callable[[], bool], width: int = 1):
         """after_compiling: called after the step compiled for a new rung and key (before its graph is
         recorded), at the same step on every rank, where the ranks can agree on how it went: whether
-        compiled steps go on."""
+        compiled steps go on. width: the tokens every row feeds."""
         self.step, self.spare_slot, self.device, self.record = step, spare_slot, device, record
-        self.after_compiling = after_compiling
+        self.after_compiling, self.width = after_compiling, width
         self.rungs = ladder(max_rows)
-        # Each rung's inputs, where its graphs read them: tokens, cache rows and positions.
+        # Each rung's inputs, where its graphs read them: [rung, width + 2], each row's tokens, then
+        # its cache row and its first token's position.
         self.inputs = {rung: self._padding(rung).to(device) for rung in self.rungs}
         self.graphs: dict[tuple[int, Hashable], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if record else None
@@ -50,23 +54,23 @@ class StepGraphs:
         raise ValueError(f"a step of {rows} rows is more than the {self.rungs[-1]} the graphs take")
 
     def run(self, tokens: torch.Tensor, slots: list[int], positions: list[int], key: Hashable) -> torch.Tensor:
-        """The step's output for rows [bsz] (tokens on the device or the host), a copy that the
-        next step leaves alone."""
+        """The step's output for rows fed tokens [bsz, width] (on the device or the host) from
+        positions, a copy that the next step leaves alone."""
         rows, rung = len(slots), self.rung(len(slots))
         inputs = self.inputs[rung]
         host = self._padding(rung, pinned=self.device.type == "cuda")
-        host[1, :rows], host[2, :rows] = torch.tensor(slots), torch.tensor(positions)
+        host[:rows, self.width], host[:rows, self.width + 1] = torch.tensor(slots), torch.tensor(positions)
         if tokens.device.type == "cpu":
-            host[0, :rows] = tokens
+            host[:rows, : self.width] = tokens
         inputs.copy_(host, non_blocking=True)  # one copy from pinned memory, which waits for nothing
         if tokens.device.type != "cpu":
-            inputs[0, :rows] = tokens
+            inputs[:rows, : self.width] = tokens
         if not self.record:
-            return self.step(*inputs, key)[:rows]
+            return self._step(inputs, key)[:rows]
         if (rung, key) not in self.graphs:
             recorded = self._recorded(rung, key)
             if recorded is None:  # compiling failed: this step, and the next ones, eagerly
-                return self.step(*inputs, key)[:rows]
+                return self._step(inputs, key)[:rows]
             self.graphs[rung, key] = recorded
         graph, output = self.graphs[rung, key]
         graph.replay()
@@ -79,7 +83,7 @@ class StepGraphs:
             for key in keys:
                 if not self.record:
                     with self._padded(rung) as inputs:
-                        self.step(*inputs, key)
+                        self._step(inputs, key)
                     if not self.after_compiling():
                         return
                 elif (rung, key) not in self.graphs:
@@ -99,14 +103,19 @@ class StepGraphs:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.step(*inputs, key)
+                    self._step(inputs, key)
             torch.cuda.current_stream(self.device).wait_stream(side)
             if not self.after_compiling():
                 return None
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                output = self.step(*inputs, key)
+                output = self._step(inputs, key)
         return graph, output
+
+    def _step(self, inputs: torch.Tensor, key: Hashable) -> torch.Tensor:
+        """The step on a rung's inputs."""
+        width = self.width
+        return self.step(inputs[:, :width], inputs[:, width], inputs[:, width + 1], key)
 
     @contextmanager
     def _padded(self, rung: int) -> Iterator[torch.Tensor]:
@@ -121,7 +130,7 @@ class StepGraphs:
             inputs.copy_(held)
 
     def _padding(self, rung: int, pinned: bool = False) -> torch.Tensor:
-        """Inputs of rung spare rows: token 0 in the spare cache row at position 0."""
-        padding = torch.zeros(3, rung, dtype=torch.long, pin_memory=pinned)
-        padding[1] = self.spare_slot
+        """Inputs of rung spare rows: tokens 0 in the spare cache row from position 0."""
+        padding = torch.zeros(rung, self.width + 2, dtype=torch.long, pin_memory=pinned)
+        padding[:, self.width] = self.spare_slot
         return padding

@@ -31,7 +31,7 @@ __all__ = ["FeedForward", "MixtureOfExperts", "Transformer"]
 
 # The most layers one compiled decoding call runs (see Transformer.compile_decoding).
 MAX_LAYERS_PER_CALL = 10
-# The most versions of a compiled decoding function kept (rungs of the ladder x heads, with room).
+# The most versions of a compiled decoding function kept (rungs of the ladder x heads x step widths, with room).
 RECOMPILE_LIMIT = 64
 
 
@@ -352,8 +352,9 @@ class Transformer(nn.Module):
             record = device.type == "cuda" and self.args.n_experts is None
             if device.type == "cuda" and not record:
                 logger.info("a mixture of experts decodes without CUDA graphs: its routing reads back token counts")
-            self.graphs = StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device, record=record,
-                                     after_compiling=self._agree_on_compiling)
+            self.graphs = {width: StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device, record=record,
+                                             after_compiling=self._agree_on_compiling, width=width)
+                           for width in self.step_widths}
 
     @property
     def spare_slot(self) -> int:
@@ -371,7 +372,7 @@ class Transformer(nn.Module):
         weights = (self.layers[0].attention.wqkv.weight, self.output.weight)
         return cpu_kernels.runs_on(self.positions.device) or all(weight.dtype == torch.float32 for weight in weights)
 
-    def compile_decoding(self, graphs: bool, **compile_options) -> None:
+    def compile_decoding(self, graphs: bool, verify_width: Optional[int] = None, **compile_options) -> None:
         """Run one-token steps through torch.compile, in equal groups of consecutive layers, then
         the output head.
 
@@ -385,18 +386,22 @@ class Transformer(nn.Module):
         (block_attention.py); otherwise each step at its own size, attending to the positions
         filled so far. Call before setup_caches (else the caches are made again). Heads narrower
         than the block masks' kernels take (tests' tiny models) compile without graphs.
+
+        verify_width: with graphs, steps of this many tokens a row run whole too (speculation's
+        verifying passes: a row's last token and its guesses, padded to it: padded_width).
         """
         size = layers_per_call(len(self.layers))
         self.decode_layer_groups = [self.layers[first : first + size] for first in range(0, len(self.layers), size)]
         # Before each call, skip checking the parameters of modules whose attributes are unchanged
         # since the call before: a group's checks take half the time. A compiled function is kept
-        # for each rung of the ladder and each head (gathered or not): more than the compiler's 8.
+        # for each rung of the ladder, each head (gathered or not) and each width: more than the compiler's 8.
         fewer_checks = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True,
                                                    recompile_limit=RECOMPILE_LIMIT)
         self.compile_failure: Optional[Exception] = None
         self.run_decode_layers = fewer_checks(torch.compile(run_layers, **compile_options))
         self.run_decode_head = fewer_checks(torch.compile(run_head, **compile_options))
         self.whole_steps = graphs and self.args.head_dim >= MIN_HEAD_DIM and self.args.sliding_window is None
+        self.step_widths = (1,) + ((verify_width,) if self.whole_steps and verify_width not in (None, 1) else ())
         if graphs and not self.whole_steps:
             logger.info(f"heads of {self.args.head_dim} channels (FlexAttention takes {MIN_HEAD_DIM} or more) or a "
                         f"sliding window ({self.args.sliding_window}): decoding steps compile without CUDA graphs")
@@ -409,12 +414,14 @@ class Transformer(nn.Module):
         """Compile the one-token step now (and record its CUDA graphs), for greedy steps (this
         rank's vocabulary slice) and sampled ones (the whole vocabulary), rather than in the first
         requests' steps: compiling takes seconds (11 s for a 7B on an H200), which a server's
-        first clients would wait. Every rank calls it together; only the spare cache row is written."""
+        first clients would wait. So too speculation's verifying step, where it runs whole. Every
+        rank calls it together; only the spare cache row is written."""
         if self.run_decode_layers is run_layers:  # not compiled
             return
         start = time.perf_counter()
-        if self.graphs is not None:
-            self.graphs.prepare(keys=(True, False))
+        if self.graphs:
+            for graphs in self.graphs.values():
+                graphs.prepare(keys=(True, False))
         else:
             token = torch.zeros(1, 1, dtype=torch.long, device=self.rotary.device)
             for vocab_slice in (True, False):
@@ -441,10 +448,11 @@ class Transformer(nn.Module):
         bsz, seqlen = tokens.shape
         starts, slots = self.checked_rows(bsz, seqlen, start_pos, slots)
         self._overwrite(slots, starts)
-        if seqlen == 1 and self.graphs is not None:
-            logits = self.graphs.run(tokens[:, 0], slots, starts, vocab_slice)[:, None]
+        graphs = self.graphs.get(seqlen) if lengths is None else None
+        if graphs is not None:
+            logits = graphs.run(tokens, slots, starts, vocab_slice)
             self._fall_back_if_compiling_failed()
-            return logits
+            return logits[:, -1:] if last_only else logits
         rows = self.cache_rows(bsz, seqlen, starts, slots)
         tokens = tokens.to(self.rotary.device)
         last = None if lengths is None else torch.tensor(lengths, device=tokens.device) - 1
@@ -502,19 +510,31 @@ class Transformer(nn.Module):
         eagerly, not through compile_decoding's graphs."""
         return self.run_decode_layers is run_layers
 
+    def padded_width(self, seqlen: int, starts: Sequence[int]) -> int:
+        """The tokens a row to feed rows of up to seqlen tokens from starts: a whole step's width
+        (the rest padding) where one takes that many and every row has room for it; else seqlen."""
+        for width in sorted(self.graphs):
+            if seqlen <= width and max(starts) + width <= self.max_seq_len:
+                return width
+        return seqlen
+
     def decode_step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                     vocab_slice: bool) -> torch.Tensor:
-        """One token a row, all given as tensors [rows] on the device (StepGraphs records it whole):
-        the logits [rows, vocab] in fp32, or this rank's slice of them."""
+        """A few tokens a row (one, or a verifying pass's), tokens [rows, width] fed from each row's
+        position in positions [rows], on the device (StepGraphs records it whole): the logits
+        [rows, width, vocab] in fp32, or this rank's slice of them."""
+        width = tokens.shape[1]
         tables = self.block_tables.tables.index_select(0, slots)
-        block_mask = self.step_masks.block_mask(tables, positions)
-        chunk_block_mask = self.step_masks.chunk_block_mask(tables, positions) if self.chunk is not None else None
-        rows = CacheRows(slots, positions[:, None], self.rotary[positions[:, None]], self.max_seq_len, None, tables,
+        block_mask = self.step_masks.block_mask(tables, positions, width)
+        chunk_block_mask = (self.step_masks.chunk_block_mask(tables, positions, width) if self.chunk is not None
+                            else None)
+        token_positions = positions[:, None] + self.positions[:width]  # rows, width
+        rows = CacheRows(slots, token_positions, self.rotary[token_positions], self.max_seq_len, None, tables,
                          None, None, block_mask, chunk_block_mask=chunk_block_mask)
-        h = self.tok_embeddings(tokens[:, None])  # rows, 1, dim
+        h = self.tok_embeddings(tokens)  # rows, width, dim
         for layers in self.decode_layer_groups:
             h = self._compiled_or_eager(self.run_decode_layers, run_layers, layers, h, rows)
-        return self._compiled_or_eager(self.run_decode_head, run_head, self.norm, self.output, h, not vocab_slice)[:, 0]
+        return self._compiled_or_eager(self.run_decode_head, run_head, self.norm, self.output, h, not vocab_slice)
 
     def _compiled_or_eager(self, compiled: Callable, eager: Callable, *args) -> torch.Tensor:
         """compiled(*args), or eager(*args) where compiling has failed on this rank: this call's
@@ -569,7 +589,8 @@ class Transformer(nn.Module):
         self.run_decode_layers, self.run_decode_head = run_layers, run_head
         self.decode_layer_groups = [self.layers]
         self.whole_steps = False  # whether one-token steps run as decode_step, through self.graphs
-        self.graphs: Optional[StepGraphs] = None
+        self.step_widths: tuple[int, ...] = ()  # the tokens a row of the steps that run whole
+        self.graphs: dict[int, StepGraphs] = {}  # by the tokens a row
 
     def checked_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
                      slots: Optional[Sequence[int]]) -> tuple[list[int], list[int]]:

@@ -42,8 +42,8 @@ def test_compiled_steps_equal_eager_ones_without_recompiles(wide_heads_checkpoin
     torch._dynamo.reset()
     eager = build(wide_heads_checkpoint, tokenizer_path, dtype="fp32", quantize=quantize, compile=False)
     compiled = build(wide_heads_checkpoint, tokenizer_path, dtype="fp32", quantize=quantize)
-    graphs = compiled.model.graphs
-    assert graphs is not None and graphs.record and graphs.rungs == [1, 2, 3]
+    graphs = compiled.model.graphs[1]
+    assert graphs.record and graphs.rungs == [1, 2, 3]
     expected = eager.generate(PROMPTS, max_gen_len=12, temperature=0, logprobs=True)
     compiled.model.warm_up_decoding()
     assert len(graphs.graphs) == 2 * len(graphs.rungs)
@@ -54,6 +54,22 @@ def test_compiled_steps_equal_eager_ones_without_recompiles(wide_heads_checkpoin
     for row, expected_row in zip(got[1], expected[1]):
         assert row == pytest.approx(expected_row, abs=1e-3)
     assert len(graphs.graphs) == 2 * len(graphs.rungs)
+
+
+def test_speculation_verifies_through_a_recorded_step_with_eager_greedy_tokens(wide_heads_checkpoint, tokenizer_path):
+    """Compiled by default on CUDA with speculation too: the target's verifying step of k + 1
+    tokens a row is recorded at each rung beside its one-token step (the draft, here the target
+    itself, has its own), and greedy tokens are eager decoding's without guesses."""
+    torch._dynamo.reset()
+    folder = str(wide_heads_checkpoint)
+    expected = build(folder, tokenizer_path, dtype="fp32", compile=False).generate(PROMPTS, max_gen_len=12,
+                                                                                 temperature=0)[0]
+    llama = build(folder, tokenizer_path, dtype="fp32", speculate="draft", draft_ckpt_dir=folder, speculate_k=3)
+    assert sorted(llama.model.graphs) == [1, 4] and llama.model.graphs[4].record
+    llama.warm_up()
+    assert len(llama.model.graphs[4].graphs) == 2 * 3  # 3 rungs, greedy and sampled heads
+    assert llama.generate(PROMPTS, max_gen_len=12, temperature=0)[0] == expected
+    assert llama.speculator.stats.accepted > 0 and len(llama.model.graphs[4].graphs) == 2 * 3
 
 
 @pytest.mark.parametrize("max_seq_len", [64, 1000])

@@ -21,8 +21,9 @@ MAX_K = MAX_KERNEL_STEP_TOKENS - 1
 
 
 def check_speculation(speculate: Optional[str], speculate_k: Optional[int], draft_ckpt_dir: Optional[str],
-                      draft_quantize: Optional[str], compile: bool) -> None:
-    """Refuse a bad or inconsistent choice of speculation options, naming it and the fix."""
+                      draft_quantize: Optional[str], compile: bool, compiles_target: bool = False) -> None:
+    """Refuse a bad or inconsistent choice of speculation options, naming it and the fix.
+    compiles_target: compile=True compiles the target's steps too (whole, as CUDA graphs)."""
     if speculate is None:
         for name, value in (("draft_ckpt_dir", draft_ckpt_dir), ("draft_quantize", draft_quantize),
                             ("speculate_k", speculate_k)):
@@ -45,9 +46,9 @@ def check_speculation(speculate: Optional[str], speculate_k: Optional[int], draf
     if speculate_k is not None and (not isinstance(speculate_k, int) or isinstance(speculate_k, bool)
                                     or not 1 <= speculate_k <= MAX_K):
         raise ValueError(f"speculate_k must be a whole number of guesses from 1 to {MAX_K}, found {speculate_k!r}")
-    if compile and speculate == "lookup":
-        raise ValueError("compile=True compiles a draft model's steps, and speculate='lookup' has no draft: the "
-                         "target's passes run eagerly with speculation; leave compile off")
+    if compile and speculate == "lookup" and not compiles_target:
+        raise ValueError("compile=True compiles a draft model's steps, and speculate='lookup' has no draft: here "
+                         "(no CUDA graphs) the target's passes run eagerly with speculation; leave compile off")
 
 
 def guesses_a_round(speculate: str, speculate_k: Optional[int]) -> int:

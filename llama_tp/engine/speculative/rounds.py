@@ -76,12 +76,14 @@ class Speculator:
         else:
             guesses, drawn_from = self.draft.propose(rows, counts, plain)
         width = max(map(len, guesses))
+        starts = [len(row.tokens) - 1 for row in rows]
+        fed = model.padded_width(width + 1, starts)  # the target's whole verifying step's, where it fits
         device = model.rotary.device
-        # Each row's last token, its guesses, and padding (never accepted) up to the longest.
-        feed = torch.tensor([[row.tokens[-1], *g, *[0] * (width - len(g))] for row, g in zip(rows, guesses)],
+        # Each row's last token, its guesses, and padding (never accepted).
+        feed = torch.tensor([[row.tokens[-1], *g, *[0] * (fed - 1 - len(g))] for row, g in zip(rows, guesses)],
                             device=device)
-        logits = model.forward(feed, [len(row.tokens) - 1 for row in rows], vocab_slice=plain,
-                               slots=[row.slot for row in rows])  # rows, width + 1, vocab (or this rank's slice)
+        logits = model.forward(feed, starts, vocab_slice=plain, slots=[row.slot for row in rows])
+        logits = logits[:, : width + 1]  # rows, width + 1, vocab (or this rank's slice)
         if plain:
             choices = parallel.vocab_argmax(logits.flatten(0, 1)).view(len(rows), width + 1)
             padded = torch.tensor([g + [-1] * (width - len(g)) for g in guesses], device=device)
