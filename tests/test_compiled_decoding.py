@@ -175,17 +175,21 @@ def test_whole_steps_serve_staggered_rows_without_recompiling(wide_heads_checkpo
 
 
 @pytest.mark.slow
-def test_whole_verifying_steps_give_eager_logits_without_recompiling(wide_heads_checkpoint, tokenizer_path):
+def test_whole_verifying_steps_give_eager_logits_without_recompiling(wide_heads_checkpoint, tokenizer_path,
+                                                                     monkeypatch):
     """Speculation's verifying passes (a row's last token and its guesses, padded to verify_width)
-    run whole as one-token steps do, at the ladder's sizes, each token reading its row's blocks up
-    to its own position: after the warm-up nothing compiles again, each pass's logits are eager
-    decoding's at every position, and rows outside a pass keep their caches."""
+    run whole as one-token steps do, at the ladder's sizes (up to VERIFY_MAX_ROWS rows, more in
+    parts), each token reading its row's blocks up to its own position: after the warm-up nothing
+    compiles again, each pass's logits are eager decoding's at every position, and rows outside a
+    pass keep their caches."""
     torch._dynamo.reset()
+    monkeypatch.setattr(transformer, "VERIFY_MAX_ROWS", 4)
     folder = str(wide_heads_checkpoint)
     eager_model = build(folder, tokenizer_path, compile=False, max_batch_size=5, max_seq_len=128).model
     compiled = build(folder, tokenizer_path, compile=False, max_batch_size=5, max_seq_len=128).model
     compiled.compile_decoding(graphs=True, verify_width=4, dynamic=False, backend=CPU_BACKEND)
-    assert sorted(compiled.graphs) == [1, 4] and compiled.graphs[4].rungs == [1, 2, 4, 5]
+    assert sorted(compiled.graphs) == [1, 4] and compiled.graphs[1].rungs == [1, 2, 4, 5]
+    assert compiled.graphs[4].rungs == [1, 2, 4]  # a pass of 5 rows: 4, then 1
     tokens = torch.randint(0, 32000, (5, 96), generator=torch.Generator().manual_seed(6))
     prompts = [(0, 70), (1, 3), (2, 9), (3, 63), (4, 2)]  # cache row, length: rows 0 and 3 cross a block's end
     for model_ in (eager_model, compiled):

@@ -120,6 +120,14 @@ def test_where_compiling_failed_no_graph_is_recorded_and_steps_run_as_they_are(f
     assert not graphs.graphs and step.calls[-1] == (8, False)
 
 
+def test_more_rows_than_the_largest_rung_run_in_steps_of_it(fake_cuda):
+    step = Step()
+    graphs = StepGraphs(step, 2, SPARE, torch.device("cpu"), record=True, after_compiling=lambda: True, width=2)
+    output = graphs.run(torch.tensor([[1, 2], [3, 4], [5, 6]]), [0, 1, 2], [10, 20, 30], "greedy")
+    assert output.tolist() == [[1001, 1002], [3003, 3004], [5005, 5006]]
+    assert [rows for rows, recording in step.calls if recording] == [2, 1]  # rungs 2 and 1 recorded
+
+
 def test_warming_up_records_every_rung_largest_first_writing_the_spare_row_only(fake_cuda):
     step = Step()
     graphs = StepGraphs(step, 4, SPARE, torch.device("cpu"), record=True, after_compiling=lambda: True)

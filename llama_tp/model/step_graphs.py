@@ -55,7 +55,12 @@ class StepGraphs:
 
     def run(self, tokens: torch.Tensor, slots: list[int], positions: list[int], key: Hashable) -> torch.Tensor:
         """The step's output for rows fed tokens [bsz, width] (on the device or the host) from
-        positions, a copy that the next step leaves alone."""
+        positions, a copy that the next step leaves alone; more rows than the largest rung, in
+        steps of that many."""
+        most = self.rungs[-1]
+        if len(slots) > most:
+            return torch.cat([self.run(tokens[first : first + most], slots[first : first + most],
+                                       positions[first : first + most], key) for first in range(0, len(slots), most)])
         rows, rung = len(slots), self.rung(len(slots))
         inputs = self.inputs[rung]
         host = self._padding(rung, pinned=self.device.type == "cuda")

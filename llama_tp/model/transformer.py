@@ -31,6 +31,11 @@ __all__ = ["FeedForward", "MixtureOfExperts", "Transformer"]
 
 # The most layers one compiled decoding call runs (see Transformer.compile_decoding).
 MAX_LAYERS_PER_CALL = 10
+# The most rows of a verifying step's graphs (speculation's k + 1 tokens a row); a round of more
+# rows verifies in steps of this many (StepGraphs.run). A graph keeps its output for each rung and
+# head: [rows, k + 1, vocab] fp32, 3.6 MB a row for Llama 3's vocabulary and k = 6, seven times a
+# one-token step's.
+VERIFY_MAX_ROWS = 16
 # The most versions of a compiled decoding function kept (rungs of the ladder x heads x step widths, with room).
 RECOMPILE_LIMIT = 64
 
@@ -352,9 +357,11 @@ class Transformer(nn.Module):
             record = device.type == "cuda" and self.args.n_experts is None
             if device.type == "cuda" and not record:
                 logger.info("a mixture of experts decodes without CUDA graphs: its routing reads back token counts")
-            self.graphs = {width: StepGraphs(self.decode_step, max_batch_size, self.spare_slot, device, record=record,
+            most_rows = {width: max_batch_size if width == 1 else min(max_batch_size, VERIFY_MAX_ROWS)
+                         for width in self.step_widths}
+            self.graphs = {width: StepGraphs(self.decode_step, rows, self.spare_slot, device, record=record,
                                              after_compiling=self._agree_on_compiling, width=width)
-                           for width in self.step_widths}
+                           for width, rows in most_rows.items()}
 
     @property
     def spare_slot(self) -> int:

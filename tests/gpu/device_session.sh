@@ -3,9 +3,10 @@
 # gpt-fast and the serving benchmark, on random weights of published shapes. From the repository
 # root of a machine with a CUDA GPU:
 #
-#     bash tests/gpu/device_session.sh [part ...]     # parts: tests steps bench serve (default: tests bench serve)
+#     bash tests/gpu/device_session.sh [part ...]     # parts: tests steps bench speculate serve (default: tests bench serve)
 #
-# steps: the GPU tests of whole decoding steps alone. serve: the clients and requests of each load
+# steps: the GPU tests of whole decoding steps alone. speculate: batch-1 decoding with an int8 draft
+# of the target, its verifying step compiled, against plain decoding (tools/bench/speculative.py). serve: the clients and requests of each load
 # come from SERVE_LOADS ("clients:requests ...", default "1:16 16:64 64:192"), its rows from SERVE_ROWS (64),
 # its max_seq_len from SERVE_SEQ_LEN (1024) and its KV cache from SERVE_KV_GIB (GiB; default: rows x max_seq_len);
 # serve@MAX_SEQ_LEN@LOADS (LOADS with commas for spaces) serves with those instead, so that one call can
@@ -83,6 +84,15 @@ for part in $parts; do
             --json_path "$LOGS/bench-7b.json" > "$LOGS/bench-7b.log" 2>&1
         note "bench 7B beside gpt-fast: rc $?: $(grep -E 'decode_batch|roofline|gpt-fast|share' "$LOGS/bench-7b.log" | tr '\n' ' ')"
         note "bench part: $((SECONDS - start)) s"
+        ;;
+    speculate)
+        checkpoint llama2-7b
+        timeout "$(capped 300)" python3 -m llama_tp.tools.bench.speculative --ckpt_dir /dev/shm/llama2-7b \
+            --tokenizer_path ../shared/data/llama2-tokenizer.model --dtype bf16 --compile true \
+            --speculate draft --draft_quantize int8 --speculate_k 4 --repeats 2 --new_tokens 128 \
+            --json_path "$LOGS/speculate-7b.json" > "$LOGS/speculate-7b.log" 2>&1
+        note "speculation 7B, int8 draft, k 4: rc $?: $(grep -E -A3 '^ *way' "$LOGS/speculate-7b.log" | tr '\n' ' ')"
+        note "speculate part: $((SECONDS - start)) s"
         ;;
     serve*)  # serve, or serve@MAX_SEQ_LEN@LOADS (LOADS as SERVE_LOADS, with commas for spaces)
         IFS=@ read -r _ seq_len loads <<< "$part"

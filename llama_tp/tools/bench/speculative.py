@@ -64,11 +64,13 @@ def dialogs_for(speculate: str) -> list[Dialog]:
 
 
 class Timer:
-    """Seconds spent in a model's forward passes, and their number, between start and stop."""
+    """Seconds spent in a model's forward passes, and their number, between start and stop (on a
+    GPU until the pass has run: each waits for its device, as the round's read-back would soon after)."""
 
     def __init__(self, model: torch.nn.Module):
         self.seconds, self.calls, self.running = 0.0, 0, False
         forward = model.forward
+        device = model.rotary.device
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -76,6 +78,8 @@ class Timer:
                 return forward(*args, **kwargs)
             finally:
                 if self.running:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
                     self.seconds += time.perf_counter() - start
                     self.calls += 1
 
@@ -129,6 +133,7 @@ def main(
     repetition_penalty: float = 1.0,
     threads: Optional[int] = None,
     compile: bool = False,
+    dtype: str = "fp32",
     json_path: str = "bench_speculative.json",
 ):
     """Time plain and speculative decoding, interleaved; print the speed-up and acceptance per k.
@@ -138,14 +143,16 @@ def main(
         speculate_k: guesses a round; several (e.g. 2,4,6,8) to sweep.
         draft_ckpt_dir: the draft's checkpoint (default: the target's own, quantized as draft_quantize).
         draft_quantize: the draft's quantization (default int8; ignored with --speculate lookup).
-        ckpt_dir: the target (default: the demo model), in fp32.
+        ckpt_dir: the target (default: the demo model).
         tokenizer_path: its tokenizer (default: the demo model's).
         new_tokens: most tokens generated per dialog.
         repeats: timed runs of each way (medians are reported).
         temperature: 0 (greedy) checks that the tokens are the same both ways.
         repetition_penalty: 1 (none) by default, whatever the model recommends.
         threads: torch threads (default: torch's choice).
-        compile: compile the draft's steps (Llama.build's compile with a draft).
+        compile: compile the steps (Llama.build's compile: on a CPU the draft's; on a GPU the
+            target's too, its verifying step recorded for the first speculate_k).
+        dtype: the models' (fp32, bf16, fp16): bf16 on a GPU.
         json_path: where to write every figure.
     """
     if threads is not None:
@@ -154,7 +161,7 @@ def main(
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
     if speculate == "lookup":
         draft_quantize = draft_ckpt_dir = None
-    llama = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=1024, max_batch_size=1, dtype="fp32",
+    llama = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=1024, max_batch_size=1, dtype=dtype,
                         speculate=speculate, speculate_k=ks[0], draft_ckpt_dir=draft_ckpt_dir,
                         draft_quantize=draft_quantize, compile=compile)
     speculator = llama.speculator
@@ -179,7 +186,7 @@ def main(
     report["command"] = {"speculate": speculate, "speculate_k": list(ks), "draft_ckpt_dir": draft_ckpt_dir,
                          "draft_quantize": draft_quantize, "ckpt_dir": str(ckpt_dir), "new_tokens": new_tokens,
                          "repeats": repeats, "temperature": temperature, "repetition_penalty": repetition_penalty,
-                         "compile": compile}
+                         "compile": compile, "dtype": dtype}
     report["machine"] = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                          "load_average": os.getloadavg(), "torch": torch.__version__}
     if parallel.global_rank() == 0:
