@@ -121,11 +121,12 @@ class Llama:
         placement = parallel.init(model_parallel_size)
         check_quantize_on(quantize, placement.device)  # int4 without a kernel there: refused before loading
         if compile is None:
-            compile = placement.device.type == "cuda" and (speculate != "lookup" or whole_steps(placement.device))
+            compile = placement.device.type == "cuda" and (speculate != "lookup"
+                                                           or parallel.steps_run_whole(placement.device))
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, found {compile!r}")
         check_speculation(speculate, speculate_k, draft_ckpt_dir, draft_quantize, compile,
-                          compile and whole_steps(placement.device))
+                          compile and parallel.steps_run_whole(placement.device))
         check_quantize_on(draft_quantize, placement.device)
         check_parser_name(reasoning_parser)
         check_fraction(kv_cache_fraction)
@@ -612,11 +613,6 @@ def compile_decoding(model: Transformer, device: torch.device, verify_width: Opt
     if verify_width is not None and not compilation.graphs:
         return
     model.compile_decoding(compilation.graphs, verify_width, **compilation.options)
-
-
-def whole_steps(device: torch.device) -> bool:
-    """Whether compiled steps run whole on device, as CUDA graphs (decode_compilation)."""
-    return device.type == "cuda" and parallel.graphs_hold_collectives()
 
 
 def _refusal(stream: TextStream) -> Iterator[str]:

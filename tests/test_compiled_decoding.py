@@ -7,7 +7,7 @@ import torch
 
 from distributed import run_world
 from kv_rows import by_row
-from llama_tp import Llama, generation, parallel
+from llama_tp import Llama, parallel
 from llama_tp.model import transformer
 from llama_tp.parallel.group import DecodeCompilation
 
@@ -274,7 +274,7 @@ def test_where_steps_run_whole_speculation_verifies_through_a_compiled_step(wide
     tokens are those of eager decoding without guesses; the warm-up compiles them all. The draft
     is the target itself, so that its guesses are accepted and rounds run to the end."""
     torch._dynamo.reset()
-    monkeypatch.setattr(generation, "whole_steps", lambda device: True)
+    monkeypatch.setattr(parallel, "steps_run_whole", lambda device: True)
     monkeypatch.setattr(parallel, "decode_compilation",
                         lambda device: DecodeCompilation({"dynamic": False, "backend": CPU_BACKEND}, graphs=True))
     folder = str(wide_heads_checkpoint)

@@ -408,7 +408,8 @@ class Transformer(nn.Module):
         self.run_decode_layers = fewer_checks(torch.compile(run_layers, **compile_options))
         self.run_decode_head = fewer_checks(torch.compile(run_head, **compile_options))
         self.whole_steps = graphs and self.args.head_dim >= MIN_HEAD_DIM and self.args.sliding_window is None
-        self.step_widths = (1,) + ((verify_width,) if self.whole_steps and verify_width not in (None, 1) else ())
+        verifying = (verify_width,) if verify_width is not None else ()
+        self.step_widths = (1, *verifying) if self.whole_steps else ()
         if graphs and not self.whole_steps:
             logger.info(f"heads of {self.args.head_dim} channels (FlexAttention takes {MIN_HEAD_DIM} or more) or a "
                         f"sliding window ({self.args.sliding_window}): decoding steps compile without CUDA graphs")

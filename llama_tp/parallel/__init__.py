@@ -29,7 +29,6 @@ from .group import (
     gather_objects,
     gather_objects_if_any,
     global_rank,
-    graphs_hold_collectives,
     host_group,
     init,
     model_parallel_rank,
@@ -37,6 +36,7 @@ from .group import (
     print0,
     require_cxx_compiler,
     resolve_dtype,
+    steps_run_whole,
 )
 from .layers import EmbeddingLayout, column_parallel_linear, communication_after, parallel_embedding, row_parallel_linear
 from .watchdog import report_failure
@@ -60,7 +60,6 @@ __all__ = [
     "gather_objects",
     "gather_objects_if_any",
     "global_rank",
-    "graphs_hold_collectives",
     "host_group",
     "init",
     "is_peer_failure",
@@ -74,5 +73,6 @@ __all__ = [
     "require_cxx_compiler",
     "resolve_dtype",
     "row_parallel_linear",
+    "steps_run_whole",
     "vocab_argmax",
 ]

@@ -185,13 +185,19 @@ def decode_compilation(device: torch.device) -> DecodeCompilation:
     the code that calls the kernels in C++ too (cpp_wrapper): a demo-model step at batch 1 took
     24.1 ms instead of 25.1, for 4 s more of compiling when nothing is cached."""
     if device.type == "cuda":
-        graphs = graphs_hold_collectives()
+        graphs = steps_run_whole(device)
         # A graph's rung is one batch size: each compiles for its own (the compiler's dynamic batch
         # size, which it chose after a second size, failed for FlexAttention's block masks on an
         # H200, and a graph would have recorded eager FlexAttention, which a capture refuses).
         return DecodeCompilation({"dynamic": False} if graphs else {}, graphs=graphs)
     require_cxx_compiler("compile=True on CPU", "leave compile off")
     return DecodeCompilation({"dynamic": True, "options": {"cpp_wrapper": True}}, graphs=False)
+
+
+def steps_run_whole(device: torch.device) -> bool:
+    """Whether compiled decoding steps run whole on device, each recorded as a CUDA graph: on CUDA,
+    where a graph can hold the job's collectives."""
+    return device.type == "cuda" and graphs_hold_collectives()
 
 
 def graphs_hold_collectives() -> bool:
