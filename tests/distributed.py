@@ -7,6 +7,8 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from llama_tp import parallel
+
 
 @contextmanager
 def rendezvous() -> Iterator[dict[str, str]]:
@@ -33,3 +35,6 @@ def _worker(rank: int, world_size: int, environment: dict[str, str], fn: Callabl
     os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS="1")
     results[rank] = fn(*args)
+    # As the launch scripts do: a rank left to interpreter exit can tear its gloo threads down while
+    # another still talks to it, and dies with SIGABRT ("terminate called without an active exception").
+    parallel.leave()
