@@ -608,11 +608,13 @@ class Llama:
 def compile_decoding(model: Transformer, device: torch.device, verify_width: Optional[int] = None) -> None:
     """Compile the model's one-token steps the way that suits the device. verify_width: the model
     verifies speculation's guesses in passes of up to this many tokens a row, compiled with its
-    one-token steps where they run whole; elsewhere the model stays eager (see Llama.build)."""
+    one-token steps where they run whole; elsewhere the model stays eager (see Llama.build).
+    Without speculation, where steps run whole, so do those that take in prompt chunks beside the
+    decoding rows (the engine mixes them only then)."""
     compilation = parallel.decode_compilation(device)
     if verify_width is not None and not compilation.graphs:
         return
-    model.compile_decoding(compilation.graphs, verify_width, **compilation.options)
+    model.compile_decoding(compilation.graphs, verify_width, mix_prompts=verify_width is None, **compilation.options)
 
 
 def _refusal(stream: TextStream) -> Iterator[str]:

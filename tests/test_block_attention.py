@@ -78,3 +78,18 @@ def test_a_rows_tokens_read_the_blocks_up_to_its_last_tokens():
     masks.block_mask(tables, torch.tensor([126]), width=4)
     mask = masks.chunk_block_mask(tables, torch.tensor([126]), width=4)
     assert mask.kv_num_blocks.flatten().tolist() == [3] and mask.kv_indices.flatten()[:3].tolist() == [7, 2, 5]
+
+
+def test_a_prompt_rows_padding_reads_no_block_past_its_own_tokens():
+    """A whole step's prompt row of 64 tokens whose own are fewer (the rest padding) reads the blocks
+    up to its last own token's: from position 100 with 20 of its own, those of positions 0-119 (its
+    table's first two), where all 64 would reach a third; with chunks of 128, from position 120 with
+    5 of its own, its chunk's blocks up to position 124's."""
+    tables = torch.tensor([[7, 2, 5, 0]])
+    masks = StepMasks(1, 8 * BLOCK_POSITIONS, torch.device("cpu"), chunk=128)
+    assert masks.block_mask(tables, torch.tensor([100]), width=64).kv_num_blocks.flatten().tolist() == [3]
+    mask = masks.block_mask(tables, torch.tensor([100]), width=64, lengths=torch.tensor([20]))
+    assert mask.kv_num_blocks.flatten().tolist() == [2] and mask.kv_indices.flatten()[:2].tolist() == [7, 2]
+    masks.block_mask(tables, torch.tensor([120]), width=64, lengths=torch.tensor([5]))
+    mask = masks.chunk_block_mask(tables, torch.tensor([120]), width=64, lengths=torch.tensor([5]))
+    assert mask.kv_num_blocks.flatten().tolist() == [2] and mask.kv_indices.flatten()[:2].tolist() == [7, 2]

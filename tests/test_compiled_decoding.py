@@ -7,6 +7,7 @@ import torch
 
 from distributed import run_world
 from kv_rows import by_row
+from job_answers import greedy_answers
 from llama_tp import Llama, parallel
 from llama_tp.model import transformer
 from llama_tp.parallel.group import DecodeCompilation
@@ -296,4 +297,94 @@ def test_where_steps_run_whole_speculation_verifies_through_a_compiled_step(wide
     torch._dynamo.utils.counters.clear()
     assert llama.generate(PROMPTS, max_gen_len=16, temperature=0)[0] == expected
     assert widths.count(4) >= 4 and llama.speculator.stats.accepted > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # all compiled in the warm-up
+
+
+def whole_mixed_steps(folder: str, tokenizer_path: str, max_batch_size: int, max_seq_len: int, backend: str):
+    """A model whose steps run whole and take in prompt chunks (compile_decoding's mix_prompts)."""
+    model = build(folder, tokenizer_path, compile=False, max_batch_size=max_batch_size, max_seq_len=max_seq_len).model
+    model.compile_decoding(graphs=True, mix_prompts=True, dynamic=False, backend=backend)
+    assert model.mixed_prompt_rows == transformer.MIXED_PROMPT_ROWS and model.can_mix_batches([64, 64, 64, 64, 64])
+    assert not model.can_mix_batches([64, 64, 64, 64, 65])  # a sixth row
+    return model
+
+
+@pytest.mark.slow
+def test_whole_steps_take_in_prompt_chunks_beside_decoding_rows(wide_heads_checkpoint, tokenizer_path):
+    """A server's step with prompt chunks (forward_segments) runs as one whole step where steps run
+    whole: prompt chunks of any length from any position, in rows of BLOCK_POSITIONS tokens (a
+    chunk's rows seeing each other's keys, a last row's padding past max_seq_len), beside decoding
+    rows or alone, give eager passes' logits; after the warm-up nothing compiles, and the caches
+    hold eager's keys wherever the rows wrote theirs, the padding writing none of them."""
+    torch._dynamo.reset()
+    folder = str(wide_heads_checkpoint)
+    eager_model = build(folder, tokenizer_path, compile=False, max_batch_size=5, max_seq_len=200).model
+    compiled = whole_mixed_steps(folder, tokenizer_path, 5, 200, CPU_BACKEND)
+    tokens = torch.randint(0, 32000, (5, 200), generator=torch.Generator().manual_seed(8))
+    for model_ in (eager_model, compiled):
+        for slot, length in ((0, 10), (1, 70), (2, 5)):
+            model_.forward(tokens[slot : slot + 1, :length], 0, slots=[slot])
+    compiled.warm_up_decoding()
+    runs = []
+    compiled.mixed_graphs.run = lambda *args, run=compiled.mixed_graphs.run: runs.append(len(args[1])) or run(*args)
+
+    def batch(slot: int, start: int, length: int) -> tuple[torch.Tensor, list[int], list[int]]:
+        return tokens[slot : slot + 1, start : start + length], [start], [slot]
+
+    def decoding(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int], list[int]]:
+        return (torch.stack([tokens[slot, start : start + 1] for slot, start in rows]),
+                [start for _, start in rows], [slot for slot, _ in rows])
+
+    passes = [
+        [batch(3, 0, 100), decoding([(0, 10), (1, 70)])],  # a chunk of two rows beside decoding rows
+        [batch(4, 0, 64), batch(3, 100, 37), decoding([(2, 5)])],  # a row ending a block; one from mid-block
+        [batch(3, 137, 1), decoding([(0, 11), (2, 6), (1, 71)])],  # a prompt's last token alone
+        [batch(4, 64, 130), batch(2, 7, 60)],  # prompts alone; a last row's padding past max_seq_len (194 + 62)
+        [batch(0, 12, 188), decoding([(1, 72)])],  # a chunk to the end of the cache
+    ]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batches in passes:
+            assert compiled.can_mix_batches([len(tokens[0]) for tokens, _, _ in batches])
+            got = compiled.forward_segments(batches)
+            want = eager_model.forward_segments(batches)
+            assert got.shape == (sum(len(tokens) for tokens, _, _ in batches), 1, 32000)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert runs == [2, 1, 4, 0, 1]  # one whole step a pass, with its one-token rows
+    written = [(0, 200), (1, 73), (2, 67), (3, 138), (4, 194)]  # each row's positions written
+    for layer, eager_layer in zip(compiled.layers, eager_model.layers):
+        for slot, end in written:
+            for pool, eager_pool in ((layer.attention.cache.k, eager_layer.attention.cache.k),
+                                     (layer.attention.cache.v, eager_layer.attention.cache.v)):
+                torch.testing.assert_close(by_row(pool, compiled)[slot, :, :end],
+                                           by_row(eager_pool, eager_model)[slot, :, :end], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_where_steps_run_whole_the_engine_takes_in_prompts_in_the_whole_step_that_decodes_the_others(
+        wide_heads_checkpoint, tokenizer_path, monkeypatch):
+    """Where compiled steps run whole (a GPU's CUDA graphs; here the same steps, without graphs),
+    compile=True without speculation compiles the step that takes in prompt chunks too, and the
+    warm-up compiles it: a batch job whose rows free at different steps takes later prompts in
+    beside the generating rows, each such step one whole step, nothing compiling after the warm-up,
+    and every greedy answer is the prompt's alone, eagerly."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(parallel, "steps_run_whole", lambda device: True)
+    monkeypatch.setattr(parallel, "decode_compilation",
+                        lambda device: DecodeCompilation({"dynamic": False, "backend": CPU_BACKEND}, graphs=True))
+    folder = str(wide_heads_checkpoint)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 32000, (length,), generator=generator).tolist() for length in (3, 17, 5, 70, 8, 2)]
+    lengths = [4, 9, 2, 12, 6, 3]
+    plain = Llama.build(folder, tokenizer_path, max_seq_len=128, max_batch_size=3)
+    alone = [plain.generate([prompt], max_gen_len=length, temperature=0)[0][0] for prompt, length in zip(prompts, lengths)]
+    llama = Llama.build(folder, tokenizer_path, max_seq_len=128, max_batch_size=3, compile=True)
+    assert llama.model.mixed_graphs is not None
+    llama.warm_up()
+    steps = []
+    run = llama.model.mixed_graphs.run
+    llama.model.mixed_graphs.run = lambda *args: steps.append((len(args[1]), len(args[4]))) or run(*args)
+    torch._dynamo.utils.counters.clear()
+    assert greedy_answers(llama.engine(256), prompts, lengths) == alone
+    assert (0, 3) in steps  # the first three prompts, in one step
+    assert any(rows and prompt_rows == 2 for rows, prompt_rows in steps)  # the 70-token prompt beside generating rows
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # all compiled in the warm-up

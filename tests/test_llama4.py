@@ -184,6 +184,29 @@ def test_steps_through_block_masks_see_only_their_chunk(converted, width):
                                    atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # FlexAttention's reference computation, eagerly
+def test_a_whole_step_takes_in_prompt_chunks_seeing_only_their_chunk(converted):
+    """The GPU's step that takes in prompt chunks beside decoding rows (mixed_step): a prompt's rows of
+    64 tokens, the last one part padding, see only their own chunk's positions in the chunked layers,
+    and the NoPE layers' queries scale by their own positions, as eager passes do."""
+    _, _, ckpt = converted
+    models = [Llama.build(str(ckpt), str(ckpt / "tokenizer.json"), max_seq_len=128, max_batch_size=2,
+                          dtype="fp32").model for _ in range(2)]
+    eager, stepped = models
+    stepped.compile_decoding(graphs=True, mix_prompts=True, backend="eager")
+    assert stepped.mixed_graphs is not None and stepped.chunk == CHUNK
+    tokens = torch.randint(0, 300, (2, 128), generator=torch.Generator().manual_seed(6))
+    for model in models:
+        model.block_tables.give(0, [3, 0])  # two blocks a row, neither row's in order
+        model.block_tables.give(1, [1, 2])
+        model.forward(tokens[:1, :30], 0, slots=[0])
+    passes = [[(tokens[1:, :70], [0], [1]), (tokens[:1, 30:31], [30], [0])],
+              [(tokens[1:, 70:75], [70], [1]), (tokens[:1, 31:32], [31], [0])]]
+    for batches in passes:
+        torch.testing.assert_close(stepped.forward_segments(batches), eager.forward_segments(batches),
+                                   atol=1e-5, rtol=0)
+
+
 def test_a_multimodal_llama4_converts_its_text_model_and_leaves_the_vision_tower_out(tmp_path):
     from transformers import Llama4VisionConfig
 

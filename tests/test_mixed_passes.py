@@ -5,9 +5,9 @@ the engine takes in prompts in the pass that decodes the other rows."""
 import pytest
 import torch
 
+from job_answers import greedy_answers
 from llama_tp import Llama
-from llama_tp.sampling import SamplingOptions
-from llama_tp.engine import Engine, GenerationRequest, run_job
+from llama_tp.engine import Engine
 from tiny_checkpoint import LLAMA2_TOKENIZER, TINY_LLAMA2, full_weights, write_checkpoint
 
 VOCAB = 32000
@@ -88,14 +88,7 @@ def test_the_engine_takes_in_prompts_in_the_pass_that_decodes_the_others(llama, 
     monkeypatch.setattr(model, "forward_segments", counted_segments)
     monkeypatch.setattr(Engine, "step", counted_step)
     model.prefix_cache.forget()
-    answers = {}
-    requests = [(GenerationRequest(str(index), tuple(prompt), length, SamplingOptions(temperature=0), frozenset()), 0)
-                for index, (prompt, length) in enumerate(zip(prompts, lengths))]
-    for updates in run_job(llama.engine(512), requests):
-        answers |= {update.sequence.request.id: update.sequence.sampling.answer
-                    for update in updates if update.delta.finished}
-
-    assert [answers[str(index)] for index in range(len(prompts))] == alone
+    assert greedy_answers(llama.engine(512), prompts, lengths) == alone
     assert set(passes_per_step) == {1}
     # some pass took a prompt in beside generating rows: a batch of one-token rows and a prompt's chunk
     assert any(any(width == 1 for _, width in shapes) and any(width > 1 for _, width in shapes)

@@ -46,10 +46,12 @@ class StepMasks:
         self.chunk = chunk
         self.chunk_rule = _within_own_chunk(self.positions, self.block_places, chunk) if chunk is not None else None
 
-    def block_mask(self, tables: torch.Tensor, positions: torch.Tensor, width: int = 1) -> BlockMask:
+    def block_mask(self, tables: torch.Tensor, positions: torch.Tensor, width: int = 1,
+                   lengths: Optional[torch.Tensor] = None) -> BlockMask:
         """The mask of a step whose rows [bsz] have these block tables [bsz, blocks a row] and feed
         width tokens from these positions: each row reads its blocks up to its last token's, and
-        each token sees them up to its own position."""
+        each token sees them up to its own position. lengths [bsz]: each row's own tokens, the rest
+        of its width padding (whose blocks it need not read); None: all width of them."""
         bsz, row_blocks = tables.shape
         self.positions[:bsz].copy_(positions)
         places = torch.arange(row_blocks, device=tables.device).expand(bsz, -1)
@@ -57,17 +59,18 @@ class StepMasks:
         self.block_places[:bsz].fill_(self.pool_blocks).scatter_reduce_(1, tables, places, "amin")
         # A mask's lists of blocks span the pool (FlexAttention sizes the keys it reads by them):
         # each row's blocks up to its position's, the rest never read.
-        seen = ((positions + width - 1) // BLOCK_POSITIONS + 1).to(torch.int32)
+        seen = (_last_position(positions, width, lengths) // BLOCK_POSITIONS + 1).to(torch.int32)
         return self._mask(tables, seen, width, self.rule)
 
-    def chunk_block_mask(self, tables: torch.Tensor, positions: torch.Tensor, width: int = 1) -> BlockMask:
+    def chunk_block_mask(self, tables: torch.Tensor, positions: torch.Tensor, width: int = 1,
+                         lengths: Optional[torch.Tensor] = None) -> BlockMask:
         """After block_mask with the same rows, their mask in chunked layers: each row reads its
         blocks from the one that holds its first token's chunk's first position up to its last
         token's, and each token sees its own chunk's positions up to its own."""
         row_blocks = tables.shape[1]
         first = positions // self.chunk * self.chunk // BLOCK_POSITIONS  # bsz: the chunk's first block's place
         places = (torch.arange(row_blocks, device=tables.device) + first[:, None]).clamp(max=row_blocks - 1)
-        seen = ((positions + width - 1) // BLOCK_POSITIONS + 1 - first).to(torch.int32)
+        seen = (_last_position(positions, width, lengths) // BLOCK_POSITIONS + 1 - first).to(torch.int32)
         return self._mask(tables.gather(1, places), seen, width, self.chunk_rule)  # tables from the chunk's block on
 
     def _mask(self, tables: torch.Tensor, seen: torch.Tensor, width: int, rule: Callable) -> BlockMask:
@@ -78,6 +81,11 @@ class StepMasks:
         blocks[:, :row_blocks] = tables
         return BlockMask.from_kv_blocks(seen[:, None, None], blocks[:, None, None], BLOCK_SIZE=BLOCK_POSITIONS,
                                         mask_mod=rule, seq_lengths=(width, self.pool_positions), compute_q_blocks=False)
+
+
+def _last_position(positions: torch.Tensor, width: int, lengths: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each row's last own token's position [bsz], for rows of width tokens from positions."""
+    return positions + (width if lengths is None else lengths) - 1
 
 
 def _up_to_own_position(positions: torch.Tensor, block_places: torch.Tensor) -> Callable:

@@ -69,6 +69,10 @@ class CacheRows(NamedTuple):
     # only its own chunk's positions; None where chunks hide nothing (mask and block_mask then serve).
     chunk_mask: Optional[torch.Tensor] = None
     chunk_block_mask: Optional[BlockMask] = None
+    # [bsz, seqlen] the pool positions each token's keys and values go to, where some tokens are
+    # padding, not their row's (a whole step's prompt rows: Transformer.mixed_step), which go to
+    # the scratch block; None: every token's own position, through tables and positions.
+    write_places: Optional[torch.Tensor] = None
 
 
 class BlockTables:
@@ -172,7 +176,8 @@ class KVCache(nn.Module):
             return
         # Indexed from the pool itself, not through a view of it (self.k[0]): compiled, a write
         # through a view copies the whole pool twice (17 ms a step of a 7B with a 16 GiB pool on an H200).
-        where = (self.first, self.heads[:, None], places(rows.tables, rows.positions).flatten()[None, :])
+        written = places(rows.tables, rows.positions) if rows.write_places is None else rows.write_places
+        where = (self.first, self.heads[:, None], written.flatten()[None, :])
         self.k.index_put_(where, k.transpose(0, 1).flatten(1, 2))  # heads, bsz * seqlen, head_dim
         self.v.index_put_(where, v.transpose(0, 1).flatten(1, 2))
 

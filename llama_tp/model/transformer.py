@@ -4,6 +4,7 @@ The math is Meta's reference; parallel layers come from `parallel`, and the mode
 to other processes itself.
 """
 
+import itertools
 import math
 import time
 from functools import partial
@@ -20,7 +21,7 @@ from ..parallel import (EmbeddingLayout, all_gather_last_dim, column_parallel_li
 from .args import ModelArgs
 from .block_attention import MIN_HEAD_DIM, StepMasks, attend_own_blocks
 from .feed_forward import FeedForward, MixtureOfExperts
-from .kv_cache import (BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, block_positions, blocks_for,
+from .kv_cache import (BLOCK_POSITIONS, BlockTables, CacheRows, KVCache, block_positions, blocks_for, places,
                        step_through_kernel)
 from .layer_step import quantized_layers_step
 from .prefix_cache import PrefixCache
@@ -36,6 +37,11 @@ MAX_LAYERS_PER_CALL = 10
 # head: [rows, k + 1, vocab] fp32, 3.6 MB a row for Llama 3's vocabulary and k = 6, seven times a
 # one-token step's.
 VERIFY_MAX_ROWS = 16
+# The prompt rows (of BLOCK_POSITIONS tokens) a whole step takes in beside its decoding rows
+# (mixed_step): the server's 256 prompt tokens a step (launch/serve.py's max_prefill_tokens) as
+# one prompt's chunk, or two prompts' sharing them. A step whose chunks need more rows feeds them
+# in passes of their own.
+MIXED_PROMPT_ROWS = 5
 # The most versions of a compiled decoding function kept (rungs of the ladder x heads x step widths, with room).
 RECOMPILE_LIMIT = 64
 
@@ -362,6 +368,12 @@ class Transformer(nn.Module):
             self.graphs = {width: StepGraphs(self.decode_step, rows, self.spare_slot, device, record=record,
                                              after_compiling=self._agree_on_compiling, width=width)
                            for width, rows in most_rows.items()}
+            self.mixed_graphs = None
+            if self.mixed_prompt_rows:
+                self.prompt_masks = StepMasks(self.mixed_prompt_rows, blocks * BLOCK_POSITIONS, device, self.chunk)
+                self.mixed_graphs = StepGraphs(self.mixed_step, max_batch_size, self.spare_slot, device, record=record,
+                                               after_compiling=self._agree_on_compiling,
+                                               prompt_rows=self.mixed_prompt_rows, prompt_width=BLOCK_POSITIONS)
 
     @property
     def spare_slot(self) -> int:
@@ -379,7 +391,8 @@ class Transformer(nn.Module):
         weights = (self.layers[0].attention.wqkv.weight, self.output.weight)
         return cpu_kernels.runs_on(self.positions.device) or all(weight.dtype == torch.float32 for weight in weights)
 
-    def compile_decoding(self, graphs: bool, verify_width: Optional[int] = None, **compile_options) -> None:
+    def compile_decoding(self, graphs: bool, verify_width: Optional[int] = None, mix_prompts: bool = False,
+                         **compile_options) -> None:
         """Run one-token steps through torch.compile, in equal groups of consecutive layers, then
         the output head.
 
@@ -396,6 +409,10 @@ class Transformer(nn.Module):
 
         verify_width: with graphs, steps of this many tokens a row run whole too (speculation's
         verifying passes: a row's last token and its guesses, padded to it: padded_width).
+
+        mix_prompts: with graphs, steps that take in prompt chunks beside the decoding rows run
+        whole too (forward_segments, mixed_step), up to MIXED_PROMPT_ROWS rows of BLOCK_POSITIONS
+        prompt tokens: one pass reads the weights for both, with no launch of its own.
         """
         size = layers_per_call(len(self.layers))
         self.decode_layer_groups = [self.layers[first : first + size] for first in range(0, len(self.layers), size)]
@@ -407,9 +424,11 @@ class Transformer(nn.Module):
         self.compile_failure: Optional[Exception] = None
         self.run_decode_layers = fewer_checks(torch.compile(run_layers, **compile_options))
         self.run_decode_head = fewer_checks(torch.compile(run_head, **compile_options))
+        self.run_mixed_layers = fewer_checks(torch.compile(run_layer_segments, **compile_options))
         self.whole_steps = graphs and self.args.head_dim >= MIN_HEAD_DIM and self.args.sliding_window is None
         verifying = (verify_width,) if verify_width is not None else ()
         self.step_widths = (1, *verifying) if self.whole_steps else ()
+        self.mixed_prompt_rows = MIXED_PROMPT_ROWS if self.whole_steps and mix_prompts else 0
         if graphs and not self.whole_steps:
             logger.info(f"heads of {self.args.head_dim} channels (FlexAttention takes {MIN_HEAD_DIM} or more) or a "
                         f"sliding window ({self.args.sliding_window}): decoding steps compile without CUDA graphs")
@@ -422,13 +441,14 @@ class Transformer(nn.Module):
         """Compile the one-token step now (and record its CUDA graphs), for greedy steps (this
         rank's vocabulary slice) and sampled ones (the whole vocabulary), rather than in the first
         requests' steps: compiling takes seconds (11 s for a 7B on an H200), which a server's
-        first clients would wait. So too speculation's verifying step, where it runs whole. Every
-        rank calls it together; only the spare cache row is written."""
+        first clients would wait. So too speculation's verifying step and the step that takes in
+        prompt chunks, where they run whole. Every rank calls it together; only the spare cache row
+        is written."""
         if self.run_decode_layers is run_layers:  # not compiled
             return
         start = time.perf_counter()
         if self.graphs:
-            for graphs in self.graphs.values():
+            for graphs in (*self.graphs.values(), *([self.mixed_graphs] if self.mixed_graphs is not None else [])):
                 graphs.prepare(keys=(True, False))
         else:
             token = torch.zeros(1, 1, dtype=torch.long, device=self.rotary.device)
@@ -480,7 +500,9 @@ class Transformer(nn.Module):
 
         Every product reads the weights once for all their tokens, where a pass a batch would read
         them once a batch: a continuous batch that takes in a prompt does it in the pass that
-        decodes the others. Eager only (can_mix_batches)."""
+        decodes the others. Eagerly, or where steps run whole and take in prompts (mixed_step)."""
+        if self.mixed_graphs is not None:
+            return self._whole_mixed_pass(batches, vocab_slice)
         segments, last, first = [], [], 0
         for tokens, starts, slots in batches:
             bsz, seqlen = tokens.shape
@@ -494,6 +516,43 @@ class Transformer(nn.Module):
             h = layer.forward_segments(h, segments)
         h = h[0, torch.tensor(last, device=h.device)][:, None]  # rows, 1, dim
         return run_head(self.norm, self.output, h, gather=not vocab_slice)
+
+    def _whole_mixed_pass(self, batches: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
+                          vocab_slice: bool) -> torch.Tensor:
+        """forward_segments as one whole step (mixed_step): the rows of one token (decoding, or a
+        prompt's last token alone) as its rows, every longer row as prompt rows of BLOCK_POSITIONS
+        tokens, as many as the step takes (can_mix_batches)."""
+        singles: list[tuple[int, int, int]] = []  # (token, start, cache row)
+        prompts: list[tuple[torch.Tensor, int, int]] = []  # (tokens, start, cache row)
+        order = []  # each row's (which list, index there), in the batches' order
+        for tokens, starts, slots in batches:
+            starts, slots = self.checked_rows(*tokens.shape, starts, slots)
+            self._overwrite(slots, starts)
+            for row, (start, slot) in enumerate(zip(starts, slots)):
+                if tokens.shape[1] == 1:
+                    order.append((0, len(singles)))
+                    singles.append((int(tokens[row, 0]), start, slot))
+                else:
+                    order.append((1, len(prompts)))
+                    prompts.append((tokens[row].cpu(), start, slot))
+        if not self.can_mix_batches([len(tokens) for tokens, _, _ in prompts]):
+            raise ValueError(f"prompt chunks of {[len(tokens) for tokens, _, _ in prompts]} tokens need more than the "
+                             f"{self.mixed_prompt_rows} rows of {BLOCK_POSITIONS} a whole step takes in")
+        width = BLOCK_POSITIONS
+        prompt_rows = [(tokens[first : first + width], start + first, slot)
+                       for tokens, start, slot in prompts for first in range(0, len(tokens), width)]
+        prompt = torch.zeros(len(prompt_rows), width + 3, dtype=torch.long)
+        for row, (tokens, start, slot) in enumerate(prompt_rows):
+            prompt[row, : len(tokens)] = tokens
+            prompt[row, width :] = torch.tensor([slot, start, len(tokens)])
+        logits = self.mixed_graphs.run(torch.tensor([token for token, _, _ in singles], dtype=torch.long)[:, None],
+                                       [slot for _, _, slot in singles], [start for _, start, _ in singles],
+                                       vocab_slice, prompt)
+        self._fall_back_if_compiling_failed()
+        # Each prompt's logits are its last row's, at its last token.
+        last_rows = list(itertools.accumulate(-(-len(tokens) // width) for tokens, _, _ in prompts))
+        outputs = (list(range(len(singles))), [len(singles) + last - 1 for last in last_rows])
+        return logits[torch.tensor([outputs[kind][index] for kind, index in order], device=logits.device)]
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Each (source, target) block's keys and values copied in every layer's cache, before a
@@ -512,11 +571,14 @@ class Transformer(nn.Module):
         for slot, start in zip(slots, starts):
             self.prefix_cache.keep(slot, start)
 
-    @property
-    def can_mix_batches(self) -> bool:
-        """Whether forward_segments serves one-token steps as forward would: where they run
-        eagerly, not through compile_decoding's graphs."""
-        return self.run_decode_layers is run_layers
+    def can_mix_batches(self, prompt_lengths: Sequence[int]) -> bool:
+        """Whether forward_segments serves one-token steps as forward would beside prompt chunks
+        of these lengths: where steps run eagerly, or whole with prompts mixed in (compile_decoding's
+        mix_prompts) while the chunks fit mixed_step's prompt rows."""
+        if self.run_decode_layers is run_layers:
+            return True
+        rows = sum(-(-length // BLOCK_POSITIONS) for length in prompt_lengths if length > 1)
+        return self.mixed_graphs is not None and rows <= self.mixed_prompt_rows
 
     def padded_width(self, seqlen: int, starts: Sequence[int]) -> int:
         """The tokens a row to feed rows of up to seqlen tokens from starts: a whole step's width
@@ -531,18 +593,52 @@ class Transformer(nn.Module):
         """A few tokens a row (one, or a verifying pass's), tokens [rows, width] fed from each row's
         position in positions [rows], on the device (StepGraphs records it whole): the logits
         [rows, width, vocab] in fp32, or this rank's slice of them."""
-        width = tokens.shape[1]
-        tables = self.block_tables.tables.index_select(0, slots)
-        block_mask = self.step_masks.block_mask(tables, positions, width)
-        chunk_block_mask = (self.step_masks.chunk_block_mask(tables, positions, width) if self.chunk is not None
-                            else None)
-        token_positions = positions[:, None] + self.positions[:width]  # rows, width
-        rows = CacheRows(slots, token_positions, self.rotary[token_positions], self.max_seq_len, None, tables,
-                         None, None, block_mask, chunk_block_mask=chunk_block_mask)
+        rows = self._step_rows(self.step_masks, tokens.shape[1], slots, positions)
         h = self.tok_embeddings(tokens)  # rows, width, dim
         for layers in self.decode_layer_groups:
             h = self._compiled_or_eager(self.run_decode_layers, run_layers, layers, h, rows)
         return self._compiled_or_eager(self.run_decode_head, run_head, self.norm, self.output, h, not vocab_slice)
+
+    def mixed_step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, vocab_slice: bool,
+                   prompt: torch.Tensor) -> torch.Tensor:
+        """decode_step's one-token rows together with prompt rows, in one pass on the device
+        (StepGraphs records it whole): prompt [prompt rows, BLOCK_POSITIONS + 3] holds each prompt
+        row's tokens, its cache row, its first token's position and how many of its tokens are its
+        own (the rest padding, whose keys and values go to the scratch block). A prompt's rows are
+        consecutive pieces of it, in the same cache row: each row writes its keys and values before
+        any row attends, so a row's tokens see the rows before it. The logits [rows + prompt rows,
+        1, vocab] of each one-token row, then of each prompt row's last own token."""
+        width = BLOCK_POSITIONS
+        prompt_tokens, own = prompt[:, :width], prompt[:, width + 2]
+        decoding = self._step_rows(self.step_masks, 1, slots, positions)
+        prompting = self._step_rows(self.prompt_masks, width, prompt[:, width], prompt[:, width + 1], own)
+        h = self.tok_embeddings(torch.cat((tokens.flatten(), prompt_tokens.flatten())))[None]  # 1, tokens, dim
+        segments = [(len(tokens), 1, decoding), (len(prompt), width, prompting)]
+        for layers in self.decode_layer_groups:
+            h = self._compiled_or_eager(self.run_mixed_layers, run_layer_segments, layers, h, segments)
+        device = tokens.device
+        last = torch.cat((torch.arange(len(tokens), device=device),
+                          len(tokens) + torch.arange(len(prompt), device=device) * width + own - 1))
+        h = h[0, last][:, None]  # rows + prompt rows, 1, dim
+        return self._compiled_or_eager(self.run_decode_head, run_head, self.norm, self.output, h, not vocab_slice)
+
+    def _step_rows(self, masks: StepMasks, width: int, slots: torch.Tensor, positions: torch.Tensor,
+                   own: Optional[torch.Tensor] = None) -> CacheRows:
+        """Where a whole step's rows of width tokens from positions [rows] sit in the caches, and
+        what each token sees (masks' block masks). own [rows]: each row's own tokens, the rest
+        padding, which may run past max_seq_len and writes the scratch block; None: all of them."""
+        tables = self.block_tables.tables.index_select(0, slots)
+        block_mask = masks.block_mask(tables, positions, width, own)
+        chunk_block_mask = masks.chunk_block_mask(tables, positions, width, own) if self.chunk is not None else None
+        in_row = torch.arange(width, device=positions.device)
+        token_positions = positions[:, None] + in_row  # rows, width
+        write_places = None
+        if own is not None:
+            token_positions = token_positions.clamp(max=self.max_seq_len - 1)  # the padding's rotation is never read
+            scratch = self.block_tables.scratch * BLOCK_POSITIONS + in_row % BLOCK_POSITIONS
+            write_places = torch.where(in_row < own[:, None], places(tables, token_positions), scratch)
+        return CacheRows(slots, token_positions, self.rotary[token_positions], self.max_seq_len, None, tables,
+                         None, None, block_mask, chunk_block_mask=chunk_block_mask, write_places=write_places)
 
     def _compiled_or_eager(self, compiled: Callable, eager: Callable, *args) -> torch.Tensor:
         """compiled(*args), or eager(*args) where compiling has failed on this rank: this call's
@@ -599,6 +695,8 @@ class Transformer(nn.Module):
         self.whole_steps = False  # whether one-token steps run as decode_step, through self.graphs
         self.step_widths: tuple[int, ...] = ()  # the tokens a row of the steps that run whole
         self.graphs: dict[int, StepGraphs] = {}  # by the tokens a row
+        self.mixed_prompt_rows = 0  # the prompt rows a whole step takes in (mixed_step), if any
+        self.mixed_graphs: Optional[StepGraphs] = None
 
     def checked_rows(self, bsz: int, seqlen: int, start_pos: "int | Sequence[int]",
                      slots: Optional[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -675,6 +773,13 @@ def run_layers(layers: nn.ModuleList, h: torch.Tensor, rows: CacheRows) -> torch
             return stepped
     for layer in layers:
         h = layer(h, rows)
+    return h
+
+
+def run_layer_segments(layers: nn.ModuleList, h: torch.Tensor, segments: list[tuple[int, int, CacheRows]]) -> torch.Tensor:
+    """Consecutive layers' pass over several segments' tokens one after another (TransformerBlock.forward_segments)."""
+    for layer in layers:
+        h = layer.forward_segments(h, segments)
     return h
 
 

@@ -97,6 +97,42 @@ def test_whole_steps_on_staggered_rows_equal_eager_ones(wide_heads_checkpoint, t
         torch.testing.assert_close(layer.attention.cache.k[:5, :, :24], eager_layer.attention.cache.k[:, :, :24])
 
 
+def test_a_recorded_step_takes_in_prompt_chunks_beside_decoding_rows(wide_heads_checkpoint, tokenizer_path):
+    """A server's step with prompt chunks (forward_segments) is one CUDA graph of the ladder's rung
+    (mixed_step), recorded at the warm-up for both heads: prompt chunks in rows of 64 tokens, from
+    any position, a last row's padding past max_seq_len, beside decoding rows or alone, give eager
+    passes' logits, and nothing compiles afterwards."""
+    torch._dynamo.reset()
+    options = dict(max_seq_len=200, max_batch_size=5, dtype="fp32")
+    eager = Llama.build(str(wide_heads_checkpoint), tokenizer_path, compile=False, **options).model
+    compiled = Llama.build(str(wide_heads_checkpoint), tokenizer_path, **options).model
+    mixed = compiled.mixed_graphs
+    assert mixed.record and mixed.rungs == [1, 2, 4, 5]
+    tokens = torch.randint(0, 32000, (5, 200), generator=torch.Generator().manual_seed(8))
+    for model in (eager, compiled):
+        for slot, length in ((0, 10), (1, 70), (2, 5)):
+            model.forward(tokens[slot : slot + 1, :length], 0, slots=[slot])
+    compiled.warm_up_decoding()
+    assert len(mixed.graphs) == 2 * len(mixed.rungs)
+
+    def batch(slot, start, length):
+        return tokens[slot : slot + 1, start : start + length], [start], [slot]
+
+    def decoding(rows):
+        return (torch.stack([tokens[slot, start : start + 1] for slot, start in rows]),
+                [start for _, start in rows], [slot for slot, _ in rows])
+
+    passes = [[batch(3, 0, 100), decoding([(0, 10), (1, 70)])], [batch(4, 0, 64), batch(3, 100, 37), decoding([(2, 5)])],
+              [batch(4, 64, 130), batch(2, 7, 60)], [batch(0, 12, 188), decoding([(1, 72), (3, 137)])]]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batches in passes:
+            for vocab_slice in (True, False):
+                got = compiled.forward_segments(batches, vocab_slice=vocab_slice)
+                want = eager.forward_segments(batches, vocab_slice=vocab_slice)
+                torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    assert len(mixed.graphs) == 2 * len(mixed.rungs)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_attention_never_needs_the_math_kernel(checkpoints, tokenizer_path, dtype):
     """Prompts, one-token steps, rows at different positions, several-token chunks after a cache
