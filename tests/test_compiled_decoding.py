@@ -387,4 +387,8 @@ def test_where_steps_run_whole_the_engine_takes_in_prompts_in_the_whole_step_tha
     assert greedy_answers(llama.engine(256), prompts, lengths) == alone
     assert (0, 3) in steps  # the first three prompts, in one step
     assert any(rows and prompt_rows == 2 for rows, prompt_rows in steps)  # the 70-token prompt beside generating rows
+    steps.clear()
+    llama.forget_prefixes()
+    assert greedy_answers(llama.engine(256), prompts[3:4], lengths[3:4]) == alone[3:4]
+    assert steps == [(0, 2)]  # a prompt alone: the whole step too, then steps of its one row
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # all compiled in the warm-up

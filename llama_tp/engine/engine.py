@@ -213,7 +213,7 @@ class Engine:
             # weights once together, instead of once in a prompt pass and again in a decoding pass.
             batches = [[chunk] for chunk in prefill] + ([plan.decode] if plan.decode else [])
             if batches:
-                self._feed(*batches)
+                self._feed(*batches, segments=True)
         else:
             # Compiled steps whose prompt chunks a whole step cannot take in (fixed shapes), and
             # speculation's rounds: prompt chunks first, in passes of their own, so that a new request's first token waits for its own prefill only, not
@@ -251,14 +251,17 @@ class Engine:
         if adjusted:
             self._feed(adjusted)
 
-    def _feed(self, *batches: list[Chunk], every_position: bool = False) -> None:
+    def _feed(self, *batches: list[Chunk], every_position: bool = False, segments: bool = False) -> None:
         """One pass over batches of chunks (prompt chunks, the shorter padded to the longest; or one
         token of each generating request), then the next token of each sequence whose pending tokens
         it fed. Several batches share the pass (Transformer.forward_segments). every_position: one
-        batch of one prompt chunk, whose positions' logits give its prompt's log probabilities."""
+        batch of one prompt chunk, whose positions' logits give its prompt's log probabilities.
+        segments: each batch is one prompt chunk but the last, which may be the generating rows;
+        where steps run whole with prompts in them, a lone prompt chunk runs so too."""
         chunks = [chunk for batch in batches for chunk in batch]
         plain_greedy = not every_position and all(_takes_best_logit(c.sequence.request) for c in chunks if c.completes)
-        if len(batches) == 1:
+        lone_prompt_whole = segments and self.model.mixed_graphs is not None and len(chunks[0].tokens) > 1
+        if len(batches) == 1 and not lone_prompt_whole:
             tokens, starts, slots, lengths = batch_tensors(chunks)
             width = tokens.shape[1]
             logits = self.model.forward(tokens, starts, last_only=not every_position, vocab_slice=plain_greedy,
