@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from distributed import rendezvous
-from llama_tp import Llama
+from llama_tp import Llama, parallel
 
 
 def rank_main(rank: int, world_size: int, environment: dict[str, str], manifest: dict) -> None:
@@ -50,6 +50,7 @@ def run_cases(rank: int, world_size: int, environment: dict[str, str], manifest:
         results[case["name"]] = {"logits": logits, "tokens": generated[0]}
     if rank == 0:
         torch.save(results, Path(manifest["out"]) / f"world{world_size}.pt")
+    parallel.leave()  # with the other ranks, as run_world's workers do (distributed.py)
 
 
 def main(manifest_path: str) -> None:

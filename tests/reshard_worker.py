@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from distributed import rendezvous
-from llama_tp import Llama
+from llama_tp import Llama, parallel
 
 PROMPTS = [[1, 450, 4996, 17354, 1701, 29916], [1, 18637, 29892, 920, 29871, 13]]
 WORLD_SIZES = (1, 2, 4)
@@ -34,6 +34,7 @@ def rank_main(rank: int, world_size: int, environment: dict[str, str], manifest:
         results[name] = {"logits": logits, "tokens": tokens}
     if rank == 0:
         torch.save(results, Path(manifest["out"]) / f"world{world_size}.pt")
+    parallel.leave()  # with the other ranks, as run_world's workers do (distributed.py)
 
 
 def main(manifest_path: str) -> None:
