@@ -304,8 +304,7 @@ def whole_mixed_steps(folder: str, tokenizer_path: str, max_batch_size: int, max
     """A model whose steps run whole and take in prompt chunks (compile_decoding's mix_prompts)."""
     model = build(folder, tokenizer_path, compile=False, max_batch_size=max_batch_size, max_seq_len=max_seq_len).model
     model.compile_decoding(graphs=True, mix_prompts=True, dynamic=False, backend=backend)
-    assert model.mixed_prompt_rows == transformer.MIXED_PROMPT_ROWS and model.can_mix_batches([64, 64, 64, 64, 64])
-    assert not model.can_mix_batches([64, 64, 64, 64, 65])  # a sixth row
+    assert model.mixed_prompt_rows == transformer.MIXED_PROMPT_ROWS == 5 and model.can_mix_batches
     return model
 
 
@@ -314,8 +313,9 @@ def test_whole_steps_take_in_prompt_chunks_beside_decoding_rows(wide_heads_check
     """A server's step with prompt chunks (forward_segments) runs as one whole step where steps run
     whole: prompt chunks of any length from any position, in rows of BLOCK_POSITIONS tokens (a
     chunk's rows seeing each other's keys, a last row's padding past max_seq_len), beside decoding
-    rows or alone, give eager passes' logits; after the warm-up nothing compiles, and the caches
-    hold eager's keys wherever the rows wrote theirs, the padding writing none of them."""
+    rows or alone, give eager passes' logits, more prompt rows than a step takes going on in a
+    step of their own; after the warm-up nothing compiles, and the caches hold eager's keys
+    wherever the rows wrote theirs, the padding writing none of them."""
     torch._dynamo.reset()
     folder = str(wide_heads_checkpoint)
     eager_model = build(folder, tokenizer_path, compile=False, max_batch_size=5, max_seq_len=200).model
@@ -340,17 +340,16 @@ def test_whole_steps_take_in_prompt_chunks_beside_decoding_rows(wide_heads_check
         [batch(4, 0, 64), batch(3, 100, 37), decoding([(2, 5)])],  # a row ending a block; one from mid-block
         [batch(3, 137, 1), decoding([(0, 11), (2, 6), (1, 71)])],  # a prompt's last token alone
         [batch(4, 64, 130), batch(2, 7, 60)],  # prompts alone; a last row's padding past max_seq_len (194 + 62)
-        [batch(0, 12, 188), decoding([(1, 72)])],  # a chunk to the end of the cache
+        [batch(0, 12, 188), batch(2, 67, 133), decoding([(1, 72)])],  # chunks to the cache's end: 6 rows, 2 steps
     ]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for batches in passes:
-            assert compiled.can_mix_batches([len(tokens[0]) for tokens, _, _ in batches])
             got = compiled.forward_segments(batches)
             want = eager_model.forward_segments(batches)
             assert got.shape == (sum(len(tokens) for tokens, _, _ in batches), 1, 32000)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert runs == [2, 1, 4, 0, 1]  # one whole step a pass, with its one-token rows
-    written = [(0, 200), (1, 73), (2, 67), (3, 138), (4, 194)]  # each row's positions written
+    assert runs == [2, 1, 4, 0, 1, 0]  # one whole step a pass (two for six rows), the first with the one-token rows
+    written = [(0, 200), (1, 73), (2, 200), (3, 138), (4, 194)]  # each row's positions written
     for layer, eager_layer in zip(compiled.layers, eager_model.layers):
         for slot, end in written:
             for pool, eager_pool in ((layer.attention.cache.k, eager_layer.attention.cache.k),

@@ -98,7 +98,7 @@ def test_without_mixed_passes_generate_prefills_its_prompts_padded_together(llam
     prompts = [torch.randint(3, 32000, (length,), generator=generator).tolist() for length in (6, 6, 5, 6)]
     alone = [llama.generate([prompt], max_gen_len=6, temperature=0)[0][0] for prompt in prompts]
     llama.forget_prefixes()
-    monkeypatch.setattr(type(llama.model), "can_mix_batches", lambda model, prompt_lengths: False)
+    monkeypatch.setattr(type(llama.model), "can_mix_batches", property(lambda model: False))
     passes = []
     forward = llama.model.forward
     monkeypatch.setattr(llama.model, "forward", lambda tokens, *args, **kwargs: (

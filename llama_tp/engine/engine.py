@@ -208,15 +208,15 @@ class Engine:
         prefill = [chunk for chunk in plan.prefill if not _scores_prompt(chunk.sequence)]
         for chunk in scored:
             self._prefill([chunk], every_position=True)
-        if self.speculator is None and self.model.can_mix_batches([len(chunk.tokens) for chunk in prefill]):
+        if self.speculator is None and self.model.can_mix_batches:
             # One pass for all: every prompt chunk (unpadded) and the generating rows read the
             # weights once together, instead of once in a prompt pass and again in a decoding pass.
             batches = [[chunk] for chunk in prefill] + ([plan.decode] if plan.decode else [])
             if batches:
                 self._feed(*batches, segments=True)
         else:
-            # Compiled steps whose prompt chunks a whole step cannot take in (fixed shapes), and
-            # speculation's rounds: prompt chunks first, in passes of their own, so that a new request's first token waits for its own prefill only, not
+            # Compiled steps that take no prompts in (fixed shapes) and speculation's rounds:
+            # prompt chunks first, in passes of their own, so that a new request's first token waits for its own prefill only, not
             # also for the batch's decoding pass (chunks are at most max_prefill_tokens long).
             for chunks in prefill_passes(prefill, self.model.max_seq_len):
                 self._prefill(chunks)

@@ -39,8 +39,8 @@ MAX_LAYERS_PER_CALL = 10
 VERIFY_MAX_ROWS = 16
 # The prompt rows (of BLOCK_POSITIONS tokens) a whole step takes in beside its decoding rows
 # (mixed_step): the server's 256 prompt tokens a step (launch/serve.py's max_prefill_tokens) as
-# one prompt's chunk, or two prompts' sharing them. A step whose chunks need more rows feeds them
-# in passes of their own.
+# one prompt's chunk, or two prompts' sharing them. Chunks that need more rows go on in whole
+# steps of prompt rows alone, a row's whole step padded to this many.
 MIXED_PROMPT_ROWS = 5
 # The most versions of a compiled decoding function kept (rungs of the ladder x heads x step widths, with room).
 RECOMPILE_LIMIT = 64
@@ -412,7 +412,7 @@ class Transformer(nn.Module):
 
         mix_prompts: with graphs, steps that take in prompt chunks beside the decoding rows run
         whole too (forward_segments, mixed_step), up to MIXED_PROMPT_ROWS rows of BLOCK_POSITIONS
-        prompt tokens: one pass reads the weights for both, with no launch of its own.
+        prompt tokens a step: one pass reads the weights for both, with no launch of its own.
         """
         size = layers_per_call(len(self.layers))
         self.decode_layer_groups = [self.layers[first : first + size] for first in range(0, len(self.layers), size)]
@@ -519,9 +519,10 @@ class Transformer(nn.Module):
 
     def _whole_mixed_pass(self, batches: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
                           vocab_slice: bool) -> torch.Tensor:
-        """forward_segments as one whole step (mixed_step): the rows of one token (decoding, or a
+        """forward_segments as whole steps (mixed_step): the rows of one token (decoding, or a
         prompt's last token alone) as its rows, every longer row as prompt rows of BLOCK_POSITIONS
-        tokens, as many as the step takes (can_mix_batches)."""
+        tokens, as many as a step takes, the rest in further steps of prompt rows alone (a prompt's
+        later rows after its earlier ones, whose keys and values are then in the cache)."""
         singles: list[tuple[int, int, int]] = []  # (token, start, cache row)
         prompts: list[tuple[torch.Tensor, int, int]] = []  # (tokens, start, cache row)
         order = []  # each row's (which list, index there), in the batches' order
@@ -535,9 +536,6 @@ class Transformer(nn.Module):
                 else:
                     order.append((1, len(prompts)))
                     prompts.append((tokens[row].cpu(), start, slot))
-        if not self.can_mix_batches([len(tokens) for tokens, _, _ in prompts]):
-            raise ValueError(f"prompt chunks of {[len(tokens) for tokens, _, _ in prompts]} tokens need more than the "
-                             f"{self.mixed_prompt_rows} rows of {BLOCK_POSITIONS} a whole step takes in")
         width = BLOCK_POSITIONS
         prompt_rows = [(tokens[first : first + width], start + first, slot)
                        for tokens, start, slot in prompts for first in range(0, len(tokens), width)]
@@ -545,10 +543,14 @@ class Transformer(nn.Module):
         for row, (tokens, start, slot) in enumerate(prompt_rows):
             prompt[row, : len(tokens)] = tokens
             prompt[row, width :] = torch.tensor([slot, start, len(tokens)])
-        logits = self.mixed_graphs.run(torch.tensor([token for token, _, _ in singles], dtype=torch.long)[:, None],
-                                       [slot for _, _, slot in singles], [start for _, start, _ in singles],
-                                       vocab_slice, prompt)
+        logits, most = [], self.mixed_prompt_rows
+        for first in range(0, max(len(prompt_rows), 1), most):
+            ones = singles if first == 0 else []
+            logits.append(self.mixed_graphs.run(torch.tensor([token for token, _, _ in ones], dtype=torch.long)[:, None],
+                                                [slot for _, _, slot in ones], [start for _, start, _ in ones],
+                                                vocab_slice, prompt[first : first + most]))
         self._fall_back_if_compiling_failed()
+        logits = torch.cat(logits)  # the one-token rows', then every prompt row's
         # Each prompt's logits are its last row's, at its last token.
         last_rows = list(itertools.accumulate(-(-len(tokens) // width) for tokens, _, _ in prompts))
         outputs = (list(range(len(singles))), [len(singles) + last - 1 for last in last_rows])
@@ -571,14 +573,11 @@ class Transformer(nn.Module):
         for slot, start in zip(slots, starts):
             self.prefix_cache.keep(slot, start)
 
-    def can_mix_batches(self, prompt_lengths: Sequence[int]) -> bool:
-        """Whether forward_segments serves one-token steps as forward would beside prompt chunks
-        of these lengths: where steps run eagerly, or whole with prompts mixed in (compile_decoding's
-        mix_prompts) while the chunks fit mixed_step's prompt rows."""
-        if self.run_decode_layers is run_layers:
-            return True
-        rows = sum(-(-length // BLOCK_POSITIONS) for length in prompt_lengths if length > 1)
-        return self.mixed_graphs is not None and rows <= self.mixed_prompt_rows
+    @property
+    def can_mix_batches(self) -> bool:
+        """Whether forward_segments serves one-token steps as forward would: where they run
+        eagerly, or whole with prompts mixed in (compile_decoding's mix_prompts)."""
+        return self.run_decode_layers is run_layers or self.mixed_graphs is not None
 
     def padded_width(self, seqlen: int, starts: Sequence[int]) -> int:
         """The tokens a row to feed rows of up to seqlen tokens from starts: a whole step's width

@@ -100,8 +100,8 @@ def test_whole_steps_on_staggered_rows_equal_eager_ones(wide_heads_checkpoint, t
 def test_a_recorded_step_takes_in_prompt_chunks_beside_decoding_rows(wide_heads_checkpoint, tokenizer_path):
     """A server's step with prompt chunks (forward_segments) is one CUDA graph of the ladder's rung
     (mixed_step), recorded at the warm-up for both heads: prompt chunks in rows of 64 tokens, from
-    any position, a last row's padding past max_seq_len, beside decoding rows or alone, give eager
-    passes' logits, and nothing compiles afterwards."""
+    any position, a last row's padding past max_seq_len, beside decoding rows or alone, more rows
+    than a step takes in two steps, give eager passes' logits, and nothing compiles afterwards."""
     torch._dynamo.reset()
     options = dict(max_seq_len=200, max_batch_size=5, dtype="fp32")
     eager = Llama.build(str(wide_heads_checkpoint), tokenizer_path, compile=False, **options).model
@@ -123,7 +123,7 @@ def test_a_recorded_step_takes_in_prompt_chunks_beside_decoding_rows(wide_heads_
                 [start for _, start in rows], [slot for slot, _ in rows])
 
     passes = [[batch(3, 0, 100), decoding([(0, 10), (1, 70)])], [batch(4, 0, 64), batch(3, 100, 37), decoding([(2, 5)])],
-              [batch(4, 64, 130), batch(2, 7, 60)], [batch(0, 12, 188), decoding([(1, 72), (3, 137)])]]
+              [batch(4, 64, 130), batch(2, 7, 60)], [batch(0, 12, 188), batch(2, 67, 133), decoding([(1, 72), (3, 137)])]]  # 6 prompt rows: 2 steps
     with torch._dynamo.config.patch(error_on_recompile=True):
         for batches in passes:
             for vocab_slice in (True, False):
