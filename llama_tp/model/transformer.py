@@ -536,15 +536,9 @@ class Transformer(nn.Module):
                 else:
                     order.append((1, len(prompts)))
                     prompts.append((tokens[row].cpu(), start, slot))
-        width = BLOCK_POSITIONS
-        prompt_rows = [(tokens[first : first + width], start + first, slot)
-                       for tokens, start, slot in prompts for first in range(0, len(tokens), width)]
-        prompt = torch.zeros(len(prompt_rows), width + 3, dtype=torch.long)
-        for row, (tokens, start, slot) in enumerate(prompt_rows):
-            prompt[row, : len(tokens)] = tokens
-            prompt[row, width :] = torch.tensor([slot, start, len(tokens)])
+        prompt = prompt_rows(prompts)
         logits, most = [], self.mixed_prompt_rows
-        for first in range(0, max(len(prompt_rows), 1), most):
+        for first in range(0, max(len(prompt), 1), most):
             ones = singles if first == 0 else []
             logits.append(self.mixed_graphs.run(torch.tensor([token for token, _, _ in ones], dtype=torch.long)[:, None],
                                                 [slot for _, _, slot in ones], [start for _, start, _ in ones],
@@ -552,7 +546,7 @@ class Transformer(nn.Module):
         self._fall_back_if_compiling_failed()
         logits = torch.cat(logits)  # the one-token rows', then every prompt row's
         # Each prompt's logits are its last row's, at its last token.
-        last_rows = list(itertools.accumulate(-(-len(tokens) // width) for tokens, _, _ in prompts))
+        last_rows = itertools.accumulate(blocks_for(len(tokens)) for tokens, _, _ in prompts)
         outputs = (list(range(len(singles))), [len(singles) + last - 1 for last in last_rows])
         return logits[torch.tensor([outputs[kind][index] for kind, index in order], device=logits.device)]
 
@@ -773,6 +767,20 @@ def run_layers(layers: nn.ModuleList, h: torch.Tensor, rows: CacheRows) -> torch
     for layer in layers:
         h = layer(h, rows)
     return h
+
+
+def prompt_rows(prompts: Sequence[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+    """Prompt chunks, each (tokens, first position, cache row), in rows of BLOCK_POSITIONS tokens as
+    mixed_step takes them: [rows, BLOCK_POSITIONS + 3], each row's tokens (a chunk's last row padded
+    with zeros), its cache row, its first token's position and how many of its tokens are its own."""
+    width = BLOCK_POSITIONS
+    pieces = [(tokens[first : first + width], start + first, slot)
+              for tokens, start, slot in prompts for first in range(0, len(tokens), width)]
+    rows = torch.zeros(len(pieces), width + 3, dtype=torch.long)
+    for row, (tokens, start, slot) in enumerate(pieces):
+        rows[row, : len(tokens)] = tokens
+        rows[row, width:] = torch.tensor([slot, start, len(tokens)])
+    return rows
 
 
 def run_layer_segments(layers: nn.ModuleList, h: torch.Tensor, segments: list[tuple[int, int, CacheRows]]) -> torch.Tensor:
