@@ -156,7 +156,7 @@ def write_gguf(path: Path, model: torch.nn.Module, family: str, tokenizer_json: 
     state = model.state_dict()
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":  # llama.cpp stores the rescaling as a tensor of divisors
-        from llama_tp.model.transformer import _llama31_scaled
+        from llama_tp.model.rotary import _llama31_scaled
         freqs = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
         scaled = _llama31_scaled(freqs, rope["factor"], rope["high_freq_factor"], rope["low_freq_factor"],
                                  rope["original_max_position_embeddings"])

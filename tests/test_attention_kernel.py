@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from llama_tp import Llama
 from llama_tp.kernels import cpu_kernels
 from llama_tp.model.kv_cache import BLOCK_POSITIONS, MAX_KERNEL_STEP_TOKENS, places
-from llama_tp.model.transformer import apply_rotary
+from llama_tp.model.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
                                 reason="the kernel needs AVX-512 or AVX2")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_tp.model.transformer import attend, folded_attention
+from llama_tp.model.attention import attend, folded_attention
 
 
 def reference(q, keys, values, mask):

@@ -65,7 +65,7 @@ def test_logits_match_transformers(family, params, checkpoints, tokenizer_path):
 
 def test_scaled_rope_really_changes_the_model():
     """Guards the test above: with use_scaled_rope the rotary frequencies must differ."""
-    from llama_tp.model.transformer import rotary_frequencies
+    from llama_tp.model.rotary import rotary_frequencies
 
     scaled = ModelArgs.from_dict(TINY_LLAMA3)
     plain = ModelArgs.from_dict({**TINY_LLAMA3, "use_scaled_rope": False})

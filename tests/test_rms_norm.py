@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llama_tp.kernels import cpu_kernels
-from llama_tp.model.transformer import RMSNorm
+from llama_tp.model.norm import RMSNorm
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.decoding_kernels_run_on(torch.device("cpu")),
                                   reason="the kernel needs AVX-512 or AVX2")

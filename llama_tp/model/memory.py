@@ -16,9 +16,9 @@ import torch
 from ..kernels import int4
 from ..kernels.int8 import group_size
 from .args import ModelArgs
+from .attention import local_kv_heads
 from .kv_cache import BLOCK_POSITIONS, blocks_for
 from .quantize import check_quantize, layer_quantization
-from .transformer import local_kv_heads
 
 GIB = 1024**3
 # On a GPU, without --kv_cache_memory: the share of the memory free once the weights are loaded that

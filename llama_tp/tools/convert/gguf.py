@@ -20,7 +20,7 @@ import torch
 
 from ...model.args import ModelArgs
 from ...checkpoint.quantized import QuantizedWeight, tensor_quantization
-from ...model.transformer import rotary_frequencies
+from ...model.rotary import rotary_frequencies
 from ...optional import require
 from ...checkpoint.record import ModelRecord, check_sampling
 from . import gguf_blocks, gguf_vocab
