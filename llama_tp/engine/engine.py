@@ -216,8 +216,9 @@ class Engine:
                 self._feed(*batches, segments=True)
         else:
             # Compiled steps that take no prompts in (fixed shapes) and speculation's rounds:
-            # prompt chunks first, in passes of their own, so that a new request's first token waits for its own prefill only, not
-            # also for the batch's decoding pass (chunks are at most max_prefill_tokens long).
+            # prompt chunks first, in passes of their own, so that a new request's first token
+            # waits for its own prefill only, not also for the batch's decoding pass (chunks are
+            # at most max_prefill_tokens long).
             for chunks in prefill_passes(prefill, self.model.max_seq_len):
                 self._prefill(chunks)
             if plan.decode:

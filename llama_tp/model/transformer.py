@@ -258,7 +258,8 @@ class Transformer(nn.Module):
             return
         start = time.perf_counter()
         if self.graphs:
-            for graphs in (*self.graphs.values(), *([self.mixed_graphs] if self.mixed_graphs is not None else [])):
+            mixed = [self.mixed_graphs] if self.mixed_graphs is not None else []
+            for graphs in [*self.graphs.values(), *mixed]:
                 graphs.prepare(keys=(True, False))
         else:
             token = torch.zeros(1, 1, dtype=torch.long, device=self.rotary.device)
@@ -333,31 +334,33 @@ class Transformer(nn.Module):
         prompt's last token alone) as its rows, every longer row as prompt rows of BLOCK_POSITIONS
         tokens, as many as a step takes, the rest in further steps of prompt rows alone (a prompt's
         later rows after its earlier ones, whose keys and values are then in the cache)."""
-        singles: list[tuple[int, int, int]] = []  # (token, start, cache row)
+        single_tokens, single_starts, single_slots = [], [], []  # the one-token rows, batch by batch
         prompts: list[tuple[torch.Tensor, int, int]] = []  # (tokens, start, cache row)
-        order = []  # each row's (which list, index there), in the batches' order
+        order = []  # each row's output, in the batches' order: ("single" or "prompt", its index there)
         for tokens, starts, slots in batches:
             starts, slots = self.checked_rows(*tokens.shape, starts, slots)
             self._overwrite(slots, starts)
-            for row, (start, slot) in enumerate(zip(starts, slots)):
-                if tokens.shape[1] == 1:
-                    order.append((0, len(singles)))
-                    singles.append((int(tokens[row, 0]), start, slot))
-                else:
-                    order.append((1, len(prompts)))
-                    prompts.append((tokens[row].cpu(), start, slot))
+            if tokens.shape[1] == 1:  # the generating rows: one batch, kept a tensor
+                order += [("single", len(single_starts) + row) for row in range(len(slots))]
+                single_tokens.append(tokens)
+                single_starts += starts
+                single_slots += slots
+            else:
+                order += [("prompt", len(prompts) + row) for row in range(len(slots))]
+                prompts += [(row_tokens, start, slot) for row_tokens, start, slot in zip(tokens.cpu(), starts, slots)]
         prompt = prompt_rows(prompts)
+        singles = torch.cat(single_tokens) if single_tokens else torch.zeros(0, 1, dtype=torch.long)
         logits, most = [], self.mixed_prompt_rows
         for first in range(0, max(len(prompt), 1), most):
-            ones = singles if first == 0 else []
-            logits.append(self.mixed_graphs.run(torch.tensor([token for token, _, _ in ones], dtype=torch.long)[:, None],
-                                                [slot for _, _, slot in ones], [start for _, start, _ in ones],
-                                                vocab_slice, prompt[first : first + most]))
+            rows = len(single_slots) if first == 0 else 0  # the one-token rows ride in the first step
+            logits.append(self.mixed_graphs.run(singles[:rows], single_slots[:rows], single_starts[:rows], vocab_slice,
+                                                prompt[first : first + most]))
         self._fall_back_if_compiling_failed()
         logits = torch.cat(logits)  # the one-token rows', then every prompt row's
         # Each prompt's logits are its last row's, at its last token.
         last_rows = itertools.accumulate(blocks_for(len(tokens)) for tokens, _, _ in prompts)
-        outputs = (list(range(len(singles))), [len(singles) + last - 1 for last in last_rows])
+        outputs = {"single": list(range(len(single_slots))),
+                   "prompt": [len(single_slots) + last - 1 for last in last_rows]}
         return logits[torch.tensor([outputs[kind][index] for kind, index in order], device=logits.device)]
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
