@@ -284,6 +284,7 @@ class TemplateChatFormat:
     """
 
     def __init__(self, template: str, tokenizer, known):
+        self.source = template
         self.template = compile_template(template)
         self.takes_tools = reads(template, "tools")  # else tools are described as the known format does
         self.tokenizer, self.known = tokenizer, known
@@ -293,6 +294,13 @@ class TemplateChatFormat:
         self.control_tags = tuple(sorted(self.special_tokens))
         longest_first = sorted(self.special_tokens, key=len, reverse=True)
         self._controls = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "template": None}  # a compiled template does not pickle: it compiles again
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.template = compile_template(self.source)
 
     def is_unsafe(self, dialog: list[dict]) -> bool:
         """Whether a message's text (or its calls') spells a control token, which would become
