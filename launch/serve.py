@@ -4,8 +4,9 @@
     torchrun --nproc_per_node 1 launch/serve.py   # the built-in demo model (1 or 3 processes)
 
 Rank 0 listens for requests (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
-/health, /metrics) while every rank runs the engine in lockstep, many requests in one batch (continuous
-batching). It prints one line with the URL once it answers. Ctrl-C or SIGTERM stops it: running
+/health, /metrics) in an HTTP process of its own (serve/http_process.py), while every rank runs the
+engine in lockstep, many requests in one batch (continuous batching). It prints one line with the
+URL once it answers. Ctrl-C or SIGTERM stops it: running
 requests end with what they have, new ones are refused, and every rank leaves.
 """
 
@@ -22,10 +23,10 @@ from llama_tp.parallel import print0
 from llama_tp.serve.limits import ServerLimits  # core-only modules: the options' defaults
 from llama_tp.structured.constraint import GrammarLimits
 from llama_tp.tools import demo
-from llama_tp.tools.cli import run
+from llama_tp.tools.cli import JobEnded, run
 
 if TYPE_CHECKING:
-    from llama_tp.serve.mailbox import Mailbox
+    from llama_tp.serve.channel import EngineChannel
 
 
 def main(
@@ -115,24 +116,21 @@ def main(
     limits = ServerLimits(max_body_bytes, read_timeout, GrammarLimits(max_grammar_bytes, grammar_timeout))
     _check_limits(limits)
     require_all(("fastapi", "uvicorn", "prometheus_client", "xgrammar"), "the server")  # every rank, first
-    from llama_tp.serve.app import create_app
-    from llama_tp.serve.mailbox import Mailbox, ServerState
-    from llama_tp.serve.metrics import ServerMetrics
-    from llama_tp.serve.server import ServerThread, bind, engine_loop
+    from llama_tp.serve.http_process import HttpProcess, HttpSettings
+    from llama_tp.serve.served_model import ServedModel
+    from llama_tp.serve.server import bind, engine_loop
 
     placement = parallel.init()
     api_key = api_key if api_key is not None else os.environ.get("LLAMA_TP_API_KEY") or None
     name = model_name or (Path(ckpt_dir).name if ckpt_dir else demo.MODEL_NAME)
     ckpt_dir, tokenizer_path = demo.model_paths(ckpt_dir, tokenizer_path)
-    mailbox = Mailbox(max_waiting, ServerMetrics(name)) if placement.is_main else None
-    app = server = None
+    http = None
     with parallel.agreement("opening the server's port"):  # a busy port fails every rank, before loading
         if placement.is_main:  # only rank 0 reads the TLS files
             _check_tls(ssl_certfile, ssl_keyfile)
-            app = create_app(mailbox, None, name, api_key, max_stored_responses, limits)
             # /health says 503 while loading
-            server = ServerThread(app, bind(host, port), ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
-                                  read_timeout=read_timeout).start()
+            http = HttpProcess(bind(host, port), HttpSettings(name, max_waiting, api_key, max_stored_responses,
+                                                              limits, ssl_certfile, ssl_keyfile))
     try:
         generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, dtype=dtype,
                                 quantize=quantize, compile=compile,
@@ -142,18 +140,19 @@ def main(
                                 reasoning_parser=reasoning_parser)
         generator.model.prefix_cache.enabled = not no_prefix_cache
         generator.warm_up()  # before /health says ready, not in the first requests
-        serving = engine_loop(generator, max_prefill_tokens, mailbox)
+        serving = engine_loop(generator, max_prefill_tokens, http.channel if http is not None else None)
         stopping = threading.Event()
-        _stop_on_signals(stopping, mailbox)
-        if server is not None:
-            app.state.generator = generator
-            mailbox.set_state(ServerState.READY)
-            print0(f"llama_tp serves {name} at {server.url}/v1 (Ctrl-C to stop)")
-        serving.run(stopping.is_set)
+        _stop_on_signals(stopping, http.channel if http is not None else None)
+        if http is not None:
+            http.channel.ready(ServedModel(generator))
+            print0(f"llama_tp serves {name} at {http.url}/v1 (Ctrl-C to stop)")
+        serving.run(lambda: stopping.is_set() or (http is not None and http.lost))
+        if http is not None and http.lost:
+            raise JobEnded(http.ended_unexpectedly())
         print0("llama_tp stopped serving: running requests were ended, new ones refused")
     finally:
-        if server is not None:
-            server.stop()  # open streams get their last events first
+        if http is not None:
+            http.stop()  # open streams get their last events first
 
 
 def _check_limits(limits: ServerLimits) -> None:
@@ -175,13 +174,13 @@ def _check_tls(ssl_certfile: Optional[str], ssl_keyfile: Optional[str]) -> None:
             raise ValueError(f"{option} {path} is not a file; pass the PEM file's path")
 
 
-def _stop_on_signals(stopping: threading.Event, mailbox: "Optional[Mailbox]") -> None:
+def _stop_on_signals(stopping: threading.Event, channel: "Optional[EngineChannel]") -> None:
     """Ctrl-C and SIGTERM (torchrun forwards both) end the serving loop cleanly at its next step."""
 
     def stop(signum, frame) -> None:
         stopping.set()
-        if mailbox is not None:
-            mailbox.wake()  # rank 0 may be waiting for a request
+        if channel is not None:
+            channel.wake()  # rank 0 may be waiting for a request
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)

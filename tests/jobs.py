@@ -197,6 +197,21 @@ def alive(pids: list[int]) -> list[int]:
     return running
 
 
+def http_process(rank: int) -> Optional[int]:
+    """The pid of the HTTP process a serving rank 0 started (serve/http_process.py), if it runs."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent == rank and b"spawn_main" in command:
+            return int(entry.name)
+    return None
+
+
 def rank_pids(launcher: int) -> dict[int, int]:
     """{rank: pid} of the workers a torchrun launcher started."""
     ranks = {}

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from distributed import run_world
-from jobs import alive, rank_pids
+from jobs import alive, http_process, rank_pids
 from llama_tp import Llama
 from llama_tp.serve.mailbox import ENGINE_FAILED
 from serve_client import client, metric, wait_until
@@ -162,6 +162,8 @@ def server_of_3(checkpoints, tmp_path):
 
 def test_ctrl_c_ends_running_answers_cleanly_and_every_rank(server_of_3):
     server = server_of_3
+    http = http_process(server.ranks[0])
+    assert http is not None  # the HTTP side runs in a process of its own
     stream = client(server.url).chat.completions.create(model=MODEL, messages=DIALOGS[0], max_tokens=100,
                                                         stream=True, extra_body={"min_tokens": 100})
     first = next(iter(stream))
@@ -170,20 +172,47 @@ def test_ctrl_c_ends_running_answers_cleanly_and_every_rank(server_of_3):
     assert chunks[-1].choices[0].finish_reason == "stop" and len(chunks) < 100
     assert server.ended_within(30) < 30
     assert "llama_tp stopped serving" in "".join(server.output)
+    assert not alive([http])
+
+
+def test_a_killed_http_process_ends_the_job_with_its_message(server_of_3):
+    """Without its HTTP side no request can reach the engine: every rank stops, and rank 0 says why."""
+    server = server_of_3
+    os.kill(http_process(server.ranks[0]), signal.SIGKILL)
+    assert server.ended_within(30) < 30
+    assert server.job.returncode != 0
+    log = server.log.read_text()
+    assert ("llama_tp error on rank 0: the HTTP server's process ended unexpectedly (exit code -9), so no "
+            "request can reach the model") in log, log[-3000:]
+
+
+def test_a_killed_rank_0_takes_its_http_process_with_it(checkpoints, tmp_path):
+    """No HTTP process outlives its engine, holding the port: it ends once its pipe closes."""
+    server = Server(checkpoints[1], 1, log=tmp_path / "stderr.txt")
+    try:
+        http = http_process(server.ranks[0])
+        os.kill(server.ranks[0], signal.SIGKILL)
+        wait_until(lambda: not alive([http]), seconds=15)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/health")
+    finally:
+        server.stop()
 
 
 def test_sigterm_ends_running_answers_cleanly_and_the_job(checkpoints, tmp_path):
     """SIGTERM to the job (as a service manager stops it) does what Ctrl-C does."""
     server = Server(checkpoints[1], 1, log=tmp_path / "stderr.txt")
     try:
+        http = http_process(server.ranks[0])
         stream = client(server.url).chat.completions.create(model=MODEL, messages=DIALOGS[0], max_tokens=100,
                                                             stream=True, extra_body={"min_tokens": 100})
         first = next(iter(stream))
-        os.killpg(server.job.pid, signal.SIGTERM)
+        os.killpg(server.job.pid, signal.SIGTERM)  # the HTTP process too: it leaves the stopping to the engine
         chunks = [first, *stream]
         assert chunks[-1].choices[0].finish_reason == "stop" and len(chunks) < 100
         assert server.ended_within(30) < 30
         assert "llama_tp stopped serving" in "".join(server.output)
+        assert not alive([http])
     finally:
         server.stop()
 

@@ -1,6 +1,7 @@
 """Running the app: a listening socket taken first (so a busy port fails before the model loads),
-then uvicorn on it in a thread of its own, beside rank 0's engine loop (engine_loop), speaking
-HTTP/1.1 through h11 with a deadline on every request's headers."""
+then uvicorn on it in a thread of its own (in the HTTP process, http_process.py; beside the engine's
+loop, engine_loop, where tests drive both in one process), speaking HTTP/1.1 through h11 with a
+deadline on every request's headers."""
 
 import asyncio
 import functools
@@ -25,9 +26,10 @@ if TYPE_CHECKING:
 
 # Seconds a kept-alive connection may stay idle between requests (uvicorn's timeout_keep_alive).
 KEEP_ALIVE_SECONDS = 5
-# The most the engine's thread waits for the GIL while the HTTP thread runs Python (sys.setswitchinterval).
-# Python's default, 5 ms, is as long as a GPU's step: the engine, which waits for its device with the
-# GIL released, would find the HTTP thread streaming its deltas and wait up to that long to go on.
+# The most another thread waits for the GIL while uvicorn's runs Python (sys.setswitchinterval).
+# Python's default, 5 ms, is as long as a GPU's step: the thread that hands a step's deltas over
+# (the HTTP process's Front; the engine itself where both share a process) would find uvicorn's
+# streaming the last step's deltas and wait up to that long to go on.
 GIL_SWITCH_SECONDS = 0.0005
 
 

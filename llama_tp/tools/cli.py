@@ -14,6 +14,12 @@ from .options import OptionError, checked_command_line, wants_help
 
 # What a user can get wrong surfaces as one of these; anything else is our bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+class JobEnded(Exception):
+    """The job cannot go on for a cause outside its command line, which the message names (a
+    server's HTTP process lost): it ends as a user's mistake does, with the message alone."""
+
 # The shell's convention for a process ended by SIGINT (128 + 2).
 INTERRUPTED_EXIT_CODE = 130
 # The shell's convention for a command line that was used wrongly, as argparse and fire exit.
@@ -37,7 +43,7 @@ def run(main: Callable, passes_on: Optional[Callable] = None, program: Optional[
     try:
         fire.Fire(main, command=command)
         parallel.leave()
-    except USER_ERRORS as error:
+    except (*USER_ERRORS, JobEnded) as error:
         if debug:
             raise
         _exit(str(error), 1, wait_for_others=True)
