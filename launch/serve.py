@@ -12,6 +12,7 @@ requests end with what they have, new ones are refused, and every rank leaves.
 
 import os
 import signal
+import ssl
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -140,6 +141,9 @@ def main(
                                 reasoning_parser=reasoning_parser)
         generator.model.prefix_cache.enabled = not no_prefix_cache
         generator.warm_up()  # before /health says ready, not in the first requests
+        with parallel.agreement("starting the HTTP server"):
+            if http is not None:
+                http.wait_until_listening()
         serving = engine_loop(generator, max_prefill_tokens, http.channel if http is not None else None)
         stopping = threading.Event()
         _stop_on_signals(stopping, http.channel if http is not None else None)
@@ -165,13 +169,20 @@ def _check_limits(limits: ServerLimits) -> None:
 
 
 def _check_tls(ssl_certfile: Optional[str], ssl_keyfile: Optional[str]) -> None:
-    """HTTPS needs both files, and both must be there."""
+    """HTTPS needs both files, and both must be there, a certificate and its key (here, before the
+    model loads; the HTTP process reads them again)."""
     if (ssl_certfile is None) != (ssl_keyfile is None):
         given, missing = ("--ssl_certfile", "--ssl_keyfile") if ssl_keyfile is None else ("--ssl_keyfile", "--ssl_certfile")
         raise ValueError(f"{given} is given without {missing}; HTTPS needs both (PEM files)")
     for option, path in (("--ssl_certfile", ssl_certfile), ("--ssl_keyfile", ssl_keyfile)):
         if path is not None and not Path(path).is_file():
             raise ValueError(f"{option} {path} is not a file; pass the PEM file's path")
+    if ssl_certfile is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(ssl_certfile, ssl_keyfile)
+        except ssl.SSLError as error:
+            raise ValueError(f"--ssl_certfile {ssl_certfile} and --ssl_keyfile {ssl_keyfile} are not a PEM certificate "
+                             f"and its private key ({error.reason or error}); pass the server's own pair") from None
 
 
 def _stop_on_signals(stopping: threading.Event, channel: "Optional[EngineChannel]") -> None:

@@ -42,6 +42,7 @@ class Served:
 
     def __init__(self, llama: Llama, ready: bool = True, engine: bool = True):
         self.http = HttpProcess(bind("127.0.0.1", 0), HttpSettings(MODEL, max_waiting=16))
+        self.http.wait_until_listening()
         self.serving = engine_loop(llama, 16, self.http.channel)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.serving.run,
@@ -102,7 +103,7 @@ def test_answers_and_metrics_come_through_the_http_process(llama):
 
 
 def test_health_says_loading_until_the_model_is_sent_and_ready_at_once(llama):
-    with served(llama, ready=False) as server:
+    with served(llama, ready=False, engine=False) as server:
         health = httpx.get(f"{server.http.url}/health")
         assert health.status_code == 503 and "still loading" in health.text
         server.http.channel.ready(ServedModel(llama))  # returns once the HTTP process takes requests
@@ -152,8 +153,10 @@ def test_a_lost_http_process_stops_the_engine(llama):
 
 def test_a_server_that_cannot_start_says_why():
     """TLS files that are no certificate: the HTTP process cannot listen, and rank 0 hears why."""
+    http = HttpProcess(bind("127.0.0.1", 0), HttpSettings(MODEL, 4, ssl_certfile=__file__, ssl_keyfile=__file__))
     with pytest.raises(RuntimeError, match="the HTTP server stopped while starting"):
-        HttpProcess(bind("127.0.0.1", 0), HttpSettings(MODEL, 4, ssl_certfile=__file__, ssl_keyfile=__file__))
+        http.wait_until_listening()
+    assert http.process.exitcode == 0
 
 
 def test_relayed_metrics_count_as_counted_in_place():

@@ -3,6 +3,7 @@ tiny model. A wrong or missing key is OpenAI's 401 at both world sizes, the righ
 the key comes from --api_key or LLAMA_TP_API_KEY; with --ssl_certfile/--ssl_keyfile it speaks
 HTTPS only."""
 
+import runpy
 import subprocess
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 
 from demo_server import LaunchedServer
 from test_serve_launch import LLAMA3_TOKENIZER, MODEL, checkpoints  # noqa: F401 (a fixture)
+from torchrun import LAUNCH
 
 pytestmark = pytest.mark.slow
 
@@ -58,3 +60,19 @@ def test_https_with_the_key_from_the_environment(checkpoints, tmp_path):  # noqa
             httpx.get(server.url.replace("https", "http") + "/health")
     finally:
         server.close()
+
+
+def test_tls_files_that_are_no_pair_are_refused_before_loading(tmp_path):
+    """A certificate that is not one, or a key of another certificate: one line naming both files,
+    checked before the model loads (the HTTP process would only find it after its imports)."""
+    check_tls = runpy.run_path(str(LAUNCH / "serve.py"), run_name="serve_script")["_check_tls"]
+    cert, key = self_signed(tmp_path)
+    check_tls(cert, key)
+    (tmp_path / "other").mkdir()
+    other_cert, _ = self_signed(tmp_path / "other")
+    not_pem = tmp_path / "notes.txt"
+    not_pem.write_text("not a certificate\n")
+    for wrong_cert, wrong_key in ((str(not_pem), key), (other_cert, key)):
+        with pytest.raises(ValueError, match=rf"^--ssl_certfile {wrong_cert} and --ssl_keyfile {wrong_key} are not "
+                                             r"a PEM certificate and its private key \(.+\); pass the server's own pair$"):
+            check_tls(wrong_cert, wrong_key)

@@ -52,7 +52,8 @@ class EngineChannel:
         os.set_blocking(self._wake_writer, False)
 
     def ready(self, model: ServedModel) -> None:
-        """The model has loaded: once this returns, the HTTP side takes requests (it has said so)."""
+        """The model has loaded: once this returns, the HTTP side takes requests (it has said so).
+        Before the engine's loop takes from the channel."""
         self._send(READY, model)
         while not self.lost:
             try:

@@ -3,7 +3,7 @@ preparing (tokenizing, chat templates, grammars checked) and every answer's JSON
 events run there, never holding the GIL of rank 0's engine while it steps the model.
 
 Rank 0 starts it (HttpProcess) with the listening socket before the model loads, so /health
-answers 503 meanwhile; the engine's end of their pipe is an EngineChannel (channel.py). In the
+answers 503 meanwhile (once its imports are done, while the model loads); the engine's end of their pipe is an EngineChannel (channel.py). In the
 HTTP process the app talks to a Mailbox as it would beside the engine, and a Front carries the
 mailbox's messages to the engine and the engine's back to the mailbox.
 
@@ -54,17 +54,17 @@ class HttpProcess:
     """Rank 0's handle on the HTTP process: its channel, its URL, its end."""
 
     def __init__(self, sock: socket.socket, settings: HttpSettings):
-        """Start serving on sock (which the HTTP process takes over); return once it listens, or
-        raise RuntimeError saying why it could not."""
+        """Start serving on sock (which the HTTP process takes over). Its imports take seconds:
+        the model loads meanwhile, and wait_until_listening() says whether it came up."""
         context = multiprocessing.get_context("spawn")  # no fork of a process with the process group's threads
-        connection, child_end = context.Pipe()
+        self._connection, child_end = context.Pipe()
         self.process = context.Process(target=serve_http, args=(child_end, sock, settings), name="llama_tp-http",
                                        daemon=True)
         self.process.start()
         child_end.close()
         sock.close()
-        self.channel = EngineChannel(connection)
-        self.url = self._started(connection)
+        self.channel = EngineChannel(self._connection)
+        self.url: Optional[str] = None  # http(s)://HOST:PORT, once it listens
 
     @property
     def lost(self) -> bool:
@@ -85,12 +85,13 @@ class HttpProcess:
             self.process.kill()
             self.process.join()
 
-    def _started(self, connection: Connection) -> str:
-        if not connection.poll(START_SECONDS):
+    def wait_until_listening(self) -> str:
+        """Its URL once it listens (before the channel is used); or RuntimeError saying why it does not."""
+        if not self._connection.poll(START_SECONDS):
             self.process.kill()
             raise RuntimeError(f"the HTTP server did not start within {START_SECONDS:g} seconds")
         try:
-            kind, payload, _ = connection.recv()
+            kind, payload, _ = self._connection.recv()
         except EOFError:
             self.process.join()
             raise RuntimeError(f"the HTTP server's process ended while starting (exit code {self.process.exitcode}); "
@@ -99,6 +100,7 @@ class HttpProcess:
             self.process.join()
             raise RuntimeError(payload)
         assert kind == STARTED, kind
+        self.url = payload
         return payload
 
 
