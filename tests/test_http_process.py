@@ -98,6 +98,7 @@ def test_answers_and_metrics_come_through_the_http_process(llama):
         assert metric(url, "vllm:num_requests_running", model_name=MODEL) == 0
         process = server.http.process
     assert process.exitcode == 0  # it ended when the engine closed the channel
+    server.http.channel.wake()  # a second Ctrl-C after the channel closed: nothing to wake
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")
 

@@ -89,7 +89,9 @@ class EngineChannel:
         self._send(STATE, ServerState.FAILED)
 
     def wake(self) -> None:
-        """Make a waiting take() return (from a signal handler too)."""
+        """Make a waiting take() return (from a signal handler too: a second Ctrl-C may come after close)."""
+        if self._connection.closed:
+            return
         try:
             os.write(self._wake_writer, b"\0")
         except BlockingIOError:  # a wake-up is pending already
@@ -100,7 +102,7 @@ class EngineChannel:
         if self._connection.closed:
             return
         self._send(CLOSE, None)
-        self._connection.close()
+        self._connection.close()  # first: a signal's wake() from now on writes nothing
         os.close(self._wake_reader)
         os.close(self._wake_writer)
 
