@@ -57,9 +57,9 @@ REFUSALS = {
     "forced call with a bad schema": (CHAT, GOOD_CHAT | {"tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "colour"}}}]}, 400, "invalid_value",
         "tool_choice", ["colour"]),
-    "forced call and a response_format": (CHAT, GOOD_CHAT | {"tool_choice": "required", "response_format": {
-        "type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "invalid_value",
-        "response_format", ["`tool_choice`", "send one"]),
+    "forced call and a guided_json": (CHAT, GOOD_CHAT | {"tool_choice": "required", "guided_json": {
+        "type": "object"}, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "invalid_value",
+        "guided_json", ["`tool_choice`", "send one"]),
     "tool_calls on a user message": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x",
         "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400,
         "invalid_value", "messages[0]", ["assistant messages"]),

@@ -9,7 +9,9 @@ import torch
 
 from llama_tp.structured.grammars import Grammars, tokenizer_info
 from llama_tp.structured.rows import RowAdjustment, adjust_rows
-from llama_tp.structured.tools import HERMES, LLAMA3, call_constraint, parse_tool_calls, render_dialog
+from llama_tp.structured.constraint import Constraint
+from llama_tp.structured.tools import (HERMES, LLAMA3, call_constraint, call_or_answer, parse_tool_calls,
+                                      render_dialog)
 from llama_tp.text.tokenizer import Llama3Tokenizer
 from tiny_checkpoint import SHARED_DATA
 
@@ -61,24 +63,61 @@ def test_parsing_answers(fmt, text, content, calls):
     assert found_content == (content if calls else text)
 
 
+LLAMA3_TOKENIZER = SHARED_DATA / "llama3-tokenizer.model"
+# a bounded string: greedy over flat logits would otherwise write "!!!..." for ever
+BOUNDED = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"]}}}
+
+
+def greedy_text(grammars: Grammars, tokenizer, constraint: Constraint, bias: dict[int, float] = {}) -> str:
+    """What greedy decoding over flat logits (plus bias) writes: the grammar alone decides."""
+    row = RowAdjustment(grammars.matcher(constraint))
+    flat = torch.zeros(1, tokenizer.n_words)
+    for token, value in bias.items():
+        flat[0, token] = value
+    text = ""
+    for _ in range(80):
+        token = int(adjust_rows([row], flat.clone()).argmax())
+        if token in tokenizer.stop_tokens:
+            break
+        row.accept(token)
+        text += tokenizer.decode([token])
+    return text
+
+
 def test_a_forced_call_can_only_be_a_valid_call():
-    tokenizer = Llama3Tokenizer(str(SHARED_DATA / "llama3-tokenizer.model"))
+    tokenizer = Llama3Tokenizer(str(LLAMA3_TOKENIZER))
     grammars = Grammars(tokenizer_info(tokenizer, tokenizer.n_words, tokenizer.stop_tokens))
-    # a bounded string: greedy over flat logits would otherwise write "!!!..." for ever
-    bounded = {"type": "function", "function": {"name": "weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"]}}}
     for fmt, start in ((HERMES, "<tool_call>\n"), (LLAMA3, '{"name": "weather"')):
-        row = RowAdjustment(grammars.matcher(call_constraint([bounded, WEATHER | {"function": {"name": "other"}}],
-                                                             "weather", fmt)))
-        text = ""
-        for _ in range(80):  # greedy over flat logits: the grammar alone decides
-            logits = adjust_rows([row], torch.zeros(1, tokenizer.n_words))
-            token = int(logits.argmax())
-            if token in tokenizer.stop_tokens:
-                break
-            row.accept(token)
-            text += tokenizer.decode([token])
+        text = greedy_text(grammars, tokenizer, call_constraint([BOUNDED, WEATHER | {"function": {"name": "other"}}],
+                                                                "weather", fmt))
         assert text.startswith(start)
         content, calls = parse_tool_calls(text, fmt, {"weather"})
         assert content is None and [call.name for call in calls] == ["weather"], text
         assert len(json.loads(calls[0].arguments)["city"]) <= 4
+
+
+def test_beside_tools_a_typed_answer_is_a_call_or_that_answer():
+    """response_format with tools the model may call: the grammar takes a call of any tool or an
+    answer in the schema, and nothing else; whichever the model starts, it finishes."""
+    tokenizer = Llama3Tokenizer(str(LLAMA3_TOKENIZER))
+    grammars = Grammars(tokenizer_info(tokenizer, tokenizer.n_words, tokenizer.stop_tokens))
+    place = {"type": "object", "properties": {"port": {"type": "boolean"}}, "required": ["port"],
+             "additionalProperties": False}
+    for fmt in (HERMES, LLAMA3):
+        constraint = call_or_answer([BOUNDED], fmt, Constraint.json_schema(place))
+        starts = {start: tokenizer.encode(start, bos=False, eos=False)[0] for start in ("<", '{"')}
+        answered = greedy_text(grammars, tokenizer, constraint, {starts['{"']: 1.0})
+        if fmt == HERMES:  # a call starts "<tool_call>"; an answer "{"
+            called = greedy_text(grammars, tokenizer, constraint, {starts["<"]: 1.0})
+            assert parse_tool_calls(called, fmt, {"weather"})[1][0].name == "weather", called
+        assert set(json.loads(answered)) in ({"port"}, {"name", "parameters"}), answered
+        call, other = (render_dialog([{"role": "assistant", "content": None, "tool_calls": [
+            CALL | {"function": {"name": name, "arguments": '{"city": "Oslo"}'}}]}], [], fmt)[0]["content"]
+            for name in ("weather", "other"))
+        for text, whole in (('{"port": true}', True), (call, True), ("hello", False), ('{"port": 1}', False),
+                            (other, False), (call + '{"port": true}', False)):
+            matcher = grammars.matcher(constraint)  # the text, then the end of the turn
+            assert (matcher.accept_string(text) and matcher.accept_token(tokenizer.eot_id)) == whole, text
+    json_mode = call_or_answer([BOUNDED], HERMES, Constraint("json_object"))
+    assert json.loads(json_mode.source)["answer"] == {"type": "object"}

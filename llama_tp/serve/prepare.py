@@ -12,7 +12,7 @@ from typing import Any, Optional
 from ..structured.bad_words import word_sequences
 from ..structured.constraint import Constraint, GrammarLimits
 from ..structured.grammars import grammars_for
-from ..structured.tools import call_constraint, render_dialog, tool_format
+from ..structured.tools import call_constraint, call_or_answer, render_dialog, tool_format
 from ..text.chat_format import encode_dialog
 from ..text.jinja_template import check_variables
 from ..text.reasoning import Thinking
@@ -30,7 +30,8 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str,
                  grammar_limits: GrammarLimits = GrammarLimits()) -> GenerationRequest:
     """The request for a chat completion: the dialog in the model's chat format, ended by its end
     of turn; a structured output or forced call compiled within grammar_limits."""
-    forced = _forced_call(body, _tools(body), generator)
+    tools = [] if body.tool_choice == "none" else _tools(body)
+    forced = _forced_call(body, tools, generator)
     prompt_tokens = chat_prompt(body, generator)
     # a reasoning model's answer: the structured output waits for the end of its thinking
     thinking = generator.reasoning.thinking(prompt_tokens) if generator.reasoning is not None else None
@@ -45,7 +46,7 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str,
         max_tokens, limit_param = body.max_completion_tokens, "max_completion_tokens"
     return _request(body, generator, request_id, prompt_tokens, "messages", max_tokens,
                     generator.formatter.stop_tokens, bool(body.logprobs), body.top_logprobs or 0, grammar_limits,
-                    limit_param, forced, thinking)
+                    limit_param, forced, thinking, tools)
 
 
 def chat_prompt(body: ChatCompletionRequest, generator) -> list[int]:
@@ -205,9 +206,10 @@ def completion_request(body: CompletionRequest, generator, request_id: str,
 def _request(body: SamplingRequest, generator, request_id: str, prompt_tokens: list[int], prompt_param: str,
              max_tokens: Optional[int], stop_tokens, logprobs: bool, top_logprobs: int, grammar_limits: GrammarLimits,
              limit_param: str = "max_tokens", forced: Optional[Constraint] = None,
-             thinking: Optional[Thinking] = None) -> GenerationRequest:
-    """The checks and the request both endpoints share; limit_param: the field max_tokens came from."""
-    constraint = _constraint(body, generator, grammar_limits, forced)
+             thinking: Optional[Thinking] = None, tools: Optional[list[dict]] = None) -> GenerationRequest:
+    """The checks and the request both endpoints share; limit_param: the field max_tokens came
+    from; tools: those the model may call."""
+    constraint = _constraint(body, generator, grammar_limits, forced, tools)
     max_seq_len = generator.model.max_seq_len
     if not prompt_tokens:
         raise RequestError(400, f"`{prompt_param}` is empty; it needs at least one token", prompt_param,
@@ -352,14 +354,22 @@ def asks_for_grammar(body: SamplingRequest) -> bool:
 
 
 def _constraint(body: SamplingRequest, generator, limits: GrammarLimits,
-                forced: Optional[Constraint] = None) -> Optional[Constraint]:
-    """The one structured output the body asks for (forced: a tool call tool_choice forces),
-    compiled here within limits, so that a grammar too large, too slow, that matches no text or
-    that xgrammar cannot compile is a 400 naming the field (every rank compiles it again before
-    the request is admitted: grammar_shelf.py)."""
+                forced: Optional[Constraint] = None, tools: Optional[list[dict]] = None) -> Optional[Constraint]:
+    """The one structured output the body asks for (forced: a tool call tool_choice forces; tools:
+    those the model may call), compiled here within limits, so that a grammar too large, too slow,
+    that matches no text or that xgrammar cannot compile is a 400 naming the field (every rank
+    compiles it again before the request is admitted: grammar_shelf.py).
+
+    response_format shapes the answer a turn ends with, as OpenAI has it: a turn tool_choice
+    forces to call a tool gives none, so the call's grammar holds it alone; a turn that may call
+    a tool is held to a call or the answer's schema. Agents with tools and a typed output (as
+    openai-agents makes them) send both."""
     asked = [(param, constraint) for param, constraint in _constraints_asked(body) if constraint is not None]
+    shapes_answer = bool(asked) and asked[0][0].startswith("response_format")
     if forced is not None:
-        asked.insert(0, ("tool_choice", forced))
+        asked = [("tool_choice", forced)] + asked[shapes_answer:]
+    elif tools and shapes_answer:
+        asked[0] = (asked[0][0], call_or_answer(tools, tool_format(generator.formatter), asked[0][1]))
     if len(asked) > 1:
         raise RequestError(400, f"`{asked[0][0]}` and `{asked[1][0]}` both constrain the answer; send one of them",
                            asked[1][0], "invalid_value")

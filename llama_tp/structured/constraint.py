@@ -12,8 +12,8 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call"
 @dataclass(frozen=True)
 class Constraint:
     """kind: one of KINDS; source: the schema as canonical JSON, the regex, the choices as a JSON
-    list, the EBNF grammar, a forced tool call's schema and text around it (tools.py), or empty
-    for json_object."""
+    list, the EBNF grammar, a tool call's schema and text around it (and the schema of the answer
+    the model may give instead: tools.py), or empty for json_object."""
 
     kind: str
     source: str = ""

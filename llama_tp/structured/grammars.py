@@ -174,14 +174,18 @@ class Grammars:
             return self.compiler.compile_regex("|".join(_regex_literal(choice) for choice in json.loads(source)))
         if kind == "grammar":
             return self.compiler.compile_grammar(source)
-        if kind == "tool_call":  # a forced tool call: fixed text around a JSON schema (tools.py)
+        if kind == "tool_call":  # a tool call: fixed text around a JSON schema, or else an answer's schema (tools.py)
             parts = json.loads(source)
             pieces = [xgrammar.Grammar.from_json_schema(json.dumps(parts["schema"]), any_whitespace=False)]
             if parts["before"]:
                 pieces.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['before'])}"))
             if parts["after"]:
                 pieces.append(xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['after'])}"))
-            return self.compiler.compile_grammar(xgrammar.Grammar.concat(*pieces) if len(pieces) > 1 else pieces[0])
+            call = xgrammar.Grammar.concat(*pieces) if len(pieces) > 1 else pieces[0]
+            if "answer" in parts:
+                answer = xgrammar.Grammar.from_json_schema(json.dumps(parts["answer"]), any_whitespace=False)
+                call = xgrammar.Grammar.union(call, answer)
+            return self.compiler.compile_grammar(call)
         raise ValueError(f"unknown constraint kind {kind!r}")
 
 

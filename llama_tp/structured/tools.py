@@ -6,7 +6,8 @@ Two formats: Llama 3.1's (the call is a JSON object {"name", "parameters"}; tool
 "ipython" messages) and Hermes' (Qwen 2.5, SmolLM2 and most ChatML models: the call is
 <tool_call>{"name", "arguments"}</tool_call>; tool answers are <tool_response> blocks in a user
 turn). A forced call (tool_choice "required" or a named function) is held by a grammar to the
-format and the function's parameter schema, so that it always parses.
+format and the function's parameter schema, so that it always parses; an answer asked to follow a
+JSON schema beside tools the model may call is held to either a call or that schema.
 """
 
 import json
@@ -106,6 +107,14 @@ def call_constraint(tools: list[dict], name: Optional[str], fmt: str) -> Constra
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     before, after = ("", "") if fmt == LLAMA3 else ("<tool_call>\n", "\n</tool_call>")
     return Constraint("tool_call", json.dumps({"schema": schema, "before": before, "after": after}))
+
+
+def call_or_answer(tools: list[dict], fmt: str, answer: Constraint) -> Constraint:
+    """A grammar for one call of any of the tools, in fmt, or else an answer held to `answer` (a
+    json_schema or json_object constraint): OpenAI's response_format beside tools the model may
+    call (tool_choice "auto"), as agents with tools and a typed output send them."""
+    call = json.loads(call_constraint(tools, None, fmt).source)
+    return Constraint("tool_call", json.dumps(call | {"answer": json.loads(answer.source or '{"type": "object"}')}))
 
 
 def parse_tool_calls(text: str, fmt: str, names: set[str]) -> tuple[Optional[str], list[ToolCall]]:
