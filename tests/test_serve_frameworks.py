@@ -1,6 +1,7 @@
 """The frameworks users build on the official openai client, unchanged against our server:
 langchain-openai, openai-agents and pydantic-ai, each through Chat Completions and the Responses
-API, with the real engine of a tiny model behind the HTTP side (random weights, so every typed
+API (and pydantic-ai through Anthropic's Messages API too; langchain-anthropic:
+test_messages_http.py), with the real engine of a tiny model behind the HTTP side (random weights, so every typed
 answer here is one the grammar held, and every answer is greedy and the same on every run).
 
 Their own code paths are what is tested: how each asks for tools, forced calls and typed outputs
@@ -21,7 +22,9 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 from pydantic_ai import Agent as TypedAgent
 from pydantic_ai import NativeOutput, ToolOutput
+from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel as TypedResponsesModel
+from pydantic_ai.providers.anthropic import AnthropicProvider
 from pydantic_ai.providers.openai import OpenAIProvider
 
 from llama_tp import Llama
@@ -207,18 +210,25 @@ def test_openai_agents_stream_a_typed_answer(server, api):
 def typed_models(url: str) -> dict:
     provider = OpenAIProvider(base_url=f"{url}/v1", api_key="x")
     return {"chat completions": OpenAIChatModel(MODEL, provider=provider),
-            "responses": TypedResponsesModel(MODEL, provider=provider)}
+            "responses": TypedResponsesModel(MODEL, provider=provider),
+            "messages": AnthropicModel(MODEL, provider=AnthropicProvider(base_url=url, api_key="x"))}
 
 
-@pytest.mark.parametrize("api", ["chat completions", "responses"])
+def typed_outputs(api: str) -> tuple:
+    """An output tool (a forced call), the same named, and response_format (which pydantic-ai sends
+    Anthropic's API only for the models it knows)."""
+    return (Place, ToolOutput(Place)) + ((NativeOutput(Place),) if api != "messages" else ())
+
+
+@pytest.mark.parametrize("api", ["chat completions", "responses", "messages"])
 def test_pydantic_ai_types_answers_by_tool_and_by_schema(server, api):
     model, settings = typed_models(server.url)[api], {"max_tokens": MAX_TOKENS, "temperature": 0}
-    for output in (Place, ToolOutput(Place), NativeOutput(Place)):  # an output tool (forced), then response_format
+    for output in typed_outputs(api):
         place = TypedAgent(model, output_type=output, model_settings=settings).run_sync("A city by the sea?").output
         assert isinstance(place, Place) and bounded(place.name)
 
 
-@pytest.mark.parametrize("api", ["chat completions", "responses"])
+@pytest.mark.parametrize("api", ["chat completions", "responses", "messages"])
 def test_pydantic_ai_streams_the_answers_it_gives_whole(server, api):
     model, settings = typed_models(server.url)[api], {"max_tokens": 24, "temperature": 0}
     agent = TypedAgent(model, model_settings=settings)
@@ -230,7 +240,7 @@ def test_pydantic_ai_streams_the_answers_it_gives_whole(server, api):
 
     deltas = asyncio.run(stream())
     assert "".join(deltas) == whole == openai_answer(server.url, "Hello!", 24)[0]
-    for output in (Place, NativeOutput(Place)):  # a typed answer streamed: its output tool's call, or its JSON
+    for output in typed_outputs(api)[::2]:  # a typed answer streamed: its output tool's call, or its JSON
         typed = TypedAgent(model, output_type=output, model_settings=settings | {"max_tokens": MAX_TOKENS})
 
         async def stream_typed():
