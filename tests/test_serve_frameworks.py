@@ -191,6 +191,24 @@ def test_openai_agents_call_a_tool_through_the_responses_api(server):
 
 
 @pytest.mark.parametrize("api", ["chat completions", "responses"])
+def test_openai_agents_carry_a_conversation_with_calls_on(server, api):
+    """A run's items (the user's words, the call, the tool's answer) sent on with the user's next
+    words, as a chat application does between turns: the history is the model's prompt."""
+    first, asked = run_forecaster(server, api, tool_use_behavior="stop_on_first_tool",
+                                  model_settings=ModelSettings(tool_choice="required", max_tokens=MAX_TOKENS,
+                                                               temperature=0))
+    history = first.to_input_list()
+    assert [item.get("type", "message") for item in history] == ["message", "function_call", "function_call_output"]
+
+    async def run():
+        agent = Agent(name="guide", model=agents_models(server.url)[api](), output_type=Place,
+                      model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0))
+        return await Runner.run(agent, history + [{"role": "user", "content": "And is it by the sea?"}])
+
+    assert len(asked) == 1 and isinstance(asyncio.run(run()).final_output, Place)
+
+
+@pytest.mark.parametrize("api", ["chat completions", "responses"])
 def test_openai_agents_stream_a_typed_answer(server, api):
     async def run():
         agent = Agent(name="guide", model=agents_models(server.url)[api](), output_type=Place,

@@ -33,6 +33,18 @@ def test_hermes_dialog():
     assert dialog[3]["content"] == "<tool_response>\ncold\n</tool_response>\n<tool_response>\nvery cold\n</tool_response>"
 
 
+def test_hermes_dialog_takes_the_users_words_after_the_answers_into_their_turn():
+    # as agents send a conversation on: the turns still alternate, as ChatML, Llama 2 and Mistral ask
+    dialog = render_dialog(ROUND_TRIP + [{"role": "user", "content": "And tomorrow?"}], [WEATHER], HERMES)
+    assert [m["role"] for m in dialog] == ["system", "user", "assistant", "user"]
+    assert dialog[3]["content"] == ("<tool_response>\ncold\n</tool_response>\n<tool_response>\nvery cold\n"
+                                    "</tool_response>\n\nAnd tomorrow?")
+    later = render_dialog(ROUND_TRIP + [{"role": "user", "content": "And tomorrow?"}, ROUND_TRIP[1], ROUND_TRIP[2]],
+                          [WEATHER], HERMES)
+    assert [m["role"] for m in later] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert later[5]["content"] == "<tool_response>\ncold\n</tool_response>"
+
+
 def test_llama3_dialog_keeps_the_system_prompt_and_tool_role():
     dialog = render_dialog([{"role": "system", "content": "Be brief."}] + ROUND_TRIP[:3], [WEATHER], LLAMA3)
     assert dialog[0]["content"].startswith("Be brief.\n\nYou have access to the following functions")

@@ -61,6 +61,11 @@ def render_dialog(messages: list[dict], tools: list[dict], fmt: str) -> list[dic
                 continue
             dialog.append({"role": "user", "content": block, "tool_answers": True})
             continue
+        elif role == "user" and fmt == HERMES and dialog and dialog[-1].get("tool_answers"):
+            # The user's words after the tools' answers join their turn: the chat formats Hermes'
+            # calls are written in (ChatML, Llama 2's, Mistral's) take turns that alternate.
+            dialog[-1] = {"role": "user", "content": dialog[-1]["content"] + "\n\n" + content}
+            continue
         dialog.append({"role": role, "content": content})
     if tools:
         described = _tools_text(tools, fmt)
