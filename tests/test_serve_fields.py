@@ -58,5 +58,13 @@ def test_tokenize_and_detokenize(server, llama2_tokenizer):
     assert bare["tokens"] == tokens["tokens"][1:]
     dialog = httpx.post(f"{server.url}/tokenize", json={"messages": HELLO}).json()
     assert dialog["tokens"] == server.generator.formatter.encode_dialog_prompt(HELLO)
+    # with tools: the prompt a chat completion with them has (the tools described in it)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    with_tools = httpx.post(f"{server.url}/tokenize", json={"messages": HELLO, "tools": tools}).json()
+    client(server.url).chat.completions.create(model=MODEL, messages=HELLO, tools=tools, max_tokens=5)
+    assert with_tools["tokens"] == list(server.engine.requests[-1].prompt_tokens)
+    assert with_tools["count"] > dialog["count"] + 10
+    refused = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi", "tools": tools})
+    assert refused.status_code == 400 and "go with `messages`" in refused.json()["error"]["message"]
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert text == {"prompt": "Hello world"}

@@ -235,8 +235,9 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         def answer(body: TokenizeRequest, generator) -> dict:
-            tokens = (dialog_tokens(body.messages, generator) if body.messages is not None
-                      else text_tokens(body.prompt, generator, bos=body.add_special_tokens))
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+            tokens = (dialog_tokens(body.messages, generator, tools, body.chat_template_kwargs)
+                      if body.messages is not None else text_tokens(body.prompt, generator, bos=body.add_special_tokens))
             return {"count": len(tokens), "max_model_len": generator.model.max_seq_len, "tokens": tokens}
 
         return await tokenizer_route(request, TokenizeRequest, answer)

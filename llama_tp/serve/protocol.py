@@ -357,11 +357,16 @@ class TokenizeRequest(Body):
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
     add_special_tokens: bool = True  # a completion's begin token (where the tokenizer adds one)
     add_generation_prompt: Optional[bool] = None  # the chat format always opens the assistant's turn
+    # A dialog's tools and template variables, as a chat completion's: the prompt it would have.
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("expected", "one of `prompt` or `messages`")
+        if self.messages is None and (self.tools is not None or self.chat_template_kwargs is not None):
+            raise PydanticCustomError("expected", "`tools` and `chat_template_kwargs` go with `messages`")
         return self
 
     def check_supported(self) -> None:
