@@ -57,6 +57,9 @@ REFUSALS = {
     "forced call with a bad schema": (CHAT, GOOD_CHAT | {"tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "colour"}}}]}, 400, "invalid_value",
         "tool_choice", ["colour"]),
+    "a typed answer beside a tool whose schema cannot compile": (CHAT, GOOD_CHAT | {"response_format": {
+        "type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "colour"}}}]}, 400, "invalid_value", "tools", ["`tools`", "colour"]),
     "forced call and a guided_json": (CHAT, GOOD_CHAT | {"tool_choice": "required", "guided_json": {
         "type": "object"}, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "invalid_value",
         "guided_json", ["`tool_choice`", "send one"]),

@@ -366,22 +366,34 @@ def _constraint(body: SamplingRequest, generator, limits: GrammarLimits,
     openai-agents makes them) send both."""
     asked = [(param, constraint) for param, constraint in _constraints_asked(body) if constraint is not None]
     shapes_answer = bool(asked) and asked[0][0].startswith("response_format")
+    answer = None  # the answer's own constraint, where the model may call a tool instead
     if forced is not None:
         asked = [("tool_choice", forced)] + asked[shapes_answer:]
     elif tools and shapes_answer:
-        asked[0] = (asked[0][0], call_or_answer(tools, tool_format(generator.formatter), asked[0][1]))
+        answer = asked[0][1]
+        asked[0] = (asked[0][0], call_or_answer(tools, tool_format(generator.formatter), answer))
     if len(asked) > 1:
         raise RequestError(400, f"`{asked[0][0]}` and `{asked[1][0]}` both constrain the answer; send one of them",
                            asked[1][0], "invalid_value")
     if not asked:
         return None
     param, constraint = asked[0]
+    grammars = grammars_for(generator)
     try:
-        grammars_for(generator).compile(constraint, limits)
+        grammars.compile(constraint, limits)
     except ValueError as error:
-        raise RequestError(400, f"`{param}` {error}", param,
-                           "invalid_value") from None
+        if answer is not None and _compiles(grammars, answer, limits):  # then the tools' schemas are at fault
+            param = "tools"
+        raise RequestError(400, f"`{param}` {error}", param, "invalid_value") from None
     return constraint
+
+
+def _compiles(grammars, constraint: Constraint, limits: GrammarLimits) -> bool:
+    try:
+        grammars.compile(constraint, limits)
+    except ValueError:
+        return False
+    return True
 
 
 def _constraints_asked(body: SamplingRequest) -> list[tuple[str, Optional[Constraint]]]:
