@@ -136,19 +136,23 @@ def _wait_in_launcher_store(timeout_seconds: float) -> None:
         pass
 
 
-def leave() -> None:
+def leave() -> bool:
     """Leave the process group together with the other ranks, at the end of a job or after an
-    error this rank has reported, once they have all met.
+    error this rank has reported, once they have all met: whether it was left (or never joined).
 
     Left to interpreter exit, a rank's gloo threads can be torn down while another rank still
     talks to it, and the rank dies with SIGABRT ("terminate called without an active exception"),
     failing a job that had finished, or adding that line to an error's own. Where a rank did not
     come (gone or stuck), the teardown could wait for it until the timeout (the peer watchdog's
-    meeting, gloo's work with it): this rank then leaves the group to exit rather than hang.
+    meeting, gloo's work with it): the group then stays, and the caller ends the process without
+    the interpreter's teardown (cli's _exit) rather than hang or abort.
     """
-    if wait_for_every_rank() and dist.is_initialized():
+    if not wait_for_every_rank():
+        return False
+    if dist.is_initialized():
         stop_watching()
         fairscale_mp.destroy_model_parallel()
         forget_shared_sum()
         dist.destroy_process_group()
         _host_groups.clear()
+    return True

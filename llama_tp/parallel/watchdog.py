@@ -122,19 +122,25 @@ def watch_peers(group: Any, rank: int, world_size: int, timeout_seconds: float) 
     atexit.register(_leave_at_exit)
 
 
-def stop_watching() -> None:
+def stop_watching() -> bool:
     """Stop the peer watchdog, at the meeting where every rank is leaving (parallel.leave), before
-    its group is destroyed."""
+    its group is destroyed: whether every rank came to it (or none was watched)."""
     global _watch
-    if _watch is not None:
-        _watch.leaving.set()
-        _watch.thread.join(_watch.timeout_seconds + MEETING_SECONDS)
-        _watch = None
+    if _watch is None:
+        return True
+    _watch.leaving.set()
+    _watch.thread.join(_watch.timeout_seconds + MEETING_SECONDS)
+    every_rank_left = not _watch.thread.is_alive()
+    _watch = None
+    return every_rank_left
 
 
 def _leave_at_exit() -> None:
     """A program that ends without parallel.leave (one of the user's own) leaves with the other
     ranks here, so that a rank still at work, writing its answers, is not taken for lost; unless
-    it ends on an error (reported, or a traceback), which the others are to see at once."""
+    it ends on an error (reported, or a traceback), which the others are to see at once. Once all
+    have met, the groups go too: left to the interpreter's exit, gloo's threads could abort the
+    process (SIGABRT, "terminate called without an active exception"; failures.leave)."""
     if not _reported.is_set() and getattr(sys, "last_exc", getattr(sys, "last_value", None)) is None:
-        stop_watching()
+        if stop_watching() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -84,7 +84,13 @@ def _exit_if_extra_missing(error: ModuleNotFoundError, command: str) -> None:
 
 def _exit(message: str, code: int, kind: str = "error", wait_for_others: bool = False) -> NoReturn:
     parallel.report_failure(f"llama_tp {kind} on rank {parallel.global_rank()}: {message}")
-    if wait_for_others:  # so that torchrun cuts no rank off before it has printed its message
-        parallel.leave()
+    # Waiting for the others, so that torchrun cuts no rank off before it has printed its message.
+    if wait_for_others and not parallel.leave():
+        # A rank is gone, and the process group stays: the interpreter's teardown of its gloo
+        # threads could abort this process (SIGABRT, "terminate called without an active
+        # exception") after the message. It has nothing else to do: end here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
