@@ -214,8 +214,8 @@ def test_openai_agents_stream_a_typed_answer(server, api):
         agent = Agent(name="guide", model=agents_models(server.url)[api](), output_type=Place,
                       model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0))
         streamed = Runner.run_streamed(agent, "A city by the sea?")
-        deltas = [event.data.delta async for event in streamed.stream_events()
-                  if event.type == "raw_response_event" and getattr(event.data, "type", "") == "response.output_text.delta"]
+        deltas = [event.data.delta async for event in streamed.stream_events() if event.type == "raw_response_event"
+                  and getattr(event.data, "type", "") == "response.output_text.delta"]
         return deltas, streamed.final_output
 
     deltas, place = asyncio.run(run())

@@ -29,7 +29,8 @@ from .mailbox import Mailbox, Overloaded, RequestStream, ServerState, Unavailabl
 from .messages.protocol import CountTokensRequest, MessagesRequest, messages_error
 from .messages.reply import MessageReply
 from .messages.translate import chat_body
-from .prepare import asks_for_grammar, chat_prompt, chat_request, choices, completion_request, dialog_tokens, text_tokens
+from .prepare import (asks_for_grammar, callable_tools, chat_prompt, chat_request, choices, completion_request,
+                      dialog_tokens, text_tokens)
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
                        parse_body)
 from .responses import Answered, ChatReply, CompletionReply, Reply
@@ -235,9 +236,10 @@ def create_app(mailbox: Mailbox, generator: "Optional[Llama]", model_name: str,
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         def answer(body: TokenizeRequest, generator) -> dict:
-            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-            tokens = (dialog_tokens(body.messages, generator, tools, body.chat_template_kwargs)
-                      if body.messages is not None else text_tokens(body.prompt, generator, bos=body.add_special_tokens))
+            if body.messages is None:
+                tokens = text_tokens(body.prompt, generator, bos=body.add_special_tokens)
+            else:
+                tokens = dialog_tokens(body.messages, generator, callable_tools(body), body.chat_template_kwargs)
             return {"count": len(tokens), "max_model_len": generator.model.max_seq_len, "tokens": tokens}
 
         return await tokenizer_route(request, TokenizeRequest, answer)

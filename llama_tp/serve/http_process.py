@@ -3,9 +3,10 @@ preparing (tokenizing, chat templates, grammars checked) and every answer's JSON
 events run there, never holding the GIL of rank 0's engine while it steps the model.
 
 Rank 0 starts it (HttpProcess) with the listening socket before the model loads, so /health
-answers 503 meanwhile (once its imports are done, while the model loads); the engine's end of their pipe is an EngineChannel (channel.py). In the
-HTTP process the app talks to a Mailbox as it would beside the engine, and a Front carries the
-mailbox's messages to the engine and the engine's back to the mailbox.
+answers 503 meanwhile (once its imports are done, while the model loads); the engine's end of
+their pipe is an EngineChannel (channel.py). In the HTTP process the app talks to a Mailbox as
+it would beside the engine, and a Front carries the mailbox's messages to the engine and the
+engine's back to the mailbox.
 
 Ctrl-C and SIGTERM reach both processes: the HTTP one leaves them to the engine, which ends what
 runs, then closes the channel. Whichever process goes first, the other one sees the pipe close: an engine

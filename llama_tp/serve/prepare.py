@@ -30,9 +30,9 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str,
                  grammar_limits: GrammarLimits = GrammarLimits()) -> GenerationRequest:
     """The request for a chat completion: the dialog in the model's chat format, ended by its end
     of turn; a structured output or forced call compiled within grammar_limits."""
-    tools = [] if body.tool_choice == "none" else _tools(body)
+    tools = callable_tools(body)
     forced = _forced_call(body, tools, generator)
-    prompt_tokens = chat_prompt(body, generator)
+    prompt_tokens = chat_prompt(body, generator, tools)
     # a reasoning model's answer: the structured output waits for the end of its thinking
     thinking = generator.reasoning.thinking(prompt_tokens) if generator.reasoning is not None else None
     if body.top_logprobs is not None and not body.logprobs:
@@ -49,14 +49,18 @@ def chat_request(body: ChatCompletionRequest, generator, request_id: str,
                     limit_param, forced, thinking, tools)
 
 
-def chat_prompt(body: ChatCompletionRequest, generator) -> list[int]:
-    """A chat body's prompt tokens: its messages, and its tools unless tool_choice is "none" (then
-    the model is not told of them)."""
-    return dialog_tokens(body.messages, generator, [] if body.tool_choice == "none" else _tools(body),
+def chat_prompt(body: ChatCompletionRequest, generator, tools: Optional[list[dict]] = None) -> list[int]:
+    """A chat body's prompt tokens: its messages and the tools the model may call (callable_tools,
+    unless given)."""
+    return dialog_tokens(body.messages, generator, callable_tools(body) if tools is None else tools,
                          body.chat_template_kwargs)
 
 
-def _tools(body: ChatCompletionRequest) -> list[dict]:
+def callable_tools(body) -> list[dict]:
+    """The tools of a chat body (or /tokenize's) as dicts, none where tool_choice is "none" (the
+    model is then not told of them)."""
+    if getattr(body, "tool_choice", None) == "none":
+        return []
     return [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
 
 

@@ -174,7 +174,7 @@ class Grammars:
             return self.compiler.compile_regex("|".join(_regex_literal(choice) for choice in json.loads(source)))
         if kind == "grammar":
             return self.compiler.compile_grammar(source)
-        if kind == "tool_call":  # a tool call: fixed text around a JSON schema, or else an answer's schema (tools.py)
+        if kind == "tool_call":  # fixed text around a call's JSON schema, or else an answer's schema (tools.py)
             parts = json.loads(source)
             pieces = [xgrammar.Grammar.from_json_schema(json.dumps(parts["schema"]), any_whitespace=False)]
             if parts["before"]:
